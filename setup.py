@@ -1,0 +1,41 @@
+from glob import glob
+
+from setuptools import find_packages, setup
+
+package_name = "sps_driving"
+
+# One executable per node; `ros2 run sps_driving <name>` and the launch files use these names.
+NODES = [
+    "camera_driver",
+    "selection",
+    "extractor",
+    "policy",
+    "vehicle_interface",
+    "safety_monitor",
+    "sim_world",
+]
+
+setup(
+    name=package_name,
+    version="0.1.0",
+    packages=find_packages(exclude=["test", "test.*"]),
+    data_files=[
+        ("share/ament_index/resource_index/packages", ["resource/" + package_name]),
+        ("share/" + package_name, ["package.xml"]),
+        ("share/" + package_name + "/launch", glob("launch/*.xml")),
+        ("share/" + package_name + "/config", glob("config/*.yaml")),
+        ("share/" + package_name + "/models", glob("models/*/*", recursive=False)),
+    ],
+    install_requires=["setuptools"],
+    zip_safe=False,
+    maintainer="sps_driving maintainers",
+    maintainer_email="sps-driving@example.com",
+    description="End-to-end driving from foundation-model patch descriptors with Stochastic Patch Selection.",
+    license="MIT",
+    tests_require=["pytest"],
+    python_requires=">=3.10",
+    entry_points={
+        "console_scripts": [f"{name} = {package_name}.nodes.{name}:main" for name in NODES]
+        + ["sps-driving = sps_driving.cli:main"],
+    },
+)

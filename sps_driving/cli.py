@@ -1,0 +1,41 @@
+"""`sps-driving`: one command with subcommands. Each subcommand lives in its own module,
+which defines `add_arguments(parser)` and `run(args) -> int`; only the chosen one is imported,
+so `sps-driving --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("sps_driving.demo", "the README's main job: replay the bundled drive through the live graph"),
+    "extract": ("sps_driving.train.extract", "image folders or rosbag2 files -> descriptor feature cache"),
+    "train": ("sps_driving.train.trainer", "train a policy on a feature cache (torchrun-ready)"),
+    "bench": ("sps_driving.bench", "per-frame extraction timing at several selection rates"),
+    "replay": ("sps_driving.replay", "play a rosbag2 through the live ROS 2 graph and report"),
+    "interventions": ("sps_driving.interventions", "count safety-driver interventions in a field-test bag"),
+    "collect": ("sps_driving.sim.collect", "record expert drives in the simulator as rosbag2"),
+    "eval": ("sps_driving.sim.evaluate", "closed-loop out-of-distribution evaluation"),
+    "analyze": ("sps_driving.analysis.analyze", "redundancy analysis of patch descriptors"),
+    "export": ("sps_driving.export.cli", "export the extractor to ONNX / TensorRT"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="sps-driving", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module_name, help_text) in COMMANDS.items():
+        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(cmd_parser)
+            cmd_parser.set_defaults(run=module.run)
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

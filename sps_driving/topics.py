@@ -1,0 +1,30 @@
+"""Default topic names and message types: the one place that knows them.
+
+Nodes take every topic as a remappable name (`--ros-args -r old:=new`); recorded bags from
+the car and from the simulator use these names so the same tools read both.
+
+Conventions (units, signs):
+- steering: front road-wheel angle in rad, positive turns left (REP 103). The vehicle
+  interface converts it to a steering-wheel angle through the configured steering ratio.
+- throttle: longitudinal effort in [-1, 1]; positive is accelerator pedal, negative is brake.
+- commands travel as sensor_msgs/JointState with name = COMMAND_NAMES and position = values,
+  stamped with the camera frame's stamp they were computed from.
+- lane state travels as geometry_msgs/PoseStamped: the vehicle's pose in the lane frame
+  (position.y = lateral offset from the lane centre in m, left positive; yaw = heading error).
+- nearest obstacle travels as sensor_msgs/Range: range = free gap to the nearest obstacle in m.
+"""
+
+IMAGE = "/camera/image_raw"  # sensor_msgs/Image
+CAMERA_INFO = "/camera/camera_info"  # sensor_msgs/CameraInfo, one per image, same stamp
+SELECTION = "/sps/selection"  # sensor_msgs/Image mono8 H'xW', 255 = patch computed
+DESCRIPTORS = "/sps/descriptors"  # computed descriptors with their patch indices
+POLICY_COMMAND = "/sps/command"  # sensor_msgs/JointState: the policy's output
+REFERENCE_COMMAND = "/vehicle/command"  # sensor_msgs/JointState: the command that drove the car (driver/expert)
+VEHICLE_TWIST = "/vehicle/twist"  # geometry_msgs/TwistStamped, linear.x = speed m/s
+LANE_POSE = "/lane/pose"  # geometry_msgs/PoseStamped in the lane frame
+OBSTACLE_RANGE = "/obstacles/nearest"  # sensor_msgs/Range
+SAFETY_STATUS = "/safety/status"  # diagnostic_msgs/DiagnosticArray
+SAFETY_STOP = "/safety/stop_request"  # std_msgs/Bool, true while the monitor requests a stop
+VEHICLE_STATUS = "/vehicle_interface/status"  # diagnostic_msgs/DiagnosticArray: engaged, stop reason, counts
+
+COMMAND_NAMES = ("steering", "throttle")

@@ -1,0 +1,6 @@
+import os
+
+# Node tests talk over DDS on loopback only, and each test run gets its own domain so two
+# runs on one machine never hear each other (ROS_DOMAIN_ID 1..101 are safe on every OS).
+os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+os.environ.setdefault("ROS_DOMAIN_ID", str(1 + os.getpid() % 101))
