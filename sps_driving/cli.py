@@ -12,6 +12,7 @@ COMMANDS = {
     "demo": ("sps_driving.demo", "the README's main job: replay the bundled drive through the live graph"),
     "extract": ("sps_driving.train.extract", "image folders or rosbag2 files -> descriptor feature cache"),
     "train": ("sps_driving.train.trainer", "train a policy on a feature cache (torchrun-ready)"),
+    "finetune": ("sps_driving.train.finetune_text", "fine-tune a policy with language-guided latent augmentation"),
     "bench": ("sps_driving.bench", "per-frame extraction timing at several selection rates"),
     "replay": ("sps_driving.replay", "play a rosbag2 through the live ROS 2 graph and report"),
     "interventions": ("sps_driving.interventions", "count safety-driver interventions in a field-test bag"),
