@@ -26,5 +26,10 @@ OBSTACLE_RANGE = "/obstacles/nearest"  # sensor_msgs/Range
 SAFETY_STATUS = "/safety/status"  # diagnostic_msgs/DiagnosticArray
 SAFETY_STOP = "/safety/stop_request"  # std_msgs/Bool, true while the monitor requests a stop
 VEHICLE_STATUS = "/vehicle_interface/status"  # diagnostic_msgs/DiagnosticArray: engaged, stop reason, counts
+ACTUATION = "/vehicle_interface/command"  # sensor_msgs/JointState: limited command sent to the car ("topics" backend)
+ENGAGE_REQUEST = "/vehicle_interface/engage"  # std_msgs/Bool: true engages drive-by-wire, false disengages
+VEHICLE_OVERRIDE = "/vehicle/override"  # std_msgs/Bool: driver override on a car without PACMod ("topics" backend)
+SAFETY_EVENTS = "/safety/events"  # diagnostic_msgs/DiagnosticArray: one message per failure onset
+STAGE_TIMING = "/sps/timing"  # diagnostic_msgs/DiagnosticArray per frame and stage: compute time, frame's stamp
 
 COMMAND_NAMES = ("steering", "throttle")
