@@ -1,0 +1,291 @@
+"""Driving policies over patch descriptors, and their checkpoints.
+
+Two small transformer policies, both ending in a CLS token read out to (steering, throttle):
+
+- `GridPolicy` (SPS, threshold, dense Drive-Anywhere): one token per patch of the H' x W' x D
+  grid, zeros at dropped patches (SPS eq. 4), plus a learned position embedding per patch.
+- `SequencePolicy` (SPPS, MSPPS; SPS section 3.4 v2): only the kept descriptors, each with its
+  ORIGINAL position embedding from the backbone's own table (`PatchExtractor.position_table()`,
+  [N, P], a frozen buffer saved in the checkpoint) projected to the model width; a batch of
+  different lengths is padded and masked.
+
+Outputs follow `sps_driving.topics`: steering is the front road-wheel angle in rad (left
+positive), bounded to +-max_steering_rad by tanh scaling; throttle is in [-1, 1] (negative is
+brake) by tanh. Both are finite for finite inputs.
+
+A checkpoint is a directory with `policy.safetensors` (the module's state dict) and
+`config.json`. The config records: format, backbone, grid {rows, cols}, descriptor_dim D,
+position_dim P (sequence policies), selection {variant, rate, seed, keep_probability}, policy
+{width, depth, heads, mlp_ratio, dropout}, output {max_steering_rad}, and whatever the trainer
+adds (training data, provenance, validation_loss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from sps_driving.core.grid import PatchGrid
+from sps_driving.core.selection import PatchSelector, SelectionConfig
+
+POLICY_FORMAT = "sps_driving.policy/1"
+WEIGHTS_FILE = "policy.safetensors"
+CONFIG_FILE = "config.json"
+DEFAULT_POLICY = {"width": 128, "depth": 2, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.0}
+DEFAULT_OUTPUT = {"max_steering_rad": 0.5}
+
+
+class _TransformerPolicy(nn.Module):
+    """CLS token + pre-norm transformer encoder + bounded (steering, throttle) head."""
+
+    def __init__(self, width: int, depth: int, heads: int, mlp_ratio: float, dropout: float, max_steering_rad: float):
+        super().__init__()
+        if not max_steering_rad > 0:
+            raise ValueError(f"max_steering_rad must be positive, got {max_steering_rad}")
+        self.max_steering_rad = float(max_steering_rad)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
+        layer = nn.TransformerEncoderLayer(
+            width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
+        )
+        # No nested-tensor fast path: padded batches and single frames must take the same arithmetic.
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 2)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+
+    def _encode(self, tokens: torch.Tensor, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+        cls = self.cls_token.expand(tokens.shape[0], -1, -1)
+        tokens = torch.cat([cls, tokens], dim=1)
+        if padding is not None:
+            padding = torch.cat([torch.zeros_like(padding[:, :1]), padding], dim=1)
+        encoded = self.encoder(tokens, src_key_padding_mask=padding)
+        raw = self.head(self.norm(encoded[:, 0]))
+        steering = self.max_steering_rad * torch.tanh(raw[:, 0])
+        throttle = torch.tanh(raw[:, 1])
+        return torch.stack([steering, throttle], dim=1)
+
+
+class GridPolicy(_TransformerPolicy):
+    kind = "grid"
+
+    def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, depth: int, heads: int,
+                 mlp_ratio: float, dropout: float, max_steering_rad: float):
+        super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad)
+        self.input_proj = nn.Linear(descriptor_dim, width)
+        self.position_embedding = nn.Parameter(torch.zeros(1, grid.n, width))
+        nn.init.trunc_normal_(self.position_embedding, std=0.02)
+
+    def forward(self, grids: torch.Tensor) -> torch.Tensor:
+        """grids [B, N, D] with zeros at dropped patches -> [B, 2] (steering rad, throttle)."""
+        return self._encode(self.input_proj(grids) + self.position_embedding)
+
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Dense grids [B, N, D] and keep masks [B, N]: zero the dropped patches (SPS eq. 4)."""
+        return self(grids * keep.unsqueeze(-1).to(grids.dtype))
+
+
+class SequencePolicy(_TransformerPolicy):
+    kind = "sequence"
+
+    def __init__(self, position_table: torch.Tensor, descriptor_dim: int, width: int, depth: int, heads: int,
+                 mlp_ratio: float, dropout: float, max_steering_rad: float):
+        super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad)
+        # The backbone's own table: frozen, but saved with the weights so a checkpoint is self-contained.
+        self.register_buffer("position_table", position_table.detach().clone().float())
+        self.input_proj = nn.Linear(descriptor_dim, width)
+        self.position_proj = nn.Linear(position_table.shape[1], width)
+
+    def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """descriptors [B, L, D] of kept patches `indices` [B, L]; padding [B, L] True at filler slots."""
+        tokens = self.input_proj(descriptors) + self.position_proj(self.position_table[indices])
+        return self._encode(tokens, padding)
+
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Dense grids [B, N, D] and keep masks [B, N]: drop the rest, keep original positions (v2)."""
+        return self(*pack_kept(grids, keep))
+
+
+def pack_kept(grids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather each row's kept patches, in index order, into a padded batch.
+
+    Returns descriptors [B, L, D], indices [B, L] and padding [B, L] (True at filler slots), where
+    L is the largest kept count in the batch.
+    """
+    counts = keep.sum(dim=1)
+    length = max(int(counts.max()), 1)
+    # A stable sort on "dropped" puts each row's kept indices first, still ascending.
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :length]
+    padding = torch.arange(length, device=keep.device).unsqueeze(0) >= counts.unsqueeze(1)
+    descriptors = torch.gather(grids, 1, order.unsqueeze(-1).expand(-1, -1, grids.shape[-1]))
+    return descriptors.masked_fill(padding.unsqueeze(-1), 0.0), order.masked_fill(padding, 0), padding
+
+
+def _require(config: dict, key: str):
+    if key not in config:
+        raise ValueError(f"policy config is missing {key!r}")
+    return config[key]
+
+
+def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> nn.Module:
+    """A fresh policy module for `config` (see the module docstring for its keys).
+
+    Sequence policies (spps, mspps) need the backbone's position table [N, P]; without one they
+    get a zero table of shape [N, config["position_dim"]] that loading a checkpoint fills.
+    """
+    grid_cfg = _require(config, "grid")
+    grid = PatchGrid(int(grid_cfg["rows"]), int(grid_cfg["cols"]))
+    descriptor_dim = int(_require(config, "descriptor_dim"))
+    selection = SelectionConfig.from_dict(_require(config, "selection"))
+    dims = {**DEFAULT_POLICY, **config.get("policy", {})}
+    unknown = set(dims) - set(DEFAULT_POLICY)
+    if unknown:
+        raise ValueError(f"unknown policy settings {sorted(unknown)}")
+    output = {**DEFAULT_OUTPUT, **config.get("output", {})}
+    common = dict(
+        descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
+        mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]),
+        max_steering_rad=float(output["max_steering_rad"]),
+    )
+    if not selection.sparse_sequence:
+        return GridPolicy(grid, **common)
+    if position_table is None:
+        position_dim = config.get("position_dim")
+        if not position_dim:
+            raise ValueError(f"a {selection.variant} policy needs the backbone's position table or position_dim")
+        table = torch.zeros(grid.n, int(position_dim))
+    else:
+        table = torch.as_tensor(np.asarray(position_table, dtype=np.float32))
+        if table.ndim != 2 or table.shape[0] != grid.n:
+            raise ValueError(f"position table must be [{grid.n}, P], got {tuple(table.shape)}")
+    return SequencePolicy(table, **common)
+
+
+def _write_atomically(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_policy(model: nn.Module, config: dict, directory) -> Path:
+    """Write `policy.safetensors` + `config.json` into `directory` (created); returns it.
+
+    Each file is replaced atomically, so a reader never sees a half-written checkpoint file.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = getattr(model, "module", model)  # unwrap DistributedDataParallel
+    config = {"format": POLICY_FORMAT, **config}
+    if isinstance(model, SequencePolicy):
+        config["position_dim"] = int(model.position_table.shape[1])
+    tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    text = json.dumps(config, indent=2, allow_nan=False, sort_keys=False)
+    _write_atomically(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": POLICY_FORMAT}))
+    _write_atomically(directory / CONFIG_FILE, lambda p: p.write_text(text + "\n"))
+    return directory
+
+
+def read_policy_config(directory) -> dict:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no policy config at {path}: train one with `sps-driving train --out {Path(directory)}` "
+            f"or put its {WEIGHTS_FILE} and {CONFIG_FILE} in that folder"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"policy config {path} is not valid JSON: {err}") from err
+    if not isinstance(config, dict) or config.get("format") != POLICY_FORMAT:
+        raise ValueError(f"{path} is not a policy config of format {POLICY_FORMAT!r}")
+    return config
+
+
+def load_policy(directory, device: str = "cpu") -> "DrivingPolicy":
+    """Load a checkpoint written by `save_policy` (safetensors only) for inference."""
+    directory = Path(directory)
+    config = read_policy_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"no policy weights at {weights}: the checkpoint in {directory} is incomplete")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"policy weights {weights} cannot be read: {err}") from err
+    try:
+        module = build_policy(config)
+        module.load_state_dict(state, strict=True)
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"policy weights {weights} do not match {directory / CONFIG_FILE}: {err}") from err
+    if not all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point()):
+        raise ValueError(f"policy weights {weights} contain NaN or Inf")
+    return DrivingPolicy(module, config, directory, device)
+
+
+class DrivingPolicy:
+    """A loaded policy: descriptors of the kept patches in, (steering rad, throttle) out."""
+
+    def __init__(self, module: nn.Module, config: dict, path: Optional[Path] = None, device: str = "cpu"):
+        self.module = module.to(device).eval()
+        self.config = config
+        self.path = path
+        self.device = torch.device(device)
+        self.grid = PatchGrid(int(config["grid"]["rows"]), int(config["grid"]["cols"]))
+        self.selection = SelectionConfig.from_dict(config["selection"])
+        self.descriptor_dim = int(config["descriptor_dim"])
+        self.selector = PatchSelector(self.selection, self.grid)
+
+    @property
+    def sparse_sequence(self) -> bool:
+        return self.selection.sparse_sequence
+
+    def _check(self, descriptors, indices) -> tuple[np.ndarray, np.ndarray]:
+        descriptors = np.asarray(descriptors)
+        indices = np.asarray(indices)
+        if descriptors.ndim != 2 or descriptors.shape[1] != self.descriptor_dim:
+            raise ValueError(f"descriptors must be [k, {self.descriptor_dim}], got {descriptors.shape}")
+        if indices.ndim != 1 or len(indices) != len(descriptors) or len(indices) == 0:
+            raise ValueError(f"need one patch index per descriptor (k >= 1), got {indices.shape} for {descriptors.shape}")
+        if not np.issubdtype(indices.dtype, np.integer):
+            raise ValueError(f"patch indices must be integers, got {indices.dtype}")
+        if indices.min() < 0 or indices.max() >= self.grid.n or len(np.unique(indices)) != len(indices):
+            raise ValueError(f"patch indices must be unique and in [0, {self.grid.n})")
+        if not np.issubdtype(descriptors.dtype, np.floating) or not np.all(np.isfinite(descriptors)):
+            raise ValueError("descriptors must be finite floating-point numbers (NaN or Inf found)")
+        return descriptors.astype(np.float32, copy=False), indices.astype(np.int64, copy=False)
+
+    @torch.no_grad()
+    def predict_batch(self, descriptors: Sequence[np.ndarray], indices: Sequence[np.ndarray]) -> np.ndarray:
+        """[B, 2] (steering rad, throttle) for B frames, each [k_b, D] descriptors at `indices[b]`."""
+        if len(descriptors) != len(indices) or len(descriptors) == 0:
+            raise ValueError(f"need one index array per frame, got {len(descriptors)} and {len(indices)}")
+        frames = [self._check(d, i) for d, i in zip(descriptors, indices)]
+        if isinstance(self.module, SequencePolicy):
+            length = max(len(i) for _, i in frames)
+            batch = np.zeros((len(frames), length, self.descriptor_dim), dtype=np.float32)
+            index_batch = np.zeros((len(frames), length), dtype=np.int64)
+            padding = np.ones((len(frames), length), dtype=bool)
+            for row, (d, i) in enumerate(frames):
+                batch[row, : len(i)], index_batch[row, : len(i)], padding[row, : len(i)] = d, i, False
+            out = self.module(*(torch.from_numpy(a).to(self.device) for a in (batch, index_batch, padding)))
+        else:
+            grids = np.zeros((len(frames), self.grid.n, self.descriptor_dim), dtype=np.float32)
+            for row, (d, i) in enumerate(frames):
+                grids[row, i] = d
+            out = self.module(torch.from_numpy(grids).to(self.device))
+        out = out.cpu().numpy().astype(np.float64)
+        if not np.all(np.isfinite(out)):
+            raise ValueError("policy produced a non-finite command")
+        return out
+
+    def predict(self, descriptors: np.ndarray, indices: np.ndarray) -> tuple[float, float]:
+        """(steering rad, throttle) for one frame's kept descriptors [k, D] at patch `indices` [k]."""
+        steering, throttle = self.predict_batch([descriptors], [indices])[0]
+        return float(steering), float(throttle)

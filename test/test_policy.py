@@ -1,0 +1,182 @@
+"""Policies and checkpoints. Models are tiny random configs of the real architectures."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sps_driving.core.grid import PatchGrid
+from sps_driving.core.policy import (
+    GridPolicy,
+    SequencePolicy,
+    build_policy,
+    load_policy,
+    pack_kept,
+    save_policy,
+)
+from sps_driving.core.selection import PatchSelector, SelectionConfig
+
+GRID = PatchGrid(3, 5)  # non-square on purpose
+D, P = 8, 6
+TINY = {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0}
+
+
+def config(variant="sps", rate=0.5, max_steering_rad=0.5):
+    return {
+        "backbone": {"name": "test-random"},
+        "grid": {"rows": GRID.rows, "cols": GRID.cols},
+        "descriptor_dim": D,
+        "selection": SelectionConfig(variant, rate, 0).to_dict(),
+        "policy": TINY,
+        "output": {"max_steering_rad": max_steering_rad},
+    }
+
+
+def position_table():
+    return np.random.default_rng(1).normal(size=(GRID.n, P)).astype(np.float32)
+
+
+def make(variant="sps", **kwargs):
+    torch.manual_seed(0)
+    return build_policy(config(variant, **kwargs), position_table())
+
+
+def test_variant_picks_the_architecture():
+    assert isinstance(make("sps"), GridPolicy) and isinstance(make("threshold"), GridPolicy)
+    assert isinstance(make("spps"), SequencePolicy) and isinstance(make("mspps"), SequencePolicy)
+    with pytest.raises(ValueError, match="position"):
+        build_policy(config("spps"))
+    with pytest.raises(ValueError, match="unknown policy settings"):
+        build_policy({**config(), "policy": {"widht": 3}})
+    with pytest.raises(ValueError, match="grid"):
+        build_policy({k: v for k, v in config().items() if k != "grid"})
+
+
+@pytest.mark.parametrize("variant", ["sps", "spps"])
+def test_outputs_are_bounded_even_for_huge_inputs(variant):
+    model = make(variant, max_steering_rad=0.3).eval()
+    grids = torch.randn(4, GRID.n, D) * 1e4
+    keep = torch.rand(4, GRID.n) < 0.5
+    keep[:, 0] = True
+    with torch.no_grad():
+        for p in model.head.parameters():
+            p.mul_(100)
+        out = model.forward_selected(grids, keep)
+    assert out.shape == (4, 2) and torch.isfinite(out).all()
+    assert out[:, 0].abs().max() <= 0.3 and out[:, 1].abs().max() <= 1.0
+    assert out[:, 0].abs().max() > 0.2, "the tanh range is actually used"
+
+
+def test_pack_kept_gathers_kept_patches_in_index_order():
+    grids = torch.arange(2 * 4 * 1, dtype=torch.float32).reshape(2, 4, 1)
+    keep = torch.tensor([[False, True, False, True], [True, False, False, False]])
+    descriptors, indices, padding = pack_kept(grids, keep)
+    assert indices.tolist() == [[1, 3], [0, 0]]
+    assert padding.tolist() == [[False, False], [False, True]]
+    assert descriptors[..., 0].tolist() == [[1.0, 3.0], [4.0, 0.0]]
+
+
+def test_sequence_policy_uses_original_positions_and_ignores_token_order_and_padding():
+    model = make("spps").eval()
+    rng = np.random.default_rng(0)
+    desc = torch.from_numpy(rng.normal(size=(1, 4, D)).astype(np.float32))
+    idx = torch.tensor([[0, 3, 7, 12]])
+    with torch.no_grad():
+        base = model(desc, idx)
+        shuffled = model(desc[:, [2, 0, 3, 1]], idx[:, [2, 0, 3, 1]])
+        moved = model(desc, torch.tensor([[1, 3, 7, 12]]))
+        padded = model(
+            torch.cat([desc, torch.randn(1, 3, D)], 1),
+            torch.cat([idx, torch.tensor([[5, 6, 8]])], 1),
+            torch.tensor([[False] * 4 + [True] * 3]),
+        )
+    torch.testing.assert_close(shuffled, base, atol=1e-6, rtol=0)
+    torch.testing.assert_close(padded, base, atol=1e-6, rtol=0)
+    assert (moved - base).abs().max() > 1e-4, "a token's position embedding comes from its original index"
+
+
+@pytest.mark.parametrize("variant", ["sps", "threshold", "spps", "mspps"])
+def test_predict_matches_the_training_forward(tmp_path, variant):
+    model = make(variant)
+    save_policy(model, config(variant), tmp_path / "ckpt")
+    policy = load_policy(tmp_path / "ckpt")
+    selector = PatchSelector(SelectionConfig(variant, 0.5, 0), GRID)
+    grids = np.random.default_rng(2).normal(size=(5, GRID.n, D)).astype(np.float32)
+    stamps = [10, 20, 30, 40, 50]
+    keep = selector.stamp_masks(stamps)
+    with torch.no_grad():
+        expected = model.eval().forward_selected(torch.from_numpy(grids), torch.from_numpy(keep)).numpy()
+    per_frame = np.array([policy.predict(g[np.flatnonzero(k)], np.flatnonzero(k)) for g, k in zip(grids, keep)])
+    batched = policy.predict_batch([g[np.flatnonzero(k)] for g, k in zip(grids, keep)], [np.flatnonzero(k) for k in keep])
+    np.testing.assert_allclose(per_frame, expected, atol=1e-6)
+    np.testing.assert_allclose(batched, expected, atol=1e-6)
+    if variant in ("threshold", "mspps"):
+        assert len(set(keep.sum(1).tolist())) > 1, "frames of different lengths share one padded batch"
+
+
+def test_checkpoint_round_trip_keeps_config_and_position_table(tmp_path):
+    model = make("mspps")
+    cfg = {**config("mspps"), "validation_loss": 0.125, "training": {"cache": "somewhere", "frames": 10}}
+    save_policy(model, cfg, tmp_path)
+    policy = load_policy(tmp_path)
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["validation_loss"] == 0.125 and recorded["position_dim"] == P
+    assert recorded["format"] == "sps_driving.policy/1"
+    assert policy.selection == SelectionConfig("mspps", 0.5, 0)
+    assert policy.grid == GRID and policy.sparse_sequence
+    np.testing.assert_array_equal(policy.module.position_table.numpy(), position_table())
+    assert not policy.module.position_table.requires_grad
+
+
+def test_predict_rejects_bad_input(tmp_path):
+    save_policy(make("sps"), config("sps"), tmp_path)
+    policy = load_policy(tmp_path)
+    good = np.ones((3, D), np.float32)
+    idx = np.array([0, 4, 9])
+    steering, throttle = policy.predict(good, idx)
+    assert np.isfinite([steering, throttle]).all()
+    for bad_desc, bad_idx, match in [
+        (np.full((3, D), np.nan, np.float32), idx, "NaN"),
+        (np.array([[np.inf] * D] * 3, np.float32), idx, "NaN or Inf"),
+        (np.ones((3, D + 1), np.float32), idx, "descriptors must be"),
+        (good, np.array([0, 4]), "one patch index"),
+        (good, np.array([0, 4, GRID.n]), "in \\[0"),
+        (good, np.array([0, 4, 4]), "unique"),
+        (good, np.array([0.0, 1.0, 2.0]), "integers"),
+        (np.ones((0, D), np.float32), np.array([], np.int64), "k >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            policy.predict(bad_desc, bad_idx)
+
+
+def test_loading_errors_name_the_path(tmp_path):
+    missing = tmp_path / "nothing"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_policy(missing)
+    save_policy(make("sps"), config("sps"), tmp_path / "ok")
+
+    corrupt = tmp_path / "corrupt"
+    save_policy(make("sps"), config("sps"), corrupt)
+    (corrupt / "policy.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match="policy.safetensors"):
+        load_policy(corrupt)
+
+    mismatched = tmp_path / "mismatched"
+    save_policy(make("sps"), config("sps"), mismatched)
+    cfg = json.loads((mismatched / "config.json").read_text())
+    cfg["policy"]["width"] = 32
+    (mismatched / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="do not match"):
+        load_policy(mismatched)
+
+    no_weights = tmp_path / "no_weights"
+    save_policy(make("sps"), config("sps"), no_weights)
+    (no_weights / "policy.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="policy.safetensors"):
+        load_policy(no_weights)
+
+    (tmp_path / "bad_json").mkdir()
+    (tmp_path / "bad_json" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_policy(tmp_path / "bad_json")
