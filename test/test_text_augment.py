@@ -1,0 +1,146 @@
+"""Language-guided latent augmentation: substitution logic on synthetic embeddings with known cosines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sps_driving.analysis.analyze import default_config_path
+from sps_driving.core.text_augment import ConceptTable, LatentTextAugmenter, NoTextTowerError, build_text_augmenter
+
+DIM = 16
+TREE, TRUCK = 0, 1  # source concepts: basis directions e0, e1
+HOUSE, HEDGE, BUS = 2, 3, 4  # alternatives: e2, e3, e4 (scaled, to see the norm handling)
+
+
+def table(**overrides) -> ConceptTable:
+    settings = dict(
+        concepts={"tree": ("house", "hedge"), "truck": ("bus",)},
+        threshold=0.5,
+        frame_probability=1.0,
+        max_patches_per_frame=64,
+        keep_patch_norm=True,
+    )
+    settings.update(overrides)
+    return ConceptTable(**settings)
+
+
+def augmenter(**overrides) -> LatentTextAugmenter:
+    eye = np.eye(DIM, dtype=np.float32)
+    return LatentTextAugmenter(eye[[TREE, TRUCK]], 3.0 * eye[[HOUSE, HEDGE, BUS]], [[0, 1], [2]], table(**overrides))
+
+
+def patch(cosine: float, direction: int, rng, norm: float = 2.0) -> np.ndarray:
+    """A descriptor with the given cosine to basis direction `direction`, orthogonal part random in e5..."""
+    rest = np.zeros(DIM)
+    rest[5:] = rng.standard_normal(DIM - 5)
+    rest /= np.linalg.norm(rest)
+    unit = np.zeros(DIM)
+    unit[direction] = cosine
+    return norm * (unit + np.sqrt(1.0 - cosine**2) * rest)
+
+
+def frame_with_cosines(tree_cosines, truck_cosines, rng, n=24):
+    """One [n, D] frame: listed cosines to tree, then to truck, then unrelated patches, last one all-zero."""
+    rows = [patch(c, TREE, rng) for c in tree_cosines] + [patch(c, TRUCK, rng) for c in truck_cosines]
+    while len(rows) < n - 1:
+        rows.append(patch(0.0, TREE, rng))
+    rows.append(np.zeros(DIM))
+    return np.stack(rows)
+
+
+def test_exactly_the_patches_above_threshold_are_replaced_and_the_rest_untouched():
+    rng = np.random.default_rng(0)
+    tree, truck = [0.9, 0.49, 0.51, 0.2], [0.7, 0.3]
+    grids = torch.tensor(np.stack([frame_with_cosines(tree, truck, rng) for _ in range(3)]), dtype=torch.float16)
+    out = augmenter()(grids, torch.Generator().manual_seed(0))
+    assert out.shape == grids.shape and out.dtype == grids.dtype
+    changed = (out != grids).any(dim=-1)
+    expected = torch.zeros_like(changed)
+    expected[:, [0, 2, 4]] = True  # tree 0.9, tree 0.51, truck 0.7
+    assert torch.equal(changed, expected)
+    # Untouched patches, the all-zero (dropped) one included, are bit-identical.
+    assert torch.equal(out[~expected], grids[~expected])
+    # A truck patch becomes the bus direction with the patch's own norm; a tree patch becomes house or hedge.
+    bus = out[:, 4].float()
+    assert torch.allclose(bus[:, BUS], torch.full((3,), 2.0), atol=1e-2)
+    assert torch.allclose(bus.norm(dim=-1), grids[:, 4].float().norm(dim=-1), atol=1e-2)
+    tree_patch = out[:, 0].float()
+    assert torch.all((tree_patch[:, HOUSE] > 1.9) ^ (tree_patch[:, HEDGE] > 1.9))
+
+
+def test_every_patch_of_a_concept_gets_the_same_alternative_within_a_frame():
+    rng = np.random.default_rng(1)
+    grids = torch.tensor(np.stack([frame_with_cosines([0.8, 0.9, 0.95], [], rng) for _ in range(200)]), dtype=torch.float32)
+    out = augmenter()(grids, torch.Generator().manual_seed(1))
+    became_house = out[:, :3, HOUSE] > 1.0
+    assert torch.all(became_house == became_house[:, :1])  # coherent within each frame
+    assert 0.35 < became_house[:, 0].float().mean() < 0.65  # both alternatives drawn across frames
+
+
+def test_without_keep_patch_norm_the_text_embedding_is_used_as_is():
+    rng = np.random.default_rng(2)
+    grids = torch.tensor(frame_with_cosines([], [0.9], rng)[None], dtype=torch.float32)
+    out = augmenter(keep_patch_norm=False)(grids)
+    expected = torch.zeros(DIM)
+    expected[BUS] = 3.0
+    assert torch.equal(out[0, 0], expected)
+
+
+def test_per_frame_cap_keeps_the_most_similar_patches():
+    rng = np.random.default_rng(3)
+    cosines = [0.55, 0.95, 0.6, 0.9, 0.65, 0.85, 0.7]
+    grids = torch.tensor(frame_with_cosines(cosines, [], rng)[None], dtype=torch.float32)
+    replace, _ = augmenter(max_patches_per_frame=3).plan(grids)
+    assert replace[0].nonzero().flatten().tolist() == [1, 3, 5]
+    assert not augmenter(max_patches_per_frame=0).plan(grids)[0].any()
+
+
+def test_frame_probability_is_honoured_and_replayable():
+    rng = np.random.default_rng(4)
+    frame = frame_with_cosines([0.9], [], rng)
+    grids = torch.tensor(np.repeat(frame[None], 4000, axis=0), dtype=torch.float32)
+    never = augmenter(frame_probability=0.0)
+    assert torch.equal(never(grids, torch.Generator().manual_seed(0)), grids)
+    sometimes = augmenter(frame_probability=0.3)
+    replace, _ = sometimes.plan(grids, torch.Generator().manual_seed(5))
+    assert abs(replace[:, 0].float().mean().item() - 0.3) < 0.03
+    again, _ = sometimes.plan(grids, torch.Generator().manual_seed(5))
+    assert torch.equal(replace, again)
+
+
+def test_bad_input_is_refused():
+    aug = augmenter()
+    with pytest.raises(ValueError, match="grids"):
+        aug(torch.zeros(2, 5, DIM + 1))
+    with pytest.raises(ValueError, match="grids"):
+        aug(torch.zeros(5, DIM))
+    with pytest.raises(ValueError, match="all zeros"):
+        LatentTextAugmenter(np.zeros((1, DIM)), np.eye(DIM)[:1], [[0]], table())
+    with pytest.raises(ValueError, match="alternatives"):
+        LatentTextAugmenter(np.eye(DIM)[:1], np.eye(DIM)[:1], [[1]], table())
+    with pytest.raises(ValueError, match="threshold"):
+        table(threshold=0.0)
+    with pytest.raises(ValueError, match="alternative"):
+        table(concepts={"tree": ()})
+
+
+def test_the_shipped_concept_table_loads(tmp_path):
+    shipped = ConceptTable.from_yaml(default_config_path("concepts.yaml"))
+    assert shipped.concepts["tree"][0] == "house" and "bus" in shipped.concepts["truck"]
+    assert 0.0 < shipped.threshold <= 1.0 and shipped.max_patches_per_frame > 0
+    assert shipped.prompt("tree") == "a photo of a tree"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("threshhold: 0.3\nconcepts: {tree: [house]}\n")
+    with pytest.raises(ValueError, match="threshhold"):
+        ConceptTable.from_yaml(bad)
+
+
+def test_a_backbone_without_text_tower_is_refused():
+    class VisionOnly:
+        name = "dinov2_vits14"
+        dim = DIM
+
+    with pytest.raises(NoTextTowerError, match="dinov2_vits14.*no text tower"):
+        build_text_augmenter(VisionOnly(), table())
