@@ -1,0 +1,269 @@
+"""The on-disk feature cache: dense patch-descriptor grids with their driving labels.
+
+Extraction with a frozen foundation model is the slow part of training, so it runs once
+(`sps-driving extract`) and the trainer reads its output many times. Descriptors are stored for
+ALL patches (rate 1.0), so training can draw a fresh patch selection for every frame in every
+epoch and still cover every variant and rate from one cache.
+
+Layout of a cache directory (format "sps_driving.feature_cache/1")::
+
+    CACHE/
+      meta.json                 written last: a directory without it is not a cache
+      position_table.npy        float32 [N, P], the backbone's patch position embeddings
+                                (for SPPS / MSPPS policies); absent when the backbone has none
+      shard_00000/
+        descriptors.npy         float16 [n, N, D], patch j of a frame at row j (row-major grid)
+        targets.npy             float32 [n, 2]: steering (front road-wheel angle, rad, left +),
+                                throttle in [-1, 1] (negative = brake), as in sps_driving.topics
+        stamps.npy              int64 [n]: the camera frame's header stamp, ns
+        sources.npy             int32 [n]: index into meta.json "sources"
+      shard_00001/ ...
+
+meta.json keys: format, backbone (name), extractor (the extractor config used), grid {rows,
+cols}, descriptor_dim (D), dtype ("float16"), frames (total), shard_size (frames per shard,
+the last may hold fewer), shards [{path, frames}], sources [names, e.g. bag or episode names:
+validation splits by them], position_table (file name or null), plus anything the writer's
+caller adds (e.g. extraction counts of dropped frames).
+
+All .npy files are plain NumPy format, so `np.load(path, mmap_mode="r")` maps them without a
+copy; `FeatureCache` does that for the descriptors and loads the small arrays into memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from sps_driving.core.grid import PatchGrid
+
+CACHE_FORMAT = "sps_driving.feature_cache/1"
+META_FILE = "meta.json"
+POSITION_TABLE_FILE = "position_table.npy"
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+@dataclass(frozen=True)
+class CacheFrame:
+    descriptors: np.ndarray  # float16 [N, D], memory-mapped
+    steering: float  # rad
+    throttle: float  # [-1, 1]
+    stamp_ns: int
+    source: str
+
+
+class FeatureCacheWriter:
+    """Append frames, then `close()` (or leave the `with` block) to write the last shard and meta.json.
+
+    `meta` must hold backbone, grid {rows, cols} and descriptor_dim; extractor and other keys are
+    recorded as given. A frame that cannot be stored (wrong shape, NaN/Inf, beyond float16
+    range, non-finite label) raises ValueError and nothing of it is written: callers count and skip.
+    """
+
+    def __init__(self, directory, meta: dict, position_table: Optional[np.ndarray] = None,
+                 shard_size: int = 512, overwrite: bool = False):
+        self.directory = Path(directory)
+        for key in ("backbone", "grid", "descriptor_dim"):
+            if key not in meta:
+                raise ValueError(f"feature cache meta needs {key!r}")
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        if self.directory.exists() and any(self.directory.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{self.directory} is not empty; choose a new cache directory or overwrite it")
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.grid = PatchGrid(int(meta["grid"]["rows"]), int(meta["grid"]["cols"]))
+        self.dim = int(meta["descriptor_dim"])
+        self.shard_size = int(shard_size)
+        self.meta = dict(meta)
+        if position_table is not None:
+            table = np.asarray(position_table, dtype=np.float32)
+            if table.ndim != 2 or table.shape[0] != self.grid.n or not np.all(np.isfinite(table)):
+                raise ValueError(f"position table must be finite [{self.grid.n}, P], got {table.shape}")
+            np.save(self.directory / POSITION_TABLE_FILE, table)
+        self._has_position_table = position_table is not None
+        self._sources: dict[str, int] = {}
+        self._shards: list[dict] = []
+        self._pending: list[tuple] = []
+        self.frames = 0
+
+    def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str) -> None:
+        descriptors = np.asarray(descriptors)
+        if descriptors.shape != (self.grid.n, self.dim):
+            raise ValueError(f"descriptors must be [{self.grid.n}, {self.dim}], got {descriptors.shape}")
+        if not np.all(np.isfinite(descriptors)):
+            raise ValueError("descriptors contain NaN or Inf")
+        if np.abs(descriptors).max() > FLOAT16_MAX:
+            raise ValueError(f"descriptors exceed the float16 range (|x| > {FLOAT16_MAX})")
+        if not (np.isfinite(steering) and np.isfinite(throttle)):
+            raise ValueError(f"labels must be finite, got steering={steering}, throttle={throttle}")
+        if int(stamp_ns) < 0:
+            raise ValueError(f"stamp must be >= 0 ns, got {stamp_ns}")
+        source_id = self._sources.setdefault(str(source), len(self._sources))
+        self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id))
+        self.frames += 1
+        if len(self._pending) == self.shard_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        name = f"shard_{len(self._shards):05d}"
+        tmp = self.directory / (name + ".tmp")
+        tmp.mkdir()
+        descriptors, targets, stamps, sources = zip(*self._pending)
+        np.save(tmp / "descriptors.npy", np.stack(descriptors))
+        np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
+        np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
+        np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
+        os.replace(tmp, self.directory / name)
+        self._shards.append({"path": name, "frames": len(self._pending)})
+        self._pending = []
+
+    def close(self, extra_meta: Optional[dict] = None) -> Path:
+        """Write the last shard and meta.json; `extra_meta` is merged into meta.json."""
+        self._flush()
+        meta = {
+            **self.meta,
+            **(extra_meta or {}),
+            "format": CACHE_FORMAT,
+            "grid": {"rows": self.grid.rows, "cols": self.grid.cols},
+            "descriptor_dim": self.dim,
+            "dtype": "float16",
+            "frames": self.frames,
+            "shard_size": self.shard_size,
+            "shards": self._shards,
+            "sources": list(self._sources),
+            "position_table": POSITION_TABLE_FILE if self._has_position_table else None,
+            "created_unix": time.time(),
+        }
+        (self.directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
+        return self.directory
+
+    def __enter__(self) -> "FeatureCacheWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an error the cache stays without meta.json, so it cannot be mistaken for a complete one.
+        if exc_type is None:
+            self.close()
+
+
+class FeatureCache:
+    """Read a cache directory: descriptors memory-mapped, labels, stamps and sources in memory."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        meta_path = self.directory / META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"no feature cache at {self.directory} ({META_FILE} missing): "
+                f"create one with `sps-driving extract --out {self.directory} INPUT...`"
+            )
+        try:
+            self.meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{meta_path} is not valid JSON: {err}") from err
+        if self.meta.get("format") != CACHE_FORMAT:
+            raise ValueError(f"{meta_path} is not a feature cache of format {CACHE_FORMAT!r}")
+        self.grid = PatchGrid(int(self.meta["grid"]["rows"]), int(self.meta["grid"]["cols"]))
+        self.descriptor_dim = int(self.meta["descriptor_dim"])
+        self.backbone = self.meta["backbone"]
+        self.sources: list[str] = list(self.meta["sources"])
+        self._shards: list[np.ndarray] = []
+        targets, stamps, source_ids = [], [], []
+        for shard in self.meta["shards"]:
+            path = self.directory / shard["path"]
+            n = int(shard["frames"])
+            arrays = {}
+            for name, shape, dtype in (
+                ("descriptors", (n, self.grid.n, self.descriptor_dim), np.float16),
+                ("targets", (n, 2), np.float32),
+                ("stamps", (n,), np.int64),
+                ("sources", (n,), np.int32),
+            ):
+                file = path / f"{name}.npy"
+                try:
+                    arrays[name] = np.load(file, mmap_mode="r" if name == "descriptors" else None)
+                except (OSError, ValueError) as err:
+                    raise ValueError(f"feature cache file {file} cannot be read: {err}") from err
+                if arrays[name].shape != shape or arrays[name].dtype != dtype:
+                    raise ValueError(
+                        f"feature cache file {file} is {arrays[name].dtype} {arrays[name].shape}, "
+                        f"meta.json says {np.dtype(dtype)} {shape}"
+                    )
+            self._shards.append(arrays["descriptors"])
+            targets.append(arrays["targets"])
+            stamps.append(arrays["stamps"])
+            source_ids.append(arrays["sources"])
+        self.targets = np.concatenate(targets) if targets else np.zeros((0, 2), np.float32)
+        self.stamps = np.concatenate(stamps) if stamps else np.zeros(0, np.int64)
+        self.source_ids = np.concatenate(source_ids) if source_ids else np.zeros(0, np.int32)
+        if len(self.targets) != int(self.meta["frames"]):
+            raise ValueError(f"{meta_path} says {self.meta['frames']} frames, its shards hold {len(self.targets)}")
+        if len(self.source_ids) and (self.source_ids.min() < 0 or self.source_ids.max() >= len(self.sources)):
+            raise ValueError(f"feature cache {self.directory} has source ids outside meta.json's sources")
+        sizes = [len(s) for s in self._shards]
+        self._starts = np.cumsum([0] + sizes)[:-1]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"frame {index} out of range for a cache of {len(self)} frames")
+        index %= len(self)
+        shard = int(np.searchsorted(self._starts, index, side="right") - 1)
+        return shard, index - int(self._starts[shard])
+
+    def __getitem__(self, index: int) -> CacheFrame:
+        shard, row = self._locate(int(index))
+        steering, throttle = self.targets[index]
+        return CacheFrame(self._shards[shard][row], float(steering), float(throttle),
+                          int(self.stamps[index]), self.sources[self.source_ids[index]])
+
+    def descriptors(self, indices: Sequence[int]) -> np.ndarray:
+        """float32 [B, N, D] dense descriptor grids of frames `indices`."""
+        out = np.empty((len(indices), self.grid.n, self.descriptor_dim), dtype=np.float32)
+        for row, index in enumerate(indices):
+            shard, offset = self._locate(int(index))
+            out[row] = self._shards[shard][offset]
+        return out
+
+    def position_table(self) -> Optional[np.ndarray]:
+        """float32 [N, P] backbone position embeddings, or None when the cache has none."""
+        name = self.meta.get("position_table")
+        return None if not name else np.load(self.directory / name)
+
+    def dataset(self, indices: Optional[Sequence[int]] = None) -> "FeatureDataset":
+        return FeatureDataset(self, np.arange(len(self)) if indices is None else np.asarray(indices))
+
+
+class FeatureDataset(Dataset):
+    """Torch view of some cache frames: (grid float32 [N, D], target float32 [2], stamp ns, frame index)."""
+
+    def __init__(self, cache: FeatureCache, indices: np.ndarray):
+        self.cache = cache
+        self.indices = np.asarray(indices, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, item: int):
+        index = int(self.indices[item])
+        frame = self.cache[index]
+        return (
+            torch.from_numpy(np.asarray(frame.descriptors, dtype=np.float32)),
+            torch.from_numpy(self.cache.targets[index].copy()),
+            torch.tensor(frame.stamp_ns, dtype=torch.int64),
+            torch.tensor(index, dtype=torch.int64),
+        )
