@@ -282,3 +282,43 @@ def test_settings_load_from_the_shipped_yaml_and_reject_unknown_keys(tmp_path):
     bad.write_text("top_patch: 3\n")
     with pytest.raises(ValueError, match="top_patch"):
         AnalysisSettings.from_yaml(bad)
+
+
+# ---------------------------------------------------------------- `sps-driving analyze` on a feature cache
+
+
+def write_cache(directory, frames, grid, dim, rng, backbone="dinov2_vits14"):
+    from sps_driving.train.cache import FeatureCacheWriter
+
+    meta = {"backbone": backbone, "grid": {"rows": grid.rows, "cols": grid.cols}, "descriptor_dim": dim}
+    basis = orthonormal(rng, dim, 4).T
+    with FeatureCacheWriter(directory, meta, shard_size=4) as writer:
+        for i in range(frames):
+            weights = rng.standard_normal((grid.n, 4)) * [6.0, 3.0, 1.0, 0.5]
+            writer.add(weights @ basis + 0.02 * rng.standard_normal((grid.n, dim)), 0.0, 0.1, i * 33_000_000, "drive")
+
+
+def test_analyze_command_on_a_feature_cache(tmp_path, capsys):
+    import cv2
+
+    from sps_driving.cli import main
+
+    rng = np.random.default_rng(12)
+    grid = PatchGrid(6, 8)
+    write_cache(tmp_path / "cache", 10, grid, 32, rng)
+    image = tmp_path / "frame.png"
+    cv2.imwrite(str(image), rng.integers(0, 256, (60, 80, 3), dtype=np.uint8))
+    out = tmp_path / "analysis"
+    assert main(["analyze", str(tmp_path / "cache"), "--out", str(out), "--stride", "2",
+                 "--overlay-image", str(image), "--rank", "3"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backbone"] == "dinov2_vits14" and summary["frames"] == 5
+    assert summary["grid"] == [6, 8] and summary["dim"] == 32
+    assert summary["components_90_all"] == 2  # eigenvalues 36, 9, 1, .25: 2 components hold 97%
+    assert summary["top_patches"] == 24  # half of a 48-patch grid
+    assert summary["lemma"]["rank_mean"] == 3.0
+    assert (out / "similarity_grid.png").is_file() and (out / "explained_variance.png").is_file()
+    assert "90% variance with 2 components" in capsys.readouterr().out
+    # A missing input is a clear error, not a traceback.
+    assert main(["analyze", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert main(["analyze", str(tmp_path), "--out", str(out)]) == 2  # a folder that is no cache

@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if is_rosbag(args.input):
-            grid, total, frames = _bag_frames(args.input, args.stride, args.backbone_config, args.image_topic)
+            backbone, grid, total, frames = _bag_frames(args.input, args.stride, args.backbone_config, args.image_topic)
         else:
-            grid, total, frames = _cache_frames(args.input, args.stride, settings.overlay_frame, args.overlay_image)
+            backbone, grid, total, frames = _cache_frames(args.input, args.stride, settings.overlay_frame, args.overlay_image)
     except (OSError, ValueError, KeyError) as error:
         print(f"error: cannot read {args.input}: {error}", file=sys.stderr)
         return 2
@@ -84,9 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if analysis.frames == 0:
         print(f"error: no frames in {args.input}", file=sys.stderr)
         return 1
-    summary = analysis.write(args.out)
+    summary = analysis.write(args.out, {"input": str(args.input), "backbone": backbone})
     print(
-        f"{summary['frames']} frames, grid {grid.rows}x{grid.cols}, D={summary['dim']}: "
+        f"{backbone}: {summary['frames']} frames, grid {grid.rows}x{grid.cols}, D={summary['dim']}: "
         f"90% variance with {summary['components_90_all']} components (all patches), "
         f"{summary['components_90_top']} (top-{summary['top_patches']} by norm); "
         f"mean |off-diagonal correlation| {summary['correlation']['mean_abs_offdiagonal']:.3f}; "
@@ -100,26 +100,25 @@ FrameStream = Iterator[tuple[np.ndarray, "np.ndarray | None"]]
 
 def _cache_frames(
     path: Path, stride: int, overlay_frame: int, overlay_image: Path | None
-) -> tuple[PatchGrid, int, FrameStream]:
+) -> tuple[str, PatchGrid, int, FrameStream]:
     """Every `stride`-th frame of a feature cache; the overlay frame (counted after the stride)
     comes with `overlay_image`, since a cache holds no images."""
     from sps_driving.train.cache import FeatureCache
 
     cache = FeatureCache(path)
-    grid = PatchGrid(int(cache.meta["grid"][0]), int(cache.meta["grid"][1]))
     image = _read_rgb(overlay_image) if overlay_image is not None else None
     chosen = range(0, len(cache), stride)
 
     def frames() -> FrameStream:
         for position, index in enumerate(chosen):
-            yield np.asarray(cache[index], dtype=np.float32), image if position == overlay_frame else None
+            yield cache[index].descriptors, image if position == overlay_frame else None
 
-    return grid, len(chosen), frames()
+    return cache.backbone, cache.grid, len(chosen), frames()
 
 
 def _bag_frames(
     path: Path, stride: int, backbone_config: Path | None, image_topic: str | None
-) -> tuple[PatchGrid, None, FrameStream]:
+) -> tuple[str, PatchGrid, None, FrameStream]:
     """Every `stride`-th camera frame of a rosbag2 with all its patch descriptors, computed here;
     frames that cannot be decoded are dropped, counted and reported."""
     from sps_driving import bagio, topics
@@ -146,7 +145,7 @@ def _bag_frames(
                 continue
             yield extractor.descriptors(extractor.encode(rgb), all_patches), rgb
 
-    return extractor.grid, None, frames()
+    return extractor.name, extractor.grid, None, frames()
 
 
 def _read_rgb(path: Path) -> np.ndarray:

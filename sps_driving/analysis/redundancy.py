@@ -146,8 +146,9 @@ class RedundancyAnalysis:
             rank = lemma.lemma_rank or components_to_reach(curve_all, level)
             self._lemma.add_frame(x, rank, lemma.lemma_draws, self._lemma_rng)
 
-    def write(self, out_dir: Path) -> dict:
-        """Write the PNG figures and summary.json into `out_dir`; return the summary."""
+    def write(self, out_dir: Path, about: dict | None = None) -> dict:
+        """Write the PNG figures and summary.json (led by `about`, e.g. input and backbone) into
+        `out_dir`; return the summary."""
         if not self._components_all:
             raise ValueError(f"none of the {self.frames} frames had any variance across patches")
         out_dir = Path(out_dir)
@@ -172,6 +173,7 @@ class RedundancyAnalysis:
         figures += self._write_overlays(out_dir)
 
         summary = {
+            **(about or {}),
             "frames": self.frames,
             "frames_without_variance": self.frames_without_variance,
             "grid": [self.grid.rows, self.grid.cols],
