@@ -144,3 +144,51 @@ def test_a_backbone_without_text_tower_is_refused():
 
     with pytest.raises(NoTextTowerError, match="dinov2_vits14.*no text tower"):
         build_text_augmenter(VisionOnly(), table())
+
+
+# ---------------------------------------------------------------- with a tiny random BLIP-2 (real classes, tiny dims)
+
+
+@pytest.fixture(scope="module")
+def tiny_blip2(tmp_path_factory):
+    from transformers import BertTokenizer
+
+    from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "of", "tree", "house", "hedge", "truck", "bus"]
+    vocab = tmp_path_factory.mktemp("tokenizer") / "vocab.txt"
+    vocab.write_text("\n".join(words) + "\n")
+    return Blip2Extractor.from_hf_config(tiny_blip2_config(), {"dim": 16}, tokenizer=BertTokenizer(str(vocab)))
+
+
+def test_tiny_blip2_text_embeddings_drive_the_substitution(tiny_blip2):
+    concepts = table(concepts={"tree": ("house", "hedge"), "truck": ("bus",)}, threshold=0.6,
+                     keep_patch_norm=False, prompt_template="a photo of a {}")
+    aug = build_text_augmenter(tiny_blip2, concepts)
+    texts = tiny_blip2.text_descriptors(["a photo of a tree", "a photo of a truck", "a photo of a house",
+                                         "a photo of a hedge", "a photo of a bus"])
+    rng = np.random.default_rng(6)
+    image = rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)
+    patches = tiny_blip2.descriptors(tiny_blip2.encode(image), np.arange(tiny_blip2.grid.n))
+    # Random weights put image and text far apart; blend text into some patches for a range of cosines.
+    grids = np.repeat(patches[None], 2, axis=0)
+    weights = np.linspace(0.0, 3.0, 8)
+    grids[:, :8] += weights[:, None] * texts[0]
+    grids[:, 8:12] += np.array([0.5, 1.0, 2.0, 4.0])[:, None] * texts[1]
+    grids[1, 12] = 0.0  # a dropped patch
+    units = grids / np.maximum(np.linalg.norm(grids, axis=-1, keepdims=True), 1e-12)
+    cosines = units @ (texts[:2] / np.linalg.norm(texts[:2], axis=1, keepdims=True)).T
+    expected = cosines.max(axis=-1) >= 0.6
+    assert 0 < expected[0].sum() < 12  # the threshold splits the blended patches
+
+    grids_t = torch.tensor(grids)
+    out = aug(grids_t, torch.Generator().manual_seed(0)).numpy()
+    changed = np.any(out != grids, axis=-1)
+    np.testing.assert_array_equal(changed, expected)
+    np.testing.assert_array_equal(out[~expected], grids[~expected])
+    for frame, patch_index in zip(*np.nonzero(expected)):
+        replacement = out[frame, patch_index]
+        if cosines[frame, patch_index].argmax() == 1:  # truck -> bus
+            np.testing.assert_allclose(replacement, texts[4], rtol=1e-5, atol=1e-6)
+        else:  # tree -> house or hedge
+            assert np.allclose(replacement, texts[2], atol=1e-6) or np.allclose(replacement, texts[3], atol=1e-6)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from sps_driving.analysis.redundancy import AnalysisSettings, RedundancyAnalysis
 from sps_driving.core.grid import PatchGrid
+from sps_driving.train.extract import extractor_config_from_args
 
 CONFIG_NAME = "analysis.yaml"
 
@@ -42,8 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="feature cache directory or rosbag2 (folder, .db3 or .mcap)")
     parser.add_argument("--out", type=Path, required=True, help="output folder for the figures and summary.json")
     parser.add_argument("--config", type=Path, default=None, help=f"analysis settings (default: the shipped {CONFIG_NAME})")
-    parser.add_argument("--backbone-config", type=Path, default=None,
-                        help="backbone settings for a rosbag2 input (default: the shipped backbone config)")
+    parser.add_argument("--extractor-config", help="for a rosbag2: YAML extractor config passed to the backbone loader")
+    parser.add_argument("--backbone", help="for a rosbag2: backbone name (overrides the extractor config)")
+    parser.add_argument("--model-path", help="for a rosbag2: local weights for the backbone (overrides the extractor config)")
+    parser.add_argument("--device", help="for a rosbag2: cpu, cuda, ... (overrides the extractor config)")
     parser.add_argument("--image-topic", default=None, help="camera topic of a rosbag2 input (default: the standard one)")
     parser.add_argument("--max-frames", type=int, default=None, help="analyse at most this many frames")
     parser.add_argument("--stride", type=int, default=1, help="analyse every this-many-th frame (default 1)")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if is_rosbag(args.input):
-            backbone, grid, total, frames = _bag_frames(args.input, args.stride, args.backbone_config, args.image_topic)
+            backbone, grid, total, frames = _bag_frames(args.input, args.stride, extractor_config_from_args(args), args.image_topic)
         else:
             backbone, grid, total, frames = _cache_frames(args.input, args.stride, settings.overlay_frame, args.overlay_image)
     except (OSError, ValueError, KeyError) as error:
@@ -117,7 +120,7 @@ def _cache_frames(
 
 
 def _bag_frames(
-    path: Path, stride: int, backbone_config: Path | None, image_topic: str | None
+    path: Path, stride: int, extractor_config: dict, image_topic: str | None
 ) -> tuple[str, PatchGrid, None, FrameStream]:
     """Every `stride`-th camera frame of a rosbag2 with all its patch descriptors, computed here;
     frames that cannot be decoded are dropped, counted and reported."""
@@ -125,7 +128,7 @@ def _bag_frames(
     from sps_driving.core.backbones import load_extractor
     from sps_driving.core.image import ImageError, to_rgb
 
-    extractor = load_extractor(backbone_config)
+    extractor = load_extractor(extractor_config)
     topic = image_topic or topics.IMAGE
     if topic not in bagio.topic_types(path):
         raise ValueError(f"no topic {topic} in the bag (use --image-topic)")
