@@ -14,7 +14,8 @@ Message choices (standard types only):
 - every message carries the header stamp of the camera frame it was computed from.
 
 QoS, per topic kind:
-- "sensor": camera images and camera info. Best effort, keep last 1: a late frame is useless.
+- "sensor": camera images and camera info, lane state and obstacle range in. Best effort, keep
+  last 1: a late sample is useless, and a best-effort reader accepts reliable and best-effort writers.
 - "selection": reliable, keep last 30 (1 s at 30 fps): the extractor matches decisions to frames
   by stamp and must not lose one that belongs to a frame it still holds.
 - "stream": descriptors and commands. Reliable, keep last 1: a consumer only ever wants the newest.
@@ -55,7 +56,7 @@ def ros_time(ns: int):
     return Time(sec=sec, nanosec=nanosec)
 
 
-def _header(stamp: int, frame_id: str):
+def header(stamp: int, frame_id: str):
     from std_msgs.msg import Header
 
     return Header(stamp=ros_time(stamp), frame_id=frame_id)
@@ -92,7 +93,7 @@ def rgb_to_image(rgb: np.ndarray, stamp: int, frame_id: str, encoding: str = "rg
 
     data, step = from_rgb(rgb, encoding)
     return Image(
-        header=_header(stamp, frame_id),
+        header=header(stamp, frame_id),
         height=int(rgb.shape[0]),
         width=int(rgb.shape[1]),
         encoding=encoding,
@@ -109,7 +110,7 @@ def camera_info(height: int, width: int, stamp: int, frame_id: str, hfov_rad: fl
     f = (width / 2.0) / math.tan(hfov_rad / 2.0)
     cx, cy = width / 2.0, height / 2.0
     return CameraInfo(
-        header=_header(stamp, frame_id),
+        header=header(stamp, frame_id),
         height=int(height),
         width=int(width),
         distortion_model="plumb_bob",
@@ -129,7 +130,7 @@ def selection_message(indices: np.ndarray, rows: int, cols: int, stamp: int, fra
     mask = np.zeros(rows * cols, dtype=np.uint8)
     mask[np.asarray(indices, dtype=np.int64)] = 255
     return Image(
-        header=_header(stamp, frame_id), height=rows, width=cols, encoding="mono8", is_bigendian=0, step=cols,
+        header=header(stamp, frame_id), height=rows, width=cols, encoding="mono8", is_bigendian=0, step=cols,
         data=mask.tobytes(),
     )
 
@@ -160,7 +161,7 @@ def descriptors_message(values: np.ndarray, indices: np.ndarray, stamp: int, fra
     records["index"] = indices
     records["descriptor"] = values
     return PointCloud2(
-        header=_header(stamp, frame_id),
+        header=header(stamp, frame_id),
         height=1,
         width=k,
         fields=[
@@ -202,7 +203,7 @@ def descriptors_from_message(msg) -> tuple[np.ndarray, np.ndarray]:
 def command_message(steering: float, throttle: float, stamp: int, frame_id: str = "base_link"):
     from sensor_msgs.msg import JointState
 
-    return JointState(header=_header(stamp, frame_id), name=list(COMMAND_NAMES), position=[float(steering), float(throttle)])
+    return JointState(header=header(stamp, frame_id), name=list(COMMAND_NAMES), position=[float(steering), float(throttle)])
 
 
 def command_from_message(msg) -> tuple[float, float]:
@@ -235,7 +236,7 @@ def diagnostics(stamp: int, name: str, level: int, message: str, values: dict, h
         level=bytes([level]), name=name, message=message, hardware_id=hardware_id,
         values=[KeyValue(key=str(k), value=str(v)) for k, v in values.items()],
     )
-    return DiagnosticArray(header=_header(stamp, ""), status=[status])
+    return DiagnosticArray(header=header(stamp, ""), status=[status])
 
 
 def diagnostic_values(msg) -> list[tuple[str, int, str, dict]]:

@@ -20,13 +20,14 @@ LIMITS = ControlLimits(
     stop_brake=0.5,
     max_command_age_s=0.2,
     max_camera_age_s=0.2,
+    max_safety_age_s=0.5,
     control_rate_hz=30.0,
 )
 DT = 1 / 30
 
 
 def driving_controller(now=0.0):
-    c = VehicleController(LIMITS)
+    c = VehicleController(LIMITS, require_safety_monitor=False)
     c.on_camera_frame(now)
     return c
 
@@ -103,9 +104,9 @@ def test_camera_timeout_and_safety_stop_and_disengaged():
     c.on_command(0.0, 0.2, 1, 0.25)
     assert c.step(0.25).reasons == (StopReason.CAMERA_TIMEOUT,)
     c.on_camera_frame(0.26)
-    c.set_safety_stop(True)
+    c.on_safety_status(True, 0.26)
     assert c.step(0.27).reasons == (StopReason.SAFETY_STOP,)
-    c.set_safety_stop(False)
+    c.on_safety_status(False, 0.27)
     assert c.step(0.28, engaged=False).reasons == (StopReason.DISENGAGED,)
     assert not c.step(0.29).stopping
 
@@ -160,3 +161,15 @@ def test_pacmod_mapping():
 
     wide = to_pacmod(Actuation(0.3, -1.0, (), 1), LIMITS, pac)
     assert wide.steering_wheel_rad == 4.0 and wide.brake == LIMITS.max_brake
+
+
+def test_silent_safety_monitor_stops_when_required():
+    c = VehicleController(LIMITS, require_safety_monitor=True)
+    c.on_camera_frame(0.0)
+    c.on_command(0.0, 0.1, 1, 0.0)
+    assert c.step(0.0).reasons == (StopReason.SAFETY_MONITOR_TIMEOUT,)
+    c.on_safety_status(False, 0.0)
+    assert not c.step(0.01).stopping
+    c.on_camera_frame(0.6)
+    c.on_command(0.0, 0.1, 2, 0.6)
+    assert c.step(0.6).reasons == (StopReason.SAFETY_MONITOR_TIMEOUT,)

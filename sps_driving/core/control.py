@@ -24,6 +24,7 @@ class ControlLimits:
     stop_brake: float = 0.5  # brake pedal held during a controlled stop, 0..1
     max_command_age_s: float = 0.25  # no fresh policy command within this -> controlled stop
     max_camera_age_s: float = 0.25  # no camera frame within this -> controlled stop
+    max_safety_age_s: float = 0.5  # no safety-monitor status within this -> controlled stop (when required)
     control_rate_hz: float = 30.0  # watchdog and command output rate
 
     def __post_init__(self) -> None:
@@ -56,6 +57,7 @@ class StopReason(str, Enum):
     INVALID_COMMAND = "invalid_command"  # latest command was NaN/Inf
     CAMERA_TIMEOUT = "camera_timeout"  # camera stopped
     SAFETY_STOP = "safety_stop"  # the safety monitor requests a stop
+    SAFETY_MONITOR_TIMEOUT = "safety_monitor_timeout"  # the safety monitor went silent
     DISENGAGED = "disengaged"  # drive-by-wire not engaged (manual driving)
 
 
@@ -75,8 +77,10 @@ class VehicleController:
     """Turns policy commands into limited actuation; any stop reason gives a controlled stop
     (no accelerator, `stop_brake` on the brake, steering held with its rate limit)."""
 
-    def __init__(self, limits: ControlLimits):
+    def __init__(self, limits: ControlLimits, require_safety_monitor: bool = True):
         self.limits = limits
+        self.require_safety_monitor = require_safety_monitor
+        self._safety_time_s: float | None = None
         self._command: tuple[float, float, int] | None = None  # steering, throttle, camera stamp
         self._command_time_s: float | None = None
         self._command_invalid = False
@@ -100,8 +104,9 @@ class VehicleController:
     def on_camera_frame(self, now_s: float) -> None:
         self._camera_time_s = now_s
 
-    def set_safety_stop(self, active: bool) -> None:
-        self._safety_stop = bool(active)
+    def on_safety_status(self, stop_requested: bool, now_s: float) -> None:
+        self._safety_stop = bool(stop_requested)
+        self._safety_time_s = now_s
 
     def stop_reasons(self, now_s: float, engaged: bool) -> tuple[StopReason, ...]:
         lim = self.limits
@@ -110,6 +115,10 @@ class VehicleController:
             reasons.append(StopReason.DISENGAGED)
         if self._safety_stop:
             reasons.append(StopReason.SAFETY_STOP)
+        if self.require_safety_monitor and (
+            self._safety_time_s is None or now_s - self._safety_time_s > lim.max_safety_age_s
+        ):
+            reasons.append(StopReason.SAFETY_MONITOR_TIMEOUT)
         if self._command_invalid:
             reasons.append(StopReason.INVALID_COMMAND)
         if self._command_time_s is None:

@@ -1,0 +1,146 @@
+"""Start the live graph's nodes as separate OS processes, wait for them, stop them.
+
+The same node executables and parameters file as `ros2 launch` on the car, without needing the
+`launch` package: `replay`, the tests, the simulator's graph evaluation and the demo share this.
+Each node runs `python -m sps_driving.nodes.<name> --ros-args --params-file config/graph.yaml
+--params-file <overrides>` with optional remaps; its output goes to `<log_dir>/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+NODES = ("camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor")
+PACKAGE = "sps_driving"
+
+
+def default_params_file() -> Path:
+    """config/graph.yaml of a source checkout, else of the installed package's share folder."""
+    source = Path(__file__).resolve().parent.parent / "config" / "graph.yaml"
+    if source.is_file():
+        return source
+    from ament_index_python.packages import get_package_share_directory
+
+    return Path(get_package_share_directory(PACKAGE)) / "config" / "graph.yaml"
+
+
+class Graph:
+    """A set of node processes. Use as a context manager so they are always stopped."""
+
+    def __init__(
+        self,
+        nodes,
+        parameters: dict | None = None,
+        remaps: dict | None = None,
+        params_file: str | Path | None = None,
+        log_dir: str | Path | None = None,
+    ):
+        unknown = set(nodes) - set(NODES)
+        if unknown:
+            raise ValueError(f"unknown nodes {sorted(unknown)}; expected some of {NODES}")
+        self.nodes = tuple(nodes)
+        self.parameters = parameters or {}  # {node: {name: value}} over the params file
+        self.remaps = remaps or {}  # {from: to}, applied to every node
+        self.params_file = Path(params_file) if params_file else default_params_file()
+        if not self.params_file.is_file():
+            raise FileNotFoundError(f"no parameters file at {self.params_file}")
+        self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="sps_graph_")
+        self.log_dir = Path(log_dir or self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def command(self, name: str) -> list[str]:
+        cmd = [sys.executable, "-m", f"{PACKAGE}.nodes.{name}", "--ros-args", "--params-file", str(self.params_file)]
+        overrides = self.parameters.get(name)
+        if overrides:
+            path = self.log_dir / f"{name}.params.yaml"
+            path.write_text(yaml.safe_dump({name: {"ros__parameters": dict(overrides)}}))
+            cmd += ["--params-file", str(path)]
+        for source, target in self.remaps.items():
+            cmd += ["-r", f"{source}:={target}"]
+        return cmd
+
+    def start(self, name: str | None = None) -> "Graph":
+        """Start one node (again, e.g. after a kill) or all of them."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RCUTILS_COLORIZED_OUTPUT": "0"}
+        for node in [name] if name else self.nodes:
+            log = open(self.log_dir / f"{node}.log", "ab")
+            self.processes[node] = subprocess.Popen(
+                self.command(node), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            log.close()
+        return self
+
+    def alive(self, name: str) -> bool:
+        return name in self.processes and self.processes[name].poll() is None
+
+    def returncode(self, name: str) -> int | None:
+        return self.processes[name].poll()
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes[name]
+        if process.poll() is None:
+            process.send_signal(sig)
+            process.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 5.0) -> dict:
+        """Ctrl-C every node, then kill what is left; returns {node: exit status}."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return {name: p.returncode for name, p in self.processes.items()}
+
+    def __enter__(self) -> "Graph":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def wait_for_nodes(observer, names, timeout_s: float, graph: Graph | None = None) -> None:
+    """Block until every node in `names` is visible on the ROS graph from `observer` (an rclpy
+    Node). Raises TimeoutError naming the missing ones, or RuntimeError with the log of a node
+    that exited while starting."""
+    wanted = set(names)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = wanted - set(observer.get_node_names())
+        if not missing:
+            return
+        if graph is not None:
+            for name in missing:
+                if name in graph.processes and not graph.alive(name):
+                    raise RuntimeError(f"node {name} exited with {graph.returncode(name)}:\n{graph.log(name)[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nodes not up after {timeout_s} s: {sorted(missing)}")
+        time.sleep(0.1)
+
+
+def wait_for_subscribers(publisher, count: int, timeout_s: float) -> None:
+    """Block until `publisher` is matched by at least `count` subscriptions."""
+    deadline = time.monotonic() + timeout_s
+    while publisher.get_subscription_count() < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{publisher.topic_name}: {publisher.get_subscription_count()} of {count} subscribers after {timeout_s} s")
+        time.sleep(0.05)

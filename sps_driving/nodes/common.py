@@ -1,0 +1,65 @@
+"""What every node shares: parameter declaration from a table, the main loop, status publishing.
+
+Each node module has a `PARAMETERS` table {name: default}; the node declares exactly these, so the
+launch-file test can check that every parameter it sets exists.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import rclpy
+from rclpy.executors import ExternalShutdownException
+from rclpy.node import Node
+
+from sps_driving import msgs
+
+
+def declare(node: Node, parameters: dict) -> dict:
+    """Declare every parameter of the table and return their values."""
+    for name, default in parameters.items():
+        node.declare_parameter(name, default)
+    return {name: node.get_parameter(name).value for name in parameters}
+
+
+def now_ns(node: Node) -> int:
+    return node.get_clock().now().nanoseconds
+
+
+class StageTimer:
+    """Per-frame compute time on the shared timing topic, stamped with the frame's stamp, plus the
+    node's counters, so the replay report can split latency into compute and graph overhead."""
+
+    def __init__(self, node: Node, stage: str):
+        from diagnostic_msgs.msg import DiagnosticArray
+
+        from sps_driving import topics
+
+        self.stage = stage
+        self.publisher = node.create_publisher(DiagnosticArray, topics.STAGE_TIMING, msgs.qos("status"))
+
+    def publish(self, stamp: int, started_s: float, counters: dict) -> None:
+        compute_ms = (time.perf_counter() - started_s) * 1e3
+        self.publisher.publish(msgs.diagnostics(stamp, self.stage, 0, "", {"compute_ms": f"{compute_ms:.3f}", **counters}))
+
+
+def run(node_class, args=None) -> int:
+    """Init, spin until Ctrl-C or shutdown, clean up. A node that cannot start (bad parameter,
+    missing checkpoint) prints one clear error and exits with status 1."""
+    rclpy.init(args=args)
+    node = None
+    try:
+        node = node_class()
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        name = getattr(node_class, "NODE_NAME", node_class.__name__)
+        print(f"[{name}] cannot run: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0

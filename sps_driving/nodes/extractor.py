@@ -1,0 +1,157 @@
+"""extractor: per-patch descriptors for the selected patches of the newest frame (SPS eqs. 1-2).
+
+Never queues latency: callbacks only keep the newest image and the recent selection decisions;
+one worker thread computes the newest frame whose decision has arrived. A frame replaced before
+it was computed, or whose decision never came, is dropped and counted, as is a frame that cannot
+be decoded or gives non-finite descriptors. Output: a PointCloud2 (sps_driving.msgs) with the
+frame's stamp and the computed patch indices.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+import yaml
+from rclpy.node import Node
+from sensor_msgs.msg import Image, PointCloud2
+
+from sps_driving import msgs, topics
+from sps_driving.core.image import ImageError
+from sps_driving.nodes.common import StageTimer, declare, run
+
+PARAMETERS = {
+    "backend": "torch",
+    "backbone": "dinov2_vits14",
+    "backbone_config": "",
+    "model_path": "",
+    "device": "cpu",
+    "selection_timeout_s": 0.5,
+}
+BACKENDS = ("torch",)
+_KEPT_DECISIONS = 90  # selection decisions remembered (3 s at 30 fps)
+
+
+def load_backbone(p: dict):
+    """The PatchExtractor for the node's parameters (backbone settings from an optional YAML file)."""
+    if p["backend"] not in BACKENDS:
+        raise ValueError(f"unknown extractor backend {p['backend']!r}; available: {BACKENDS}")
+    from sps_driving.core.backbones import load_extractor
+
+    config = {}
+    if p["backbone_config"]:
+        with open(p["backbone_config"]) as f:
+            config = yaml.safe_load(f) or {}
+    config["name"] = p["backbone"]
+    config["device"] = p["device"]
+    if p["model_path"]:
+        config["model_path"] = p["model_path"]
+    return load_extractor(config)
+
+
+class ExtractorNode(Node):
+    NODE_NAME = "extractor"
+
+    def __init__(self):
+        super().__init__(self.NODE_NAME)
+        p = declare(self, PARAMETERS)
+        self.extractor = load_backbone(p)
+        self.selection_timeout_s = float(p["selection_timeout_s"])
+        self.counters = {"frames": 0, "dropped_stale": 0, "dropped_no_selection": 0, "dropped_invalid": 0}
+        self._lock = threading.Condition()
+        self._pending: tuple[Image, float] | None = None  # newest image not yet computed, arrival time
+        self._decisions: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._running = True
+        self.publisher = self.create_publisher(PointCloud2, topics.DESCRIPTORS, msgs.qos("stream"))
+        self.stage_timer = StageTimer(self, self.NODE_NAME)
+        self.create_subscription(Image, topics.IMAGE, self._on_image, msgs.qos("sensor"))
+        self.create_subscription(Image, topics.SELECTION, self._on_selection, msgs.qos("selection"))
+        self.worker = threading.Thread(target=self._work, name="extractor", daemon=True)
+        self.worker.start()
+        grid = self.extractor.grid
+        self.get_logger().info(f"{self.extractor.name}: {grid.rows}x{grid.cols} patches, D={self.extractor.dim}")
+
+    def _on_image(self, msg: Image) -> None:
+        with self._lock:
+            if self._pending is not None:
+                self.counters["dropped_stale"] += 1
+            self._pending = (msg, time.monotonic())
+            self._lock.notify()
+
+    def _on_selection(self, msg: Image) -> None:
+        try:
+            indices, shape = msgs.selection_from_message(msg)
+        except msgs.MessageError as exc:
+            self.get_logger().warning(f"dropped selection: {exc}", throttle_duration_sec=1.0)
+            return
+        grid = self.extractor.grid
+        if shape != (grid.rows, grid.cols) or len(indices) == 0:
+            self.get_logger().error(
+                f"selection is {shape[0]}x{shape[1]} with {len(indices)} patches; backbone grid is {grid.rows}x{grid.cols}",
+                throttle_duration_sec=1.0,
+            )
+            return
+        with self._lock:
+            self._decisions[msgs.stamp_ns(msg.header)] = indices
+            while len(self._decisions) > _KEPT_DECISIONS:
+                self._decisions.popitem(last=False)
+            self._lock.notify()
+
+    def _next_frame(self):
+        """Wait for the newest frame whose decision is in; drop it if the decision is late."""
+        with self._lock:
+            while self._running:
+                if self._pending is not None:
+                    msg, arrived = self._pending
+                    indices = self._decisions.get(msgs.stamp_ns(msg.header))
+                    if indices is not None:
+                        self._pending = None
+                        return msg, indices
+                    if time.monotonic() - arrived > self.selection_timeout_s:
+                        self._pending = None
+                        self.counters["dropped_no_selection"] += 1
+                        self.get_logger().warning("dropped a frame: no selection decision arrived", throttle_duration_sec=1.0)
+                        continue
+                self._lock.wait(timeout=0.05)
+        return None
+
+    def _work(self) -> None:
+        while True:
+            item = self._next_frame()
+            if item is None:
+                return
+            msg, indices = item
+            started = time.perf_counter()
+            stamp = msgs.stamp_ns(msg.header)
+            try:
+                rgb = msgs.image_to_rgb(msg)
+                values = self.extractor.descriptors(self.extractor.encode(rgb), indices)
+            except (ImageError, ValueError) as exc:
+                self._drop_invalid(f"dropped a frame: {exc}")
+                continue
+            if not np.all(np.isfinite(values)):
+                self._drop_invalid("dropped a frame: non-finite descriptors")
+                continue
+            self.publisher.publish(msgs.descriptors_message(values, indices, stamp, msg.header.frame_id))
+            self.counters["frames"] += 1
+            self.stage_timer.publish(stamp, started, self.counters)
+
+    def _drop_invalid(self, why: str) -> None:
+        self.counters["dropped_invalid"] += 1
+        self.get_logger().error(why, throttle_duration_sec=1.0)
+
+    def destroy_node(self):
+        with self._lock:
+            self._running = False
+            self._lock.notify()
+        return super().destroy_node()
+
+
+def main(args=None) -> int:
+    return run(ExtractorNode, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

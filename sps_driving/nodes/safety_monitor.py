@@ -1,0 +1,106 @@
+"""safety_monitor: flags lane, collision and heading failures (SPS section 4.2) and requests stops.
+
+Inputs: lane state (geometry_msgs/PoseStamped in the lane frame) and the nearest-obstacle gap
+(sensor_msgs/Range), on remappable topics. Outputs, at `rate_hz`: the stop request (std_msgs/Bool,
+true while a failure or a stale required input holds) and a DiagnosticArray status; on each failure
+onset, one DiagnosticArray event on topics.SAFETY_EVENTS. Logic: sps_driving.core.monitor.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from diagnostic_msgs.msg import DiagnosticArray
+from geometry_msgs.msg import PoseStamped
+from rclpy.node import Node
+from sensor_msgs.msg import Range
+from std_msgs.msg import Bool
+
+from sps_driving import msgs, topics
+from sps_driving.core.failures import FailureThresholds
+from sps_driving.core.monitor import MonitorConfig, SafetyMonitor
+from sps_driving.nodes.common import declare, now_ns, run
+
+_DEFAULT_THRESHOLDS = FailureThresholds()
+PARAMETERS = {
+    "rate_hz": 10.0,
+    "lane_boundary_offset_m": _DEFAULT_THRESHOLDS.lane_boundary_offset_m,
+    "min_obstacle_gap_m": _DEFAULT_THRESHOLDS.min_obstacle_gap_m,
+    "max_heading_error_deg": 30.0,
+    "max_input_age_s": MonitorConfig().max_input_age_s,
+    "required_inputs": list(MonitorConfig().required_inputs),
+}
+
+
+class SafetyMonitorNode(Node):
+    NODE_NAME = "safety_monitor"
+
+    def __init__(self):
+        super().__init__(self.NODE_NAME)
+        p = declare(self, PARAMETERS)
+        thresholds = FailureThresholds(
+            lane_boundary_offset_m=float(p["lane_boundary_offset_m"]),
+            min_obstacle_gap_m=float(p["min_obstacle_gap_m"]),
+            max_heading_error_rad=math.radians(float(p["max_heading_error_deg"])),
+        )
+        required = tuple(name for name in p["required_inputs"] if name)
+        self.monitor = SafetyMonitor(MonitorConfig(thresholds, float(p["max_input_age_s"]), required))
+        self.dropped_messages = 0
+        self.stop_pub = self.create_publisher(Bool, topics.SAFETY_STOP, msgs.qos("control"))
+        self.status_pub = self.create_publisher(DiagnosticArray, topics.SAFETY_STATUS, msgs.qos("status"))
+        self.event_pub = self.create_publisher(DiagnosticArray, topics.SAFETY_EVENTS, msgs.qos("status"))
+        self.create_subscription(PoseStamped, topics.LANE_POSE, self._on_lane, msgs.qos("sensor"))
+        self.create_subscription(Range, topics.OBSTACLE_RANGE, self._on_obstacle, msgs.qos("sensor"))
+        self._last_stop = None
+        self.create_timer(1.0 / float(p["rate_hz"]), self._tick)
+
+    def _on_lane(self, msg: PoseStamped) -> None:
+        lateral, heading = msgs.lane_from_message(msg)
+        if not self.monitor.on_lane(lateral, heading, time.monotonic()):
+            self.get_logger().warning("dropped non-finite lane state", throttle_duration_sec=1.0)
+
+    def _on_obstacle(self, msg: Range) -> None:
+        if not self.monitor.on_obstacle(float(msg.range), time.monotonic()):
+            self.get_logger().warning(f"dropped invalid obstacle range {msg.range}", throttle_duration_sec=1.0)
+
+    def _tick(self) -> None:
+        status = self.monitor.step(time.monotonic())
+        stamp = now_ns(self)
+        self.stop_pub.publish(Bool(data=status.stop_requested))
+        failures = ",".join(f.value for f in status.failures)
+        stale = ",".join(status.stale_inputs)
+        for failure in status.new_failures:
+            self.get_logger().error(f"failure: {failure.value}")
+            self.event_pub.publish(
+                msgs.diagnostics(stamp, self.NODE_NAME, 2, failure.value, {"failure": failure.value, "interventions": status.interventions})
+            )
+        if status.stop_requested != self._last_stop:
+            self.get_logger().warning(f"stop request {status.stop_requested} (failures [{failures}], stale [{stale}])")
+            self._last_stop = status.stop_requested
+        level = 2 if status.failures else (3 if status.stale_inputs else 0)
+        message = f"failures: {failures}" if failures else (f"stale: {stale}" if stale else "ok")
+        self.status_pub.publish(
+            msgs.diagnostics(
+                stamp,
+                self.NODE_NAME,
+                level,
+                message,
+                {
+                    "failures": failures,
+                    "stale_inputs": stale,
+                    "stop_requested": status.stop_requested,
+                    "interventions": status.interventions,
+                    "invalid_inputs": self.monitor.invalid_inputs,
+                    **{f"count_{f.value}": n for f, n in status.failure_counts.items()},
+                },
+            )
+        )
+
+
+def main(args=None) -> int:
+    return run(SafetyMonitorNode, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

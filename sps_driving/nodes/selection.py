@@ -1,0 +1,71 @@
+"""selection: which patches each frame computes (SPS sections 3.3-3.4).
+
+Follows the small CameraInfo published with each frame (the decision needs only the stamp) and
+publishes a mono8 H' x W' mask (255 = computed) with that frame's stamp, viewable in RViz. With a
+`checkpoint`, the policy's recorded selection and grid win over the parameters, so the car always
+selects the way the policy was trained.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rclpy.node import Node
+from sensor_msgs.msg import CameraInfo, Image
+
+from sps_driving import msgs, topics
+from sps_driving.core.grid import PatchGrid
+from sps_driving.nodes.common import StageTimer, declare, run
+
+PARAMETERS = {
+    "checkpoint": "",
+    "variant": "sps",
+    "rate": 0.5,
+    "seed": 0,
+    "grid_rows": 16,
+    "grid_cols": 16,
+}
+
+
+class SelectionNode(Node):
+    NODE_NAME = "selection"
+
+    def __init__(self):
+        super().__init__(self.NODE_NAME)
+        p = declare(self, PARAMETERS)
+        from sps_driving.core.selection import PatchSelector, SelectionConfig
+
+        if p["checkpoint"]:
+            from sps_driving.core.policy import read_policy_config
+
+            policy = read_policy_config(p["checkpoint"])
+            config = SelectionConfig.from_dict(policy["selection"])
+            grid = PatchGrid(int(policy["grid"]["rows"]), int(policy["grid"]["cols"]))
+            source = f"checkpoint {p['checkpoint']}"
+        else:
+            config = SelectionConfig(variant=p["variant"], rate=float(p["rate"]), seed=int(p["seed"]))
+            grid = PatchGrid(int(p["grid_rows"]), int(p["grid_cols"]))
+            source = "parameters"
+        self.selector = PatchSelector(config, grid)
+        self.grid = grid
+        self.frames = 0
+        self.publisher = self.create_publisher(Image, topics.SELECTION, msgs.qos("selection"))
+        self.stage_timer = StageTimer(self, self.NODE_NAME)
+        self.create_subscription(CameraInfo, topics.CAMERA_INFO, self._on_frame, msgs.qos("sensor"))
+        self.get_logger().info(f"{config.variant} rate {config.rate} seed {config.seed} on {grid.rows}x{grid.cols} ({source})")
+
+    def _on_frame(self, info: CameraInfo) -> None:
+        started = time.perf_counter()
+        stamp = msgs.stamp_ns(info.header)
+        indices = self.selector.select(stamp)
+        self.publisher.publish(msgs.selection_message(indices, self.grid.rows, self.grid.cols, stamp, info.header.frame_id))
+        self.frames += 1
+        self.stage_timer.publish(stamp, started, {"frames": self.frames, "kept": len(indices)})
+
+
+def main(args=None) -> int:
+    return run(SelectionNode, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
