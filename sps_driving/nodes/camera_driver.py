@@ -1,6 +1,6 @@
 """camera_driver: frames from a camera, a video file or an image folder, at a fixed rate.
 
-`source` is a V4L2 device index ("0"), a GStreamer pipeline (contains "!", e.g. "aravissrc !
+`source` is a V4L2 device ("/dev/video0" or "0"), a GStreamer pipeline (contains "!", e.g. "aravissrc !
 videoconvert ! appsink" for the GigE Blackfly), a video file, or a folder of images (sorted by
 name). Publishes sensor_msgs/Image (rgb8, resized to width x height) and a CameraInfo with the same
 stamp and frame_id. A device or pipeline that stops delivering is reopened every
@@ -21,7 +21,7 @@ from sps_driving import msgs, topics
 from sps_driving.nodes.common import declare, now_ns, run
 
 PARAMETERS = {
-    "source": "0",
+    "source": "/dev/video0",
     "rate_hz": 30.0,
     "frame_id": "camera",
     "width": 960,
@@ -66,8 +66,9 @@ class CaptureSource:
     def open(self) -> bool:
         if self.capture is not None:
             self.capture.release()
-        if self.source.isdigit():
-            self.capture = cv2.VideoCapture(int(self.source), cv2.CAP_V4L2)
+        if self.source.isdigit() or self.source.startswith("/dev/video"):
+            device = int(self.source) if self.source.isdigit() else self.source
+            self.capture = cv2.VideoCapture(device, cv2.CAP_V4L2)
             self.capture.set(cv2.CAP_PROP_FRAME_WIDTH, self.width)
             self.capture.set(cv2.CAP_PROP_FRAME_HEIGHT, self.height)
         elif "!" in self.source:

@@ -1,0 +1,82 @@
+"""The car launch file, checked without the `launch` package: every node is a real entry point,
+every parameter it sets (directly or through the params file) is declared by that node, every
+argument it uses is declared, and remaps name topics the nodes use."""
+
+import ast
+import importlib
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sps_driving import topics
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "launch" / "sps_driving.launch.xml"
+
+
+def setup_entry_points():
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NODES" for t in node.targets):
+            return {elt.value for elt in node.value.elts}
+    raise AssertionError("setup.py has no NODES list")
+
+
+@pytest.fixture(scope="module")
+def launch():
+    return ET.parse(LAUNCH).getroot()
+
+
+def test_nodes_are_entry_points_with_main(launch):
+    entry_points = setup_entry_points()
+    nodes = launch.findall("node")
+    assert {n.get("exec") for n in nodes} == {
+        "camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor"
+    }
+    for node in nodes:
+        assert node.get("pkg") == "sps_driving"
+        assert node.get("exec") in entry_points
+        module = importlib.import_module(f"sps_driving.nodes.{node.get('exec')}")
+        assert callable(module.main) and module.PARAMETERS
+        # The node's ROS name is the one the params file is keyed by.
+        assert node.get("name") == node.get("exec")
+
+
+def test_every_parameter_set_is_declared(launch):
+    params_file = yaml.safe_load((ROOT / "config" / "graph.yaml").read_text())
+    for node in launch.findall("node"):
+        declared = importlib.import_module(f"sps_driving.nodes.{node.get('exec')}").PARAMETERS
+        for param in node.findall("param"):
+            if param.get("from"):
+                assert "params_file" in param.get("from")
+                continue
+            assert param.get("name") in declared, f"{node.get('exec')} does not declare {param.get('name')}"
+        from_file = params_file[node.get("name")]["ros__parameters"]
+        assert set(from_file) == set(declared), node.get("exec")
+        for name, value in from_file.items():
+            assert type(value) is type(declared[name]), f"{node.get('exec')}.{name}: {value!r} vs {declared[name]!r}"
+
+
+def test_arguments_are_declared_and_cover_the_operator_choices(launch):
+    declared = {a.get("name") for a in launch.findall("arg")}
+    used = set(re.findall(r"\$\(var ([a-z_]+)\)", LAUNCH.read_text()))
+    assert used <= declared and declared <= used | {"params_file"}
+    for needed in ("backbone", "checkpoint", "selection_variant", "selection_rate", "camera_source", "vehicle_backend"):
+        assert needed in declared
+    assert all(a.get("description") for a in launch.findall("arg"))
+
+
+def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
+    known = {v for k, v in vars(topics).items() if k.isupper() and isinstance(v, str)}
+    for remap in launch.iter("remap"):
+        assert remap.get("from") in known
+    readers = {n.get("exec"): {r.get("from"): r.get("to") for r in n.findall("remap")} for n in launch.findall("node")}
+    for node in ("extractor",):
+        assert readers[node][topics.IMAGE] == "$(var camera_topic)"
+    for node in ("selection", "vehicle_interface"):
+        assert readers[node][topics.CAMERA_INFO] == "$(var camera_info_topic)"
+    camera = [n for n in launch.findall("node") if n.get("exec") == "camera_driver"][0]
+    assert camera.get("unless") == "$(var use_vendor_camera)"
