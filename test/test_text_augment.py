@@ -192,3 +192,68 @@ def test_tiny_blip2_text_embeddings_drive_the_substitution(tiny_blip2):
             np.testing.assert_allclose(replacement, texts[4], rtol=1e-5, atol=1e-6)
         else:  # tree -> house or hedge
             assert np.allclose(replacement, texts[2], atol=1e-6) or np.allclose(replacement, texts[3], atol=1e-6)
+
+
+# ---------------------------------------------------------------- `sps-driving finetune`
+
+
+def tiny_cache(directory, extractor_config, frames, grid_side, dim, rng, blend=None, backbone="blip2"):
+    """A real feature cache; `blend` [D] (a text embedding) is mixed into the first patches of each frame."""
+    from sps_driving.train.cache import FeatureCacheWriter
+
+    meta = {"backbone": backbone, "extractor": extractor_config, "grid": {"rows": grid_side, "cols": grid_side},
+            "descriptor_dim": dim}
+    with FeatureCacheWriter(directory, meta) as writer:
+        for i in range(frames):
+            descriptors = rng.standard_normal((grid_side**2, dim)).astype(np.float32) * 0.1
+            if blend is not None:
+                descriptors[:3] += blend
+            writer.add(descriptors, 0.05 * np.sin(i), 0.2, i * 33_000_000, f"drive{i % 3}")
+
+
+def train_base(cache, out):
+    from sps_driving.train.trainer import TrainConfig, train
+
+    train(TrainConfig(cache=str(cache), out=str(out), epochs=1, batch_size=4, width=16, depth=1, heads=2, device="cpu"))
+
+
+def test_finetune_refuses_a_vision_only_backbone(tmp_path, capsys):
+    from sps_driving.cli import main
+
+    rng = np.random.default_rng(7)
+    tiny_cache(tmp_path / "cache", {}, 6, 4, 8, rng, backbone="dinov2_vits14")  # {} resolves to the DINOv2 default
+    train_base(tmp_path / "cache", tmp_path / "base")
+    code = main(["finetune", "--checkpoint", str(tmp_path / "base"), "--cache", str(tmp_path / "cache"),
+                 "--out", str(tmp_path / "tuned")])
+    assert code == 2
+    assert "'dinov2_vits14', which has no text tower" in capsys.readouterr().err
+    assert not (tmp_path / "tuned").exists()
+
+
+def test_finetune_with_a_tiny_blip2_saved_locally(tmp_path, tiny_blip2, capsys):
+    import json
+
+    from sps_driving.cli import main
+
+    model_dir = tmp_path / "blip2"
+    tiny_blip2.model.save_pretrained(str(model_dir))
+    tiny_blip2.tokenizer.save_pretrained(str(model_dir))
+    extractor_config = {"backbone": "blip2", "model_path": str(model_dir), "dim": 16, "device": "cpu"}
+    tree = tiny_blip2.text_descriptors(["a photo of a tree"])[0]
+    rng = np.random.default_rng(8)
+    tiny_cache(tmp_path / "cache", extractor_config, 9, tiny_blip2.grid.rows, 16, rng, blend=2.0 * tree)
+    train_base(tmp_path / "cache", tmp_path / "base")
+    concepts = tmp_path / "concepts.yaml"
+    concepts.write_text(
+        "threshold: 0.8\nframe_probability: 1.0\nmax_patches_per_frame: 8\nkeep_patch_norm: true\n"
+        "prompt_template: 'a photo of a {}'\nconcepts: {tree: [house, hedge]}\n"
+        "finetune: {epochs: 1, lr: 1.0e-4, early_stop_patience: 1}\n"
+    )
+    common = ["--checkpoint", str(tmp_path / "base"), "--cache", str(tmp_path / "cache"), "--concepts", str(concepts)]
+    assert main(["finetune", *common, "--out", str(tmp_path / "unused"), "--report-matches"]) == 0
+    report = capsys.readouterr().out
+    assert "tree:    3.00 patches/frame, in 100.0% of frames" in report
+    assert main(["finetune", *common, "--out", str(tmp_path / "tuned")]) == 0
+    tuned = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert tuned["training"]["init_checkpoint"] == str((tmp_path / "base").resolve())
+    assert tuned["selection"]["variant"] == "sps" and tuned["backbone"] == "blip2"

@@ -57,6 +57,7 @@ class ConceptTable:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ConceptTable":
         raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw.pop("finetune", None)  # the fine-tune command's own section
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown settings in {path}: {sorted(unknown)}")
