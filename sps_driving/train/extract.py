@@ -1,0 +1,251 @@
+"""`sps-driving extract --out CACHE INPUT...`: recorded drives -> a feature cache for training.
+
+Each INPUT is either
+- a rosbag2 directory (it has metadata.yaml): camera frames (sensor_msgs/Image) on the camera
+  topic, each paired with the reference command (sensor_msgs/JointState "steering", "throttle")
+  whose header stamp is nearest to the frame's, if within the configured tolerance; or
+- an image folder with labels.csv (columns filename, steering, throttle and optionally
+  stamp_ns; frames without stamp_ns get stamps at the configured nominal frame rate).
+
+Every frame's descriptors are computed for all patches (rate 1.0) by the configured backbone and
+written to the feature cache (docs/feature_cache.md), with the input's name as the frame's
+source. A frame that cannot be used (undecodable image, no command in tolerance, non-finite
+label or descriptors) is skipped and counted by reason; the counts go to meta.json and the
+summary printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import cv2
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from sps_driving import topics
+from sps_driving.train.cache import FeatureCacheWriter
+
+LABELS_FILE = "labels.csv"
+TRAIN_CONFIG = Path(__file__).resolve().parents[2] / "config" / "train.yaml"
+
+
+@dataclass
+class LabelledFrame:
+    rgb: Optional[np.ndarray]  # None when the image could not be decoded
+    steering: float
+    throttle: float
+    stamp_ns: int
+    drop_reason: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    camera_topic: str = topics.IMAGE
+    command_topic: str = topics.REFERENCE_COMMAND
+    match_tolerance_s: float = 0.02
+    image_folder_frame_rate_hz: float = 30.0
+    shard_size: int = 512
+
+    @classmethod
+    def from_yaml(cls, path=TRAIN_CONFIG) -> "ExtractSettings":
+        section = (yaml.safe_load(Path(path).read_text()) or {}).get("extract", {})
+        return cls(**section)
+
+
+def input_kind(path: Path) -> str:
+    if (path / "metadata.yaml").is_file():
+        return "rosbag2"
+    if (path / LABELS_FILE).is_file():
+        return "image_folder"
+    raise ValueError(f"{path} is neither a rosbag2 directory (metadata.yaml) nor an image folder ({LABELS_FILE})")
+
+
+def _command_values(msg) -> Optional[tuple[float, float]]:
+    names = list(msg.name)
+    try:
+        steering = float(msg.position[names.index("steering")])
+        throttle = float(msg.position[names.index("throttle")])
+    except (ValueError, IndexError):
+        return None
+    return steering, throttle
+
+
+def bag_frame_count(path: Path, topic: str) -> Optional[int]:
+    from rosbags.rosbag2 import Reader
+
+    with Reader(path) as reader:
+        return sum(conn.msgcount for conn in reader.connections if conn.topic == topic)
+
+
+def bag_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterator[LabelledFrame]:
+    """Camera frames of a bag, each labelled with the nearest reference command by header stamp."""
+    from sps_driving.bagio import read_messages, stamp_ns
+    from sps_driving.core.image import ImageError, to_rgb
+
+    command_stamps, command_values = [], []
+    for message in read_messages(path, [settings.command_topic]):
+        values = _command_values(message.msg)
+        if values is None or not all(math.isfinite(v) for v in values):
+            counts["invalid_command_messages"] += 1
+            continue
+        command_stamps.append(stamp_ns(message.msg.header))
+        command_values.append(values)
+    order = np.argsort(command_stamps, kind="stable")
+    stamps = np.asarray(command_stamps, dtype=np.int64)[order]
+    values = np.asarray(command_values, dtype=np.float64).reshape(-1, 2)[order]
+    tolerance_ns = int(settings.match_tolerance_s * 1e9)
+
+    for message in read_messages(path, [settings.camera_topic]):
+        msg = message.msg
+        stamp = stamp_ns(msg.header)
+        nearest = _nearest(stamps, stamp)
+        if nearest is None or abs(int(stamps[nearest]) - stamp) > tolerance_ns:
+            yield LabelledFrame(None, math.nan, math.nan, stamp, "no_command_in_tolerance")
+            continue
+        steering, throttle = values[nearest]
+        try:
+            rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
+        except ImageError:
+            yield LabelledFrame(None, steering, throttle, stamp, "undecodable_image")
+            continue
+        yield LabelledFrame(rgb, float(steering), float(throttle), stamp)
+
+
+def _nearest(sorted_stamps: np.ndarray, stamp: int) -> Optional[int]:
+    if len(sorted_stamps) == 0:
+        return None
+    right = int(np.searchsorted(sorted_stamps, stamp))
+    candidates = [i for i in (right - 1, right) if 0 <= i < len(sorted_stamps)]
+    return min(candidates, key=lambda i: abs(int(sorted_stamps[i]) - stamp))
+
+
+def folder_rows(path: Path) -> list[dict]:
+    with open(path / LABELS_FILE, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"filename", "steering", "throttle"} - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{path / LABELS_FILE} lacks the column(s) {sorted(missing)}")
+        return list(reader)
+
+
+def folder_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterator[LabelledFrame]:
+    period_ns = int(round(1e9 / settings.image_folder_frame_rate_hz))
+    for row_number, row in enumerate(folder_rows(path)):
+        try:
+            steering, throttle = float(row["steering"]), float(row["throttle"])
+            stamp = int(row["stamp_ns"]) if row.get("stamp_ns") else row_number * period_ns
+        except (TypeError, ValueError):
+            yield LabelledFrame(None, math.nan, math.nan, row_number * period_ns, "bad_label_row")
+            continue
+        bgr = cv2.imread(str(path / row["filename"]), cv2.IMREAD_COLOR)
+        if bgr is None:
+            yield LabelledFrame(None, steering, throttle, stamp, "undecodable_image")
+            continue
+        yield LabelledFrame(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), steering, throttle, stamp)
+
+
+def source_names(inputs: Sequence[Path]) -> list[str]:
+    """The input folders' names, made unique (episode names drive the validation split)."""
+    names, seen = [], Counter()
+    for path in inputs:
+        base = path.resolve().name
+        seen[base] += 1
+        names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
+    return names
+
+
+def extract(inputs: Sequence, out, extractor, extractor_config: Optional[dict] = None,
+            settings: ExtractSettings = ExtractSettings(), overwrite: bool = False) -> dict:
+    """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by reason)."""
+    inputs = [Path(p) for p in inputs]
+    kinds = [input_kind(p) for p in inputs]
+    meta = {
+        "backbone": extractor.name,
+        "extractor": extractor_config or {"name": extractor.name},
+        "grid": {"rows": extractor.grid.rows, "cols": extractor.grid.cols},
+        "descriptor_dim": int(extractor.dim),
+        "inputs": [str(p) for p in inputs],
+    }
+    all_patches = np.arange(extractor.grid.n, dtype=np.int64)
+    report = {}
+    writer = FeatureCacheWriter(out, meta, extractor.position_table(), settings.shard_size, overwrite)
+    with writer:
+        for path, kind, source in zip(inputs, kinds, source_names(inputs)):
+            counts = Counter()
+            if kind == "rosbag2":
+                frames, total = bag_frames(path, settings, counts), bag_frame_count(path, settings.camera_topic)
+            else:
+                frames, total = folder_frames(path, settings, counts), len(folder_rows(path))
+            for frame in tqdm(frames, total=total, desc=f"extract {source}", unit="frame"):
+                if frame.drop_reason is None:
+                    frame.drop_reason = _add_frame(writer, extractor, frame, all_patches, source)
+                counts[frame.drop_reason or "written"] += 1
+            report[source] = dict(counts)
+        writer.close({"counts": report})
+    return report
+
+
+def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patches: np.ndarray, source: str) -> Optional[str]:
+    """Extract and store one frame; returns the drop reason, or None when written."""
+    try:
+        descriptors = extractor.descriptors(extractor.encode(frame.rgb), patches)
+    except ValueError:  # the extractor's ImageError and input checks
+        return "undecodable_image"
+    try:
+        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source)
+    except ValueError:
+        return "invalid_descriptors_or_label"
+    return None
+
+
+def extractor_config_from_args(args) -> dict:
+    config = {}
+    if args.extractor_config:
+        config = yaml.safe_load(Path(args.extractor_config).read_text()) or {}
+    for key in ("backbone", "model_path", "device"):
+        value = getattr(args, key)
+        if value is not None:
+            config[key] = value
+    return config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="rosbag2 directories and/or image folders with labels.csv")
+    parser.add_argument("--out", required=True, help="feature cache directory to create")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing cache at --out")
+    parser.add_argument("--config", default=str(TRAIN_CONFIG), help="YAML with an `extract:` section (topics, tolerance)")
+    parser.add_argument("--extractor-config", help="YAML extractor config passed to the backbone loader")
+    parser.add_argument("--backbone", help="backbone name (overrides the extractor config)")
+    parser.add_argument("--model-path", help="local weights for the backbone (overrides the extractor config)")
+    parser.add_argument("--device", help="cpu, cuda, ... (overrides the extractor config)")
+    parser.add_argument("--camera-topic", help="camera topic in bags (default from --config)")
+    parser.add_argument("--command-topic", help="reference command topic in bags (default from --config)")
+
+
+def run(args) -> int:
+    from dataclasses import replace
+
+    from sps_driving.core.backbones import load_extractor
+
+    settings = ExtractSettings.from_yaml(args.config)
+    if args.camera_topic:
+        settings = replace(settings, camera_topic=args.camera_topic)
+    if args.command_topic:
+        settings = replace(settings, command_topic=args.command_topic)
+    config = extractor_config_from_args(args)
+    extractor = load_extractor(config)
+    report = extract(args.inputs, args.out, extractor, config, settings, args.overwrite)
+    written = sum(c.get("written", 0) for c in report.values())
+    print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
+          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}")
+    for source, counts in report.items():
+        dropped = {k: v for k, v in counts.items() if k != "written"}
+        print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else ""))
+    return 0 if written else 1

@@ -1,0 +1,456 @@
+"""`sps-driving train --cache CACHE --out models/NAME`: train a driving policy with SPS.
+
+One readable loop. Every epoch, every training frame gets a fresh patch selection (SPS section
+3.3) applied to its cached dense descriptor grid: zeros at the dropped patches for grid policies,
+only the kept tokens with their original positions for sequence policies. The loss is L2 (MSE)
+on (steering rad, throttle); Adam at lr 1e-3 and ReduceLROnPlateau with patience 10, as the paper.
+
+Validation is deterministic: each validation frame's selection is the replayable one decided by
+the selection seed and the frame's stamp (what the car would select), so a saved checkpoint
+reproduces its recorded validation loss. The split holds out whole sources (episodes / bags) when
+the cache has several, else the last frames in time.
+
+Outputs (only process 0 writes):
+  OUT/policy.safetensors, OUT/config.json       the best checkpoint (lowest validation loss)
+  OUT/last/...                                  the latest epoch, plus train_state.json and
+                                                train_state.safetensors (optimizer, scheduler,
+                                                epoch, early-stop counters) for --resume
+
+Multi-process: `torchrun --nproc_per_node=2 -m sps_driving.cli train ...` runs DistributedData
+Parallel (gloo on CPU, nccl on GPU); each process takes `batch_size` frames per step from a
+DistributedSampler. Random draws (sampler order, selections, augmentation) are seeded from
+(seed, epoch, rank), so a resumed run continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from sps_driving.core.policy import load_policy, read_policy_config, build_policy, save_policy
+from sps_driving.core.selection import PatchSelector, SelectionConfig
+from sps_driving.train.cache import FeatureCache
+
+TRAIN_CONFIG = Path(__file__).resolve().parents[2] / "config" / "train.yaml"
+LAST_DIR = "last"
+STATE_JSON = "train_state.json"
+STATE_TENSORS = "train_state.safetensors"
+# Settings a resumed run may change; every other one must match the run it continues.
+RESUMABLE_CHANGES = {"epochs", "early_stop_patience", "num_workers", "device", "resume", "out"}
+
+DescriptorTransform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+@dataclass
+class TrainConfig:
+    cache: str
+    out: str
+    variant: str = "sps"
+    rate: float = 0.5
+    seed: int = 0
+    keep_probability: Optional[list] = None
+    width: int = 128
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 2.0
+    dropout: float = 0.0
+    max_steering_rad: float = 0.5
+    epochs: int = 100
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    plateau_patience: int = 10
+    plateau_factor: float = 0.5
+    min_lr: float = 1e-6
+    early_stop_patience: int = 25
+    loss_weights: list = field(default_factory=lambda: [1.0, 1.0])
+    validation_fraction: float = 0.1
+    num_workers: int = 0
+    device: str = "auto"
+    resume: bool = False
+
+    @classmethod
+    def from_yaml(cls, path=TRAIN_CONFIG, **overrides) -> "TrainConfig":
+        """The `train:` section of config/train.yaml, with `overrides` (None values ignored) on top."""
+        section = (yaml.safe_load(Path(path).read_text()) or {}).get("train", {})
+        section.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**section)
+
+    def selection(self) -> SelectionConfig:
+        return SelectionConfig(self.variant, self.rate, self.seed, self.keep_probability)
+
+
+# ---- data split and loss ----------------------------------------------------------------------
+
+
+def split_frames(cache: FeatureCache, validation_fraction: float) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Deterministic (train, validation) frame indices and a record of the rule used.
+
+    Several sources: the last ceil(fraction * sources) source names in sorted order are held out
+    (at least one, never all). One source: the last ceil(fraction * frames) frames by stamp.
+    """
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
+    present = sorted({cache.sources[i] for i in np.unique(cache.source_ids)})
+    if len(present) >= 2:
+        held_out = present[len(present) - min(len(present) - 1, max(1, math.ceil(validation_fraction * len(present)))):]
+        held_ids = [cache.sources.index(name) for name in held_out]
+        is_val = np.isin(cache.source_ids, held_ids)
+        rule = {"by": "source", "validation_fraction": validation_fraction, "validation_sources": held_out}
+    else:
+        if len(cache) < 2:
+            raise ValueError(f"feature cache {cache.directory} has {len(cache)} frame(s); training needs at least 2")
+        count = min(len(cache) - 1, max(1, math.ceil(validation_fraction * len(cache))))
+        by_time = np.argsort(cache.stamps, kind="stable")
+        is_val = np.zeros(len(cache), dtype=bool)
+        is_val[by_time[len(cache) - count:]] = True
+        rule = {"by": "frames", "validation_fraction": validation_fraction, "validation_sources": []}
+    train_idx, val_idx = np.flatnonzero(~is_val), np.flatnonzero(is_val)
+    rule.update(train_frames=int(len(train_idx)), validation_frames=int(len(val_idx)))
+    return train_idx, val_idx, rule
+
+
+def l2_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-frame weighted mean squared error over (steering, throttle): [B]."""
+    return ((prediction - target) ** 2 * weights).mean(dim=1)
+
+
+class SelectedPolicy(nn.Module):
+    """Selection applied to dense grids inside forward(), so DistributedDataParallel can wrap it."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.policy.forward_selected(grids, keep)
+
+
+@torch.no_grad()
+def validation_sums(policy: nn.Module, cache: FeatureCache, frames: np.ndarray, selector: PatchSelector,
+                    loss_weights, batch_size: int, device) -> tuple[float, int]:
+    """(sum of per-frame L2 losses, frame count) with each frame's replayable selection."""
+    policy.eval()
+    weights = torch.as_tensor(loss_weights, dtype=torch.float32, device=device)
+    total = 0.0
+    for start in range(0, len(frames), batch_size):
+        batch = frames[start:start + batch_size]
+        grids = torch.from_numpy(cache.descriptors(batch)).to(device)
+        keep = torch.from_numpy(selector.stamp_masks(cache.stamps[batch])).to(device)
+        target = torch.from_numpy(cache.targets[batch]).to(device)
+        total += float(l2_loss(policy.forward_selected(grids, keep), target, weights).double().sum())
+    return total, len(frames)
+
+
+def evaluate_checkpoint(policy_dir, cache_dir=None, batch_size: int = 64) -> float:
+    """Recompute a checkpoint's validation loss on its recorded split (the cache it was trained on by default)."""
+    policy = load_policy(policy_dir)
+    training = policy.config["training"]
+    cache = FeatureCache(cache_dir or training["cache"])
+    _, val_idx, rule = split_frames(cache, training["split"]["validation_fraction"])
+    if rule["validation_sources"] != training["split"]["validation_sources"]:
+        raise ValueError(f"cache {cache.directory} splits differently from the one {policy_dir} was trained on")
+    total, count = validation_sums(policy.module, cache, val_idx, policy.selector, training["loss_weights"],
+                                   batch_size, policy.device)
+    return total / count
+
+
+# ---- distributed set-up -----------------------------------------------------------------------
+
+
+@dataclass
+class Processes:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, *values: float) -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+
+def start_processes(device: str) -> Processes:
+    """Join the torchrun process group when there is one (WORLD_SIZE > 1)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", local_rank)
+    if world_size > 1:
+        if target.type == "cuda":
+            torch.cuda.set_device(target)
+        dist.init_process_group("nccl" if target.type == "cuda" else "gloo")
+        return Processes(dist.get_rank(), world_size, target)
+    return Processes(0, 1, target)
+
+
+def draw_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+
+def save_training_state(directory: Path, optimizer, scheduler, state: dict) -> None:
+    """Optimizer tensors as safetensors, everything else as JSON: no pickles."""
+    optimizer_state = optimizer.state_dict()
+    tensors = {
+        f"optimizer.{param}.{key}": value.detach().cpu().contiguous()
+        for param, entries in optimizer_state["state"].items()
+        for key, value in entries.items()
+    }
+    save_file(tensors, str(directory / STATE_TENSORS))
+    record = {**state, "optimizer_param_groups": optimizer_state["param_groups"], "scheduler": scheduler.state_dict()}
+    (directory / STATE_JSON).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def load_training_state(directory: Path, optimizer, scheduler) -> dict:
+    for name in (STATE_JSON, STATE_TENSORS):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"cannot resume: {directory / name} is missing (was this run started?)")
+    record = json.loads((directory / STATE_JSON).read_text())
+    entries: dict[int, dict] = {}
+    for name, value in load_file(str(directory / STATE_TENSORS)).items():
+        _, param, key = name.split(".", 2)
+        entries.setdefault(int(param), {})[key] = value
+    optimizer.load_state_dict({"state": entries, "param_groups": record.pop("optimizer_param_groups")})
+    scheduler.load_state_dict(record.pop("scheduler"))
+    return record
+
+
+def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict) -> dict:
+    return {
+        "backbone": cache.backbone,
+        "extractor": cache.meta.get("extractor"),
+        "grid": {"rows": cache.grid.rows, "cols": cache.grid.cols},
+        "descriptor_dim": cache.descriptor_dim,
+        "selection": cfg.selection().to_dict(),
+        "policy": {"width": cfg.width, "depth": cfg.depth, "heads": cfg.heads, "mlp_ratio": cfg.mlp_ratio,
+                   "dropout": cfg.dropout},
+        "output": {"max_steering_rad": cfg.max_steering_rad},
+        "units": {"steering": "front road-wheel angle, rad, left positive", "throttle": "[-1, 1], negative = brake"},
+        "training": {
+            "cache": str(Path(cfg.cache).resolve()),
+            "cache_frames": len(cache),
+            "sources": cache.sources,
+            "split": split,
+            "loss": "L2 (weighted mean squared error of steering, throttle)",
+            "loss_weights": list(cfg.loss_weights),
+            "optimizer": {"name": "Adam", "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+            "scheduler": {"name": "ReduceLROnPlateau", "patience": cfg.plateau_patience, "factor": cfg.plateau_factor},
+            "batch_size": cfg.batch_size,
+        },
+    }
+
+
+def check_init_checkpoint(init_config: dict, cache: FeatureCache, selection: SelectionConfig, path) -> None:
+    mismatches = []
+    if init_config["grid"] != {"rows": cache.grid.rows, "cols": cache.grid.cols}:
+        mismatches.append(f"grid {init_config['grid']} vs the cache's {cache.grid.rows}x{cache.grid.cols}")
+    if int(init_config["descriptor_dim"]) != cache.descriptor_dim:
+        mismatches.append(f"descriptor_dim {init_config['descriptor_dim']} vs the cache's {cache.descriptor_dim}")
+    if init_config.get("backbone") != cache.backbone:
+        mismatches.append(f"backbone {init_config.get('backbone')!r} vs the cache's {cache.backbone!r}")
+    if SelectionConfig.from_dict(init_config["selection"]).sparse_sequence != selection.sparse_sequence:
+        mismatches.append(f"policy kind ({init_config['selection']['variant']}) vs variant {selection.variant}")
+    if mismatches:
+        raise ValueError(f"cannot fine-tune {path} on {cache.directory}: " + "; ".join(mismatches))
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+
+
+def train(cfg: TrainConfig, descriptor_transform: Optional[DescriptorTransform] = None,
+          init_checkpoint=None) -> dict:
+    """Train (or fine-tune from `init_checkpoint`, a policy directory) and return a summary.
+
+    descriptor_transform(grids [B, N, D], generator) -> grids is applied to each training batch
+    before the selection (e.g. latent augmentation); validation frames are never transformed.
+    With cfg.resume, the run continues from OUT/last (init_checkpoint is then ignored).
+    """
+    procs = start_processes(cfg.device)
+    try:
+        return _train(cfg, procs, descriptor_transform, init_checkpoint)
+    finally:
+        if procs.world_size > 1:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
+    out, last_dir = Path(cfg.out), Path(cfg.out) / LAST_DIR
+    cache = FeatureCache(cfg.cache)
+    selection = cfg.selection()
+    selector = PatchSelector(selection, cache.grid)
+    train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
+    config = policy_config(cfg, cache, split)
+    config["training"]["world_size"] = procs.world_size
+
+    torch.manual_seed(cfg.seed)  # identical initial weights in every process
+    if cfg.resume:
+        last_config = read_policy_config(last_dir)
+        policy = load_policy(last_dir).module
+        config["policy"], config["output"] = last_config["policy"], last_config["output"]
+        if "init_checkpoint" in last_config["training"]:
+            config["training"]["init_checkpoint"] = last_config["training"]["init_checkpoint"]
+    elif init_checkpoint is not None:
+        init_config = read_policy_config(init_checkpoint)
+        check_init_checkpoint(init_config, cache, selection, init_checkpoint)
+        policy = load_policy(init_checkpoint).module
+        config["policy"], config["output"] = init_config["policy"], init_config["output"]
+        config["training"]["init_checkpoint"] = str(Path(init_checkpoint).resolve())
+    else:
+        policy = build_policy(config, cache.position_table())
+    policy = policy.to(procs.device)
+    model = SelectedPolicy(policy)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer, mode="min", factor=cfg.plateau_factor, patience=cfg.plateau_patience, min_lr=cfg.min_lr
+    )
+    state = {"epoch": 0, "best_validation_loss": math.inf, "best_epoch": -1, "epochs_without_improvement": 0,
+             "history": [], "train_config": dataclasses.asdict(cfg)}
+    if cfg.resume:
+        state = load_training_state(last_dir, optimizer, scheduler)
+        changed = [k for k, v in state["train_config"].items() if k not in RESUMABLE_CHANGES and getattr(cfg, k) != v]
+        if changed:
+            raise ValueError(f"cannot resume {last_dir} with changed settings: {sorted(changed)}")
+        state["train_config"] = dataclasses.asdict(cfg)
+    if procs.world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
+
+    max_steer = float(config["output"]["max_steering_rad"])
+    unreachable = int(np.sum((np.abs(cache.targets[:, 0]) > max_steer) | (np.abs(cache.targets[:, 1]) > 1.0)))
+    if unreachable and procs.main:
+        tqdm.write(f"warning: {unreachable} frame(s) have labels beyond the output range "
+                   f"(|steering| > {max_steer} rad or |throttle| > 1); the policy cannot reach them")
+
+    dataset = cache.dataset(train_idx)
+    sampler = DistributedSampler(dataset, num_replicas=procs.world_size, rank=procs.rank, shuffle=True, seed=cfg.seed)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers)
+    weights = torch.as_tensor(cfg.loss_weights, dtype=torch.float32, device=procs.device)
+    val_frames = val_idx[procs.rank::procs.world_size]
+    stopped_early = False
+
+    epochs = tqdm(range(state["epoch"], cfg.epochs), desc="train", unit="epoch", disable=not procs.main,
+                  initial=state["epoch"], total=cfg.epochs)
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        generator = torch.Generator(device=procs.device).manual_seed(draw_seed(cfg.seed, epoch, procs.rank))
+        model.train()
+        loss_sum, frames_seen = 0.0, 0
+        for grids, target, _, _ in tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
+            grids, target = grids.to(procs.device), target.to(procs.device)
+            if descriptor_transform is not None:
+                grids = descriptor_transform(grids, generator)
+            keep = selector.sample_masks(len(grids), generator, procs.device)
+            loss = l2_loss(model(grids, keep), target, weights).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += float(loss.detach()) * len(grids)
+            frames_seen += len(grids)
+
+        val_sum, val_count = validation_sums(policy, cache, val_frames, selector, cfg.loss_weights,
+                                             cfg.batch_size, procs.device)
+        loss_sum, frames_seen, val_sum, val_count = procs.all_sum(loss_sum, frames_seen, val_sum, val_count)
+        train_loss, val_loss = loss_sum / frames_seen, val_sum / val_count
+        scheduler.step(val_loss)
+        improved = val_loss < state["best_validation_loss"]
+        state.update(epoch=epoch + 1)
+        state["history"].append({"epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss,
+                                 "lr": optimizer.param_groups[0]["lr"]})
+        if improved:
+            state.update(best_validation_loss=val_loss, best_epoch=epoch, epochs_without_improvement=0)
+        else:
+            state["epochs_without_improvement"] += 1
+        if procs.main:
+            record = {**config, "validation_loss": val_loss,
+                      "provenance": {"epoch": epoch, "created_unix": time.time(), "torch": torch.__version__,
+                                     "command": " ".join(sys.argv)}}
+            if improved:
+                save_policy(policy, record, out)
+            save_policy(policy, record, last_dir)
+            save_training_state(last_dir, optimizer, scheduler, state)
+            epochs.set_postfix(train=f"{train_loss:.5f}", val=f"{val_loss:.5f}", best=f"{state['best_validation_loss']:.5f}")
+            tqdm.write(f"epoch {epoch}: train {train_loss:.6f}  validation {val_loss:.6f}  "
+                       f"lr {optimizer.param_groups[0]['lr']:.2e}" + ("  (best)" if improved else ""))
+        if state["epochs_without_improvement"] >= cfg.early_stop_patience:
+            stopped_early = True
+            break
+    if procs.world_size > 1:
+        dist.barrier()
+    return {
+        "out": str(out),
+        "best_validation_loss": state["best_validation_loss"],
+        "best_epoch": state["best_epoch"],
+        "epochs_run": state["epoch"],
+        "stopped_early": stopped_early,
+        "train_frames": int(len(train_idx)),
+        "validation_frames": int(len(val_idx)),
+        "world_size": procs.world_size,
+        "history": state["history"],
+    }
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache", required=True, help="feature cache directory (sps-driving extract)")
+    parser.add_argument("--out", required=True, help="checkpoint directory, e.g. models/sps50")
+    parser.add_argument("--config", default=str(TRAIN_CONFIG), help="YAML with a `train:` section")
+    parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
+    parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--depth", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--early-stop-patience", type=int)
+    parser.add_argument("--validation-fraction", type=float)
+    parser.add_argument("--num-workers", type=int)
+    parser.add_argument("--device", help="auto, cpu, cuda")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/last")
+
+
+def run(args) -> int:
+    overrides = {k: getattr(args, k) for k in (
+        "variant", "rate", "seed", "epochs", "batch_size", "lr", "width", "depth", "heads",
+        "early_stop_patience", "validation_fraction", "num_workers", "device")}
+    cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
+    summary = train(cfg)
+    if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
+        print(f"trained {cfg.variant} rate {cfg.rate} on {summary['train_frames']} frames "
+              f"({summary['validation_frames']} for validation) in {summary['epochs_run']} epochs"
+              f"{' (stopped early)' if summary['stopped_early'] else ''} on {summary['world_size']} process(es); "
+              f"best validation loss {summary['best_validation_loss']:.6f} at epoch {summary['best_epoch']}; "
+              f"checkpoint {cfg.out}")
+    return 0

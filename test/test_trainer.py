@@ -1,0 +1,147 @@
+"""The trainer on small synthetic feature caches (tiny random configs of the real policy architectures)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sps_driving.core.policy import load_policy, save_policy
+from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
+from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, split_frames, train
+
+ROWS, COLS, D = 3, 4, 8
+TINY = dict(width=16, depth=1, heads=2, batch_size=16)
+
+
+def make_cache(directory, sources=("drive_a", "drive_b", "drive_c", "drive_d"), frames_per_source=24, seed=0):
+    """Labels are a smooth function of the descriptors, so a policy can learn them."""
+    rng = np.random.default_rng(seed)
+    weights = rng.normal(size=D)
+    meta = {"backbone": "test-random", "grid": {"rows": ROWS, "cols": COLS}, "descriptor_dim": D}
+    table = rng.normal(size=(ROWS * COLS, 5)).astype(np.float32)
+    with FeatureCacheWriter(directory, meta, table, shard_size=20) as writer:
+        for s, source in enumerate(sources):
+            for i in range(frames_per_source):
+                descriptors = rng.normal(size=(ROWS * COLS, D))
+                steering = 0.3 * np.tanh(descriptors.mean(0) @ weights)
+                throttle = 0.6 * np.tanh(2 * descriptors[:, 0].mean())
+                writer.add(descriptors, steering, throttle, 10**18 + (s * 1000 + i) * 33_333_333, source)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("cache") / "cache")
+
+
+def config(cache_dir, out, **kwargs):
+    return TrainConfig(cache=str(cache_dir), out=str(out), **{**TINY, **kwargs})
+
+
+def test_split_holds_out_whole_sources_or_the_last_frames(cache_dir, tmp_path):
+    cache = FeatureCache(cache_dir)
+    train_idx, val_idx, rule = split_frames(cache, 0.25)
+    assert rule["by"] == "source" and rule["validation_sources"] == ["drive_d"]
+    assert set(cache.source_ids[val_idx]) == {3} and 3 not in set(cache.source_ids[train_idx])
+    assert len(train_idx) + len(val_idx) == len(cache)
+    _, val_half, rule_half = split_frames(cache, 0.5)
+    assert rule_half["validation_sources"] == ["drive_c", "drive_d"] and len(val_half) == 48
+    single = FeatureCache(make_cache(tmp_path / "single", sources=("only",), frames_per_source=20))
+    train_idx, val_idx, rule = split_frames(single, 0.1)
+    assert rule["by"] == "frames" and len(val_idx) == 2
+    assert single.stamps[val_idx].min() > single.stamps[train_idx].max(), "validation is the latest frames"
+    with pytest.raises(ValueError, match="validation_fraction"):
+        split_frames(single, 0.0)
+
+
+@pytest.mark.parametrize("variant", ["sps", "mspps"])
+def test_training_learns_and_the_checkpoint_reproduces_its_validation_loss(cache_dir, tmp_path, variant):
+    keep = [[1.0, 2.0, 3.0, 4.0]] * ROWS if variant == "mspps" else None
+    summary = train(config(cache_dir, tmp_path / "m", variant=variant, rate=0.5, epochs=6, keep_probability=keep))
+    history = [h["validation_loss"] for h in summary["history"]]
+    assert summary["epochs_run"] == 6 and len(history) == 6
+    assert min(history) < 0.7 * history[0], f"validation loss should fall: {history}"
+    recorded = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert recorded["validation_loss"] == pytest.approx(summary["best_validation_loss"], abs=0)
+    assert recorded["selection"]["variant"] == variant and recorded["backbone"] == "test-random"
+    assert recorded["grid"] == {"rows": ROWS, "cols": COLS} and recorded["descriptor_dim"] == D
+    assert recorded["training"]["split"]["validation_sources"] == ["drive_d"]
+    # the trainer's own evaluation path and the car's per-frame inference path both reproduce it
+    assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
+    policy = load_policy(tmp_path / "m")
+    cache = FeatureCache(cache_dir)
+    _, val_idx, _ = split_frames(cache, recorded["training"]["split"]["validation_fraction"])
+    losses = []
+    for index in val_idx:
+        frame = cache[index]
+        kept = policy.selector.select(frame.stamp_ns)
+        prediction = policy.predict(frame.descriptors[kept].astype(np.float32), kept)
+        losses.append(np.mean((np.array(prediction) - [frame.steering, frame.throttle]) ** 2))
+    assert abs(np.mean(losses) - recorded["validation_loss"]) <= 1e-6
+    assert (tmp_path / "m" / "last" / "train_state.json").is_file()
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path):
+    straight = train(config(cache_dir, tmp_path / "straight", epochs=4))
+    train(config(cache_dir, tmp_path / "resumed", epochs=2))
+    resumed = train(config(cache_dir, tmp_path / "resumed", epochs=4, resume=True))
+    assert resumed["epochs_run"] == 4
+    assert [h["validation_loss"] for h in resumed["history"]] == [h["validation_loss"] for h in straight["history"]]
+    a, b = load_policy(tmp_path / "straight" / "last"), load_policy(tmp_path / "resumed" / "last")
+    for name, tensor in a.module.state_dict().items():
+        assert torch.equal(tensor, b.module.state_dict()[name]), name
+    with pytest.raises(ValueError, match="changed settings.*rate"):
+        train(config(cache_dir, tmp_path / "resumed", epochs=5, rate=0.3, resume=True))
+    with pytest.raises(FileNotFoundError, match="last"):
+        train(config(cache_dir, tmp_path / "never_started", epochs=5, resume=True))
+
+
+def test_early_stopping_and_the_plateau_scheduler(cache_dir, tmp_path):
+    # lr 0: the validation loss never improves after epoch 0
+    summary = train(config(cache_dir, tmp_path / "m", epochs=50, lr=0.0, early_stop_patience=3, plateau_patience=1))
+    assert summary["stopped_early"] and summary["epochs_run"] == 4 and summary["best_epoch"] == 0
+
+
+def test_descriptor_transform_and_init_checkpoint_for_fine_tuning(cache_dir, tmp_path):
+    train(config(cache_dir, tmp_path / "base", epochs=2))
+    base_loss = json.loads((tmp_path / "base" / "config.json").read_text())["validation_loss"]
+    calls = []
+
+    def transform(grids, generator):
+        calls.append(tuple(grids.shape))
+        assert isinstance(generator, torch.Generator)
+        return grids + 0.01 * torch.randn(grids.shape, generator=generator)
+
+    # lr 0 keeps the weights: the fine-tune starts exactly from the base checkpoint
+    summary = train(config(cache_dir, tmp_path / "tuned", epochs=1, lr=0.0, width=32),
+                    descriptor_transform=transform, init_checkpoint=tmp_path / "base")
+    assert calls and all(shape[1:] == (ROWS * COLS, D) for shape in calls)
+    assert summary["best_validation_loss"] == pytest.approx(base_loss, abs=1e-7)
+    tuned = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert tuned["policy"]["width"] == 16, "the architecture comes from the checkpoint"
+    assert tuned["training"]["init_checkpoint"].endswith("base")
+    with pytest.raises(ValueError, match="policy kind"):
+        train(config(cache_dir, tmp_path / "bad", epochs=1, variant="spps"), init_checkpoint=tmp_path / "base")
+
+
+def test_torchrun_two_cpu_processes_train_with_ddp(cache_dir, tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "sps_driving.cli", "train", "--cache", str(cache_dir), "--out", str(out), "--epochs", "2",
+         "--batch-size", "16", "--width", "16", "--depth", "1", "--heads", "2"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on 2 process(es)" in result.stdout
+    recorded = json.loads((out / "config.json").read_text())
+    assert recorded["training"]["world_size"] == 2
+    state = json.loads((out / "last" / "train_state.json").read_text())
+    assert state["epoch"] == 2 and len(state["history"]) == 2
+    # the two processes' validation shards add up to the loss a single process computes
+    assert abs(evaluate_checkpoint(out) - recorded["validation_loss"]) <= 1e-6
