@@ -30,22 +30,18 @@ PARAMETERS = {
     "device": "cpu",
     "selection_timeout_s": 0.5,
 }
-BACKENDS = ("torch",)
 _KEPT_DECISIONS = 90  # selection decisions remembered (3 s at 30 fps)
 
 
 def load_backbone(p: dict):
-    """The PatchExtractor for the node's parameters (backbone settings from an optional YAML file)."""
-    if p["backend"] not in BACKENDS:
-        raise ValueError(f"unknown extractor backend {p['backend']!r}; available: {BACKENDS}")
+    """The PatchExtractor for the node's parameters, over config/extraction.yaml or `backbone_config`."""
     from sps_driving.core.backbones import load_extractor
 
     config = {}
     if p["backbone_config"]:
         with open(p["backbone_config"]) as f:
             config = yaml.safe_load(f) or {}
-    config["name"] = p["backbone"]
-    config["device"] = p["device"]
+    config.update(backbone=p["backbone"], backend=p["backend"], device=p["device"])
     if p["model_path"]:
         config["model_path"] = p["model_path"]
     return load_extractor(config)
