@@ -213,7 +213,7 @@ def test_protocol_shapes_and_bad_input(model, image):
 
 def test_bf16_keeps_layer_norm_and_softmax_finite_and_close(image):
     reference = Blip2Extractor.from_hf_config(tiny_blip2_config(), {"dim": 16, "suppression": -4.0}, seed=3)
-    half = Blip2Extractor.from_hf_config(tiny_blip2_config(), {"dim": 16, "suppression": -4.0, "precision": "bf16"}, seed=3)
+    half = Blip2Extractor.from_hf_config(tiny_blip2_config(), {"dim": 16, "suppression": -4.0, "dtype": "bfloat16"}, seed=3)
     assert half.model.qformer.layernorm.weight.dtype == torch.float32
     assert half.model.vision_projection.weight.dtype == torch.bfloat16
     indices = np.arange(16)

@@ -35,6 +35,7 @@ from torch.nn import functional as F
 
 from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_embeddings
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
+from sps_driving.core.backbones.vit_masked import resolve_dtype
 from sps_driving.core.grid import PatchGrid, attention_bias, patch_masks
 
 # BLIP-2's image processor: bicubic resize to the model's square input, CLIP mean/std.
@@ -50,7 +51,7 @@ DEFAULTS = {
     "suppression": float("-inf"),  # r [attention logit units], < 0; -inf excludes masked tokens
     "cls_mask": 1.0,  # mask value of the ViT's CLS token in [0, 1]
     "implementation": "fast",  # "fast" | "naive" (the reference, for tests and the benchmark)
-    "precision": "auto",  # "fp32" | "fp16" | "bf16" | "auto" (fp16 on CUDA, fp32 on CPU)
+    "dtype": "auto",  # "float32" | "float16" | "bfloat16" | "auto" (float16 on CUDA, float32 on CPU)
     "device": "auto",  # "cpu" | "cuda" | "cuda:N" | "auto"
     "memory_budget_mb": 512,  # per-patch activations of one batch of patches [MiB]
     "max_text_tokens": 35,  # text prompt length cap [tokens] (BLIP-2 ITM's own)
@@ -69,13 +70,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
-    if precision == "auto":
+def resolve_weights_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
-    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    if precision not in dtypes:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(dtypes)} or 'auto'")
-    return dtypes[precision]
+    return resolve_dtype(name)
 
 
 def keep_layer_norms_fp32(module: nn.Module) -> None:
@@ -200,7 +198,7 @@ class Blip2Extractor:
         self.options = opts
         self.name = name
         self.device = resolve_device(opts["device"])
-        self.dtype = resolve_dtype(opts["precision"], self.device)
+        self.dtype = resolve_weights_dtype(opts["dtype"], self.device)
         self._tokenizer = tokenizer
         self.model = model.eval().to(self.device, self.dtype)
         if self.dtype != torch.float32:

@@ -43,20 +43,19 @@ def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """[..., heads, S, d] -> [..., S, heads * d]"""
-    *lead, heads, seq, head_dim = x.shape
-    return x.transpose(-3, -2).reshape(*lead, seq, heads * head_dim)
+    """[k, heads, S, d] -> [k, S, heads * d]"""
+    return x.transpose(1, 2).flatten(2)
 
 
 def _self_attention(block, hidden: torch.Tensor) -> torch.Tensor:
-    """A Blip2QFormerAttention (self) block: multi-head attention, dense, residual LayerNorm."""
+    """A Blip2QFormerAttention (self) block: multi-head attention, dense, residual LayerNorm.
+    The fused kernel keeps its softmax accumulation in fp32 for fp16/bf16 inputs."""
     attn = block.attention
     heads = attn.num_attention_heads
     q = _split_heads(attn.query(hidden), heads)
     k = _split_heads(attn.key(hidden), heads)
     v = _split_heads(attn.value(hidden), heads)
-    probs = softmax_fp32(q @ k.transpose(-1, -2) * attn.scaling).to(v.dtype)
-    context = _merge_heads(probs @ v)
+    context = _merge_heads(F.scaled_dot_product_attention(q, k, v, scale=attn.scaling))
     return layer_norm_fp32(block.output.dense(context) + hidden, block.output.LayerNorm)
 
 
@@ -76,7 +75,7 @@ class QFormerFrame:
     keys: list[torch.Tensor]  # per cross-attention layer: [heads, T, d]
     values: list[torch.Tensor]  # per cross-attention layer: [heads, T, d]
     layer0_residual: torch.Tensor  # [Q, H] layer-0 self-attention output (cross-attention residual)
-    layer0_logits: torch.Tensor  # [heads, Q, T] layer-0 scaled cross-attention logits before the bias
+    layer0_logits: torch.Tensor  # [heads, Q, T] fp32 layer-0 scaled cross-attention logits before the bias
 
 
 class PatchQFormer(nn.Module):
@@ -101,10 +100,10 @@ class PatchQFormer(nn.Module):
             values.append(_split_heads(attn.value(image_tokens), attn.num_attention_heads))
         layer0 = self.qformer.encoder.layer[0]
         queries = layer_norm_fp32(self.query_tokens[0], self.qformer.layernorm)
-        residual = _self_attention(layer0.attention, queries)
+        residual = _self_attention(layer0.attention, queries[None])[0]
         cross = layer0.crossattention.attention
-        q = _split_heads(cross.query(residual), cross.num_attention_heads)
-        logits = q @ keys[0].transpose(-1, -2) * cross.scaling
+        q = _split_heads(cross.query(residual) * cross.scaling, cross.num_attention_heads)
+        logits = (q @ keys[0].transpose(-1, -2)).float()
         return QFormerFrame(keys, values, residual, logits)
 
     def forward(self, frame: QFormerFrame, bias: torch.Tensor, skip_excluded_keys: bool = True) -> torch.Tensor:
@@ -118,42 +117,47 @@ class PatchQFormer(nn.Module):
         hidden = None
         for i, layer in enumerate(self.qformer.encoder.layer):
             if i == 0:
-                logits = frame.layer0_logits.float()  # [heads, Q, T]
+                logits = frame.layer0_logits  # [heads, Q, T], shared by all patches
                 if key_index is None:
-                    logits = logits.unsqueeze(0)
+                    logits = logits.unsqueeze(1)
                 else:
-                    logits = logits[:, :, key_index].permute(2, 0, 1, 3)  # [k, heads, Q, K]
-                probs = softmax_fp32(logits + bias[:, None, None, :])
-                context = _merge_heads(_attend(probs, frame.values[0], key_index))
+                    logits = logits[:, :, key_index].transpose(1, 2)  # [heads, k, Q, K]
+                context = _attend(logits, bias, frame.values[0], key_index)
                 hidden = _cross_output(layer.crossattention, context, frame.layer0_residual)
             else:
                 hidden = _self_attention(layer.attention, hidden)
                 if layer.has_cross_attention:
                     cross_slot += 1
-                    hidden = self._cross_attention(layer, hidden, frame, cross_slot, bias, key_index)
+                    hidden = _cross_attention(layer, hidden, frame, cross_slot, bias, key_index)
             hidden = _feed_forward(layer, hidden)
         return hidden
 
-    @staticmethod
-    def _cross_attention(layer, hidden, frame: QFormerFrame, slot: int, bias, key_index) -> torch.Tensor:
-        attn = layer.crossattention.attention
-        q = _split_heads(attn.query(hidden), attn.num_attention_heads)  # [k, heads, Q, d]
-        keys = frame.keys[slot]
-        if key_index is None:
-            logits = q @ keys.transpose(-1, -2)
-        else:
-            # [k, heads, Q, d] x [k, heads, d, K]: each patch against its own kept keys
-            logits = q @ keys[:, key_index].permute(1, 0, 3, 2)
-        probs = softmax_fp32(logits * attn.scaling + bias[:, None, None, :])
-        context = _merge_heads(_attend(probs, frame.values[slot], key_index))
-        return _cross_output(layer.crossattention, context, hidden)
+
+def _cross_attention(layer, hidden, frame: QFormerFrame, slot: int, bias, key_index) -> torch.Tensor:
+    attn = layer.crossattention.attention
+    patches, queries, _ = hidden.shape
+    q = _split_heads(attn.query(hidden) * attn.scaling, attn.num_attention_heads).transpose(0, 1)  # [heads, k, Q, d]
+    keys = frame.keys[slot]  # [heads, T, d]
+    if key_index is None:
+        # every patch's queries stacked per head: one GEMM against the shared keys
+        stacked = q.reshape(q.shape[0], patches * queries, -1)
+        logits = (stacked @ keys.transpose(-1, -2)).view(q.shape[0], patches, queries, -1)
+    else:
+        logits = q @ keys[:, key_index].transpose(-1, -2)  # each patch against its own kept keys
+    context = _attend(logits, bias, frame.values[slot], key_index)
+    return _cross_output(layer.crossattention, context, hidden)
 
 
-def _attend(probs: torch.Tensor, values: torch.Tensor, key_index: torch.Tensor | None) -> torch.Tensor:
-    """probs [k, heads, Q, K] (fp32) x values [heads, T, d] (or gathered by key_index [k, K])."""
-    if key_index is not None:
-        values = values[:, key_index].transpose(0, 1)  # [k, heads, K, d]
-    return probs.to(values.dtype) @ values
+def _attend(logits: torch.Tensor, bias: torch.Tensor, values: torch.Tensor, key_index) -> torch.Tensor:
+    """logits [heads, k or 1, Q, K] + bias [k, K] -> fp32 softmax -> weighted values -> context [k, Q, H].
+    values [heads, T, d] are shared by all patches (gathered per patch by key_index when given)."""
+    probs = softmax_fp32(logits + bias[None, :, None, :]).to(values.dtype)
+    heads, patches, queries, width = probs.shape
+    if key_index is None:
+        context = (probs.reshape(heads, patches * queries, width) @ values).view(heads, patches, queries, -1)
+    else:
+        context = probs @ values[:, key_index]
+    return context.permute(1, 2, 0, 3).reshape(patches, queries, -1)
 
 
 def _kept_keys(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
