@@ -322,3 +322,37 @@ def test_analyze_command_on_a_feature_cache(tmp_path, capsys):
     # A missing input is a clear error, not a traceback.
     assert main(["analyze", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert main(["analyze", str(tmp_path), "--out", str(out)]) == 2  # a folder that is no cache
+
+
+@pytest.mark.slow  # ~20 s, most of it loading the DINOv2 weights
+def test_analyze_command_on_a_rosbag2_with_the_embedded_dinov2(tmp_path, capsys):
+    """Real rosbag2 camera frames through the embedded DINOv2 at a small input size (4 x 6 patches)."""
+    import dataclasses
+
+    import yaml
+
+    from sps_driving import bagio, topics
+    from sps_driving.cli import main
+
+    rng = np.random.default_rng(13)
+    bag = tmp_path / "drive"
+    with bagio.BagWriter(bag) as writer:
+        for i in range(4):
+            image = np.zeros((120, 180, 3), dtype=np.uint8)
+            image[:60] = (120, 160, 230)  # sky
+            image[60:] = (90, 90, 90)  # road
+            image[60:, 80 + 5 * i : 100 + 5 * i] = 255  # a lane marking that moves
+            image[20:50, 20 * i : 20 * i + 30] = rng.integers(0, 256, 3)  # a coloured object
+            writer.write(topics.IMAGE, bagio.image_message(image, i * 33_000_000), i * 33_000_000)
+        broken = bagio.image_message(image, 4 * 33_000_000)
+        writer.write(topics.IMAGE, dataclasses.replace(broken, encoding="yuv422"), 4 * 33_000_000)
+    config = tmp_path / "extractor.yaml"
+    config.write_text(yaml.safe_dump({"input_size": [56, 84]}))
+    out = tmp_path / "analysis"
+    assert main(["analyze", str(bag), "--out", str(out), "--extractor-config", str(config)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backbone"] == "dinov2_vits14" and summary["frames"] == 4
+    assert summary["grid"] == [4, 6] and summary["dim"] == 384
+    assert 1 <= summary["components_90_all"] <= 23 and 1 <= summary["components_90_top"] <= 11  # 24, 12 patches
+    assert (out / "similarity_grid.png").is_file()  # a bag carries its frames
+    assert "dropped frame" in capsys.readouterr().err
