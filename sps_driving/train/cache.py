@@ -94,6 +94,7 @@ class FeatureCacheWriter:
         self._sources: dict[str, int] = {}
         self._shards: list[dict] = []
         self._pending: list[tuple] = []
+        self._closed = False
         self.frames = 0
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str) -> None:
@@ -108,6 +109,8 @@ class FeatureCacheWriter:
             raise ValueError(f"labels must be finite, got steering={steering}, throttle={throttle}")
         if int(stamp_ns) < 0:
             raise ValueError(f"stamp must be >= 0 ns, got {stamp_ns}")
+        if self._closed:
+            raise RuntimeError(f"feature cache {self.directory} is already closed")
         source_id = self._sources.setdefault(str(source), len(self._sources))
         self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id))
         self.frames += 1
@@ -130,7 +133,10 @@ class FeatureCacheWriter:
         self._pending = []
 
     def close(self, extra_meta: Optional[dict] = None) -> Path:
-        """Write the last shard and meta.json; `extra_meta` is merged into meta.json."""
+        """Write the last shard and meta.json; `extra_meta` is merged into meta.json. Closing twice is a no-op."""
+        if self._closed:
+            return self.directory
+        self._closed = True
         self._flush()
         meta = {
             **self.meta,

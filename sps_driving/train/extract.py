@@ -232,14 +232,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from dataclasses import replace
 
-    from sps_driving.core.backbones import load_extractor
+    from sps_driving.core.backbones import load_extractor, resolve_config
 
     settings = ExtractSettings.from_yaml(args.config)
     if args.camera_topic:
         settings = replace(settings, camera_topic=args.camera_topic)
     if args.command_topic:
         settings = replace(settings, command_topic=args.command_topic)
-    config = extractor_config_from_args(args)
+    config = resolve_config(extractor_config_from_args(args))
     extractor = load_extractor(config)
     report = extract(args.inputs, args.out, extractor, config, settings, args.overwrite)
     written = sum(c.get("written", 0) for c in report.values())

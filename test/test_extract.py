@@ -1,0 +1,117 @@
+"""`sps-driving extract` on real rosbag2 files and image folders, with a tiny random BLIP-2 of the
+real architecture (transformers classes, tiny dims) saved as a local Hugging Face folder."""
+
+import json
+
+import cv2
+import numpy as np
+import pytest
+
+from sps_driving import bagio, topics
+from sps_driving.cli import main
+from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
+from sps_driving.train.cache import FeatureCache
+from sps_driving.train.extract import ExtractSettings, extract
+
+T0 = 1_700_000_000_000_000_000
+FRAME_NS = 33_333_333
+
+
+def image(i):
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, size=(60, 96, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def extractor():
+    return Blip2Extractor.from_hf_config(tiny_blip2_config(), {"dim": 16})
+
+
+@pytest.fixture(scope="module")
+def bag(tmp_path_factory):
+    """Frames 0..5: frame 3 has no command, frame 4's image is truncated, frame 5 is bgr8 with its
+    command 5 ms late (within tolerance); an extra command is malformed."""
+    path = tmp_path_factory.mktemp("bags") / "drive_0001"
+    with bagio.BagWriter(path) as writer:
+        for i in range(6):
+            stamp = T0 + i * FRAME_NS
+            msg = bagio.image_message(image(i), stamp, encoding="bgr8" if i == 5 else "rgb8")
+            if i == 4:
+                msg.data = msg.data[:100]
+            writer.write(topics.IMAGE, msg, stamp)
+            if i != 3:
+                command_stamp = stamp + (5_000_000 if i == 5 else 0)
+                writer.write(topics.REFERENCE_COMMAND, bagio.command_message(0.01 * i, 0.1 * i, command_stamp), command_stamp)
+        malformed = bagio.command_message(float("nan"), 0.0, T0 + 3 * FRAME_NS)
+        writer.write(topics.REFERENCE_COMMAND, malformed, T0 + 3 * FRAME_NS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("folders") / "parking_lot"
+    path.mkdir()
+    rows = ["filename,steering,throttle"]
+    for i in range(3):
+        cv2.imwrite(str(path / f"{i}.png"), cv2.cvtColor(image(10 + i), cv2.COLOR_RGB2BGR))
+        rows.append(f"{i}.png,{-0.02 * i},{0.2}")
+    rows.append("missing.png,0.0,0.0")
+    rows.append("0.png,not-a-number,0.0")
+    (path / "labels.csv").write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_bag_frames_are_matched_by_stamp_and_bad_frames_are_counted(tmp_path, extractor, bag):
+    report = extract([bag], tmp_path / "cache", extractor, {"backbone": "blip2"})
+    assert report == {"drive_0001": {"written": 4, "no_command_in_tolerance": 1, "undecodable_image": 1,
+                                     "invalid_command_messages": 1}}
+    cache = FeatureCache(tmp_path / "cache")
+    assert len(cache) == 4 and cache.sources == ["drive_0001"]
+    assert cache.grid == extractor.grid and cache.descriptor_dim == 16
+    np.testing.assert_array_equal(cache.stamps, [T0 + i * FRAME_NS for i in (0, 1, 2, 5)])
+    np.testing.assert_allclose(cache.targets, [[0.01 * i, 0.1 * i] for i in (0, 1, 2, 5)], atol=1e-7)
+    # descriptors are the extractor's own for every patch of the decoded frame (bgr8 decoded to RGB)
+    expected = extractor.descriptors(extractor.encode(image(5)), np.arange(extractor.grid.n))
+    np.testing.assert_allclose(cache[3].descriptors.astype(np.float32), expected, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(cache.position_table(), extractor.position_table())
+    assert cache.meta["counts"] == report and cache.meta["extractor"] == {"backbone": "blip2"}
+
+
+def test_a_tight_tolerance_drops_the_late_command(tmp_path, extractor, bag):
+    report = extract([bag], tmp_path / "cache", extractor, settings=ExtractSettings(match_tolerance_s=0.001))
+    assert report["drive_0001"]["written"] == 3 and report["drive_0001"]["no_command_in_tolerance"] == 2
+
+
+def test_image_folder_with_labels(tmp_path, extractor, folder):
+    report = extract([folder], tmp_path / "cache", extractor)
+    assert report == {"parking_lot": {"written": 3, "undecodable_image": 1, "bad_label_row": 1}}
+    cache = FeatureCache(tmp_path / "cache")
+    np.testing.assert_array_equal(cache.stamps, [0, FRAME_NS, 2 * FRAME_NS])
+    assert cache[2].steering == pytest.approx(-0.04)
+    expected = extractor.descriptors(extractor.encode(image(11)), np.arange(extractor.grid.n))
+    np.testing.assert_allclose(cache[1].descriptors.astype(np.float32), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_unknown_inputs_are_refused(tmp_path, extractor):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither a rosbag2"):
+        extract([tmp_path / "empty"], tmp_path / "cache", extractor)
+
+
+def test_command_line_extract_then_train(tmp_path, bag, folder, capsys):
+    """The CLI loads the backbone through load_extractor from a local Hugging Face folder."""
+    model_dir = tmp_path / "blip2-tiny"
+    Blip2Extractor.from_hf_config(tiny_blip2_config(), {"dim": 16}).model.save_pretrained(model_dir)
+    extractor_yaml = tmp_path / "extractor.yaml"
+    extractor_yaml.write_text(f"backbone: blip2\nmodel_path: {model_dir}\ndim: 16\n")
+    cache_dir = tmp_path / "cache"
+    assert main(["extract", "--out", str(cache_dir), "--extractor-config", str(extractor_yaml), str(bag), str(folder)]) == 0
+    printed = capsys.readouterr().out
+    assert "7 frames from 2 input(s)" in printed and "drive_0001: 4 written" in printed
+    cache = FeatureCache(cache_dir)
+    assert cache.sources == ["drive_0001", "parking_lot"] and cache.meta["extractor"]["backbone"] == "blip2"
+    out = tmp_path / "policy"
+    assert main(["train", "--cache", str(cache_dir), "--out", str(out), "--epochs", "2", "--width", "16",
+                 "--depth", "1", "--heads", "2", "--validation-fraction", "0.5"]) == 0
+    recorded = json.loads((out / "config.json").read_text())
+    assert recorded["backbone"] == "blip2" and recorded["training"]["split"]["validation_sources"] == ["parking_lot"]
