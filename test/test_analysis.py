@@ -319,6 +319,13 @@ def test_analyze_command_on_a_feature_cache(tmp_path, capsys):
     assert summary["lemma"]["rank_mean"] == 3.0
     assert (out / "similarity_grid.png").is_file() and (out / "explained_variance.png").is_file()
     assert "90% variance with 2 components" in capsys.readouterr().out
+    # Several inputs are one stream; inputs of different grids or backbones are refused.
+    write_cache(tmp_path / "cache2", 3, grid, 32, rng)
+    assert main(["analyze", str(tmp_path / "cache"), str(tmp_path / "cache2"), "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["frames"] == 13
+    write_cache(tmp_path / "other", 3, PatchGrid(4, 4), 32, rng)
+    assert main(["analyze", str(tmp_path / "cache"), str(tmp_path / "other"), "--out", str(out)]) == 2
+    assert "analyse them separately" in capsys.readouterr().err
     # A missing input is a clear error, not a traceback.
     assert main(["analyze", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert main(["analyze", str(tmp_path), "--out", str(out)]) == 2  # a folder that is no cache

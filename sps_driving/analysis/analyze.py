@@ -1,16 +1,19 @@
-"""`sps-driving analyze INPUT --out DIR`: redundancy analysis of patch descriptors.
+"""`sps-driving analyze INPUT... --out DIR`: redundancy analysis of patch descriptors.
 
-INPUT is a feature cache directory (descriptors of every patch, written by `sps-driving
+Each INPUT is a feature cache directory (descriptors of every patch, written by `sps-driving
 extract`) or a rosbag2 (a folder with metadata.yaml, or a .db3 / .mcap file), whose camera
-frames are run through a backbone here. The output folder receives PNG figures (Figure 3a,
+frames are run through a backbone here; several inputs of one backbone are analysed as one
+stream of frames. The output folder receives PNG figures (Figure 3a,
 3b, similarity overlays as in Figure 6, the lemma sweep) and summary.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,56 +43,75 @@ def is_rosbag(path: Path) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", type=Path, help="feature cache directory or rosbag2 (folder, .db3 or .mcap)")
+    parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
+                        help="feature cache directories and/or rosbag2 (folder, .db3 or .mcap), analysed as one stream")
     parser.add_argument("--out", type=Path, required=True, help="output folder for the figures and summary.json")
     parser.add_argument("--config", type=Path, default=None, help=f"analysis settings (default: the shipped {CONFIG_NAME})")
-    parser.add_argument("--extractor-config", help="for a rosbag2: YAML extractor config passed to the backbone loader")
-    parser.add_argument("--backbone", help="for a rosbag2: backbone name (overrides the extractor config)")
-    parser.add_argument("--model-path", help="for a rosbag2: local weights for the backbone (overrides the extractor config)")
-    parser.add_argument("--device", help="for a rosbag2: cpu, cuda, ... (overrides the extractor config)")
-    parser.add_argument("--image-topic", default=None, help="camera topic of a rosbag2 input (default: the standard one)")
-    parser.add_argument("--max-frames", type=int, default=None, help="analyse at most this many frames")
-    parser.add_argument("--stride", type=int, default=1, help="analyse every this-many-th frame (default 1)")
+    parser.add_argument("--extractor-config", help="for rosbag2 inputs: YAML extractor config passed to the backbone loader")
+    parser.add_argument("--backbone", help="for rosbag2 inputs: backbone name (overrides the extractor config)")
+    parser.add_argument("--model-path", help="for rosbag2 inputs: local weights for the backbone (overrides the extractor config)")
+    parser.add_argument("--device", help="for rosbag2 inputs: cpu, cuda, ... (overrides the extractor config)")
+    parser.add_argument("--image-topic", default=None, help="camera topic of rosbag2 inputs (default: the standard one)")
+    parser.add_argument("--max-frames", type=int, default=None, help="analyse at most this many frames in all")
+    parser.add_argument("--stride", type=int, default=1, help="analyse every this-many-th frame of each input (default 1)")
     parser.add_argument("--rank", type=int, default=None,
                         help="principal rank r for the lemma sweep (default: per frame, components to the 90%% level)")
     parser.add_argument("--overlay-image", type=Path, default=None,
-                        help="for a feature cache: the camera image of the overlay frame (bags carry their frames)")
+                        help="when the overlay frame comes from a feature cache: its camera image (bags carry their frames)")
+
+
+FrameStream = Iterator[tuple[np.ndarray, "np.ndarray | None"]]
+
+
+@dataclass
+class Source:
+    """One input: its backbone and grid, how many frames it will give (at most), and its frames."""
+
+    path: Path
+    backbone: str
+    grid: PatchGrid
+    frames: int
+    stream: FrameStream
 
 
 def run(args: argparse.Namespace) -> int:
     if args.stride < 1 or (args.max_frames is not None and args.max_frames < 1):
         print("error: --stride and --max-frames must be at least 1", file=sys.stderr)
         return 2
-    settings = AnalysisSettings.from_yaml(args.config or default_config_path())
-    if args.rank is not None:
-        settings = AnalysisSettings(**{**settings.__dict__, "lemma_rank": args.rank})
-    if not args.input.exists():
-        print(f"error: {args.input} does not exist", file=sys.stderr)
-        return 2
     try:
-        if is_rosbag(args.input):
-            backbone, grid, total, frames = _bag_frames(args.input, args.stride, extractor_config_from_args(args), args.image_topic)
-        else:
-            backbone, grid, total, frames = _cache_frames(args.input, args.stride, settings.overlay_frame, args.overlay_image)
+        settings = AnalysisSettings.from_yaml(args.config or default_config_path())
+        if args.rank is not None:
+            settings = replace(settings, lemma_rank=args.rank)
+        overlay_image = _read_rgb(args.overlay_image) if args.overlay_image is not None else None
+        sources = open_sources(args.inputs, args.stride, args)
     except (OSError, ValueError, KeyError) as error:
-        print(f"error: cannot read {args.input}: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    first = sources[0]
+    mismatched = [s.path for s in sources if (s.backbone, s.grid) != (first.backbone, first.grid)]
+    if mismatched:
+        print(f"error: {', '.join(map(str, mismatched))} differ from {first.path} in backbone or patch grid "
+              f"({first.backbone}, {first.grid.rows}x{first.grid.cols}): analyse them separately", file=sys.stderr)
         return 2
 
-    analysis = RedundancyAnalysis(settings, grid)
-    if total is not None and args.max_frames is not None:
+    analysis = RedundancyAnalysis(settings, first.grid)
+    total = sum(s.frames for s in sources)
+    if args.max_frames is not None:
         total = min(total, args.max_frames)
     with tqdm(total=total, desc="analyse", unit="frame") as progress:
-        for descriptors, image in frames:
+        for descriptors, image in itertools.chain.from_iterable(s.stream for s in sources):
+            if image is None and analysis.frames == settings.overlay_frame:
+                image = overlay_image
             analysis.add_frame(descriptors, image)
             progress.update()
             if analysis.frames == args.max_frames:
                 break
     if analysis.frames == 0:
-        print(f"error: no frames in {args.input}", file=sys.stderr)
+        print(f"error: no frames in {', '.join(map(str, args.inputs))}", file=sys.stderr)
         return 1
-    summary = analysis.write(args.out, {"input": str(args.input), "backbone": backbone})
+    summary = analysis.write(args.out, {"inputs": [str(p) for p in args.inputs], "backbone": first.backbone})
     print(
-        f"{backbone}: {summary['frames']} frames, grid {grid.rows}x{grid.cols}, D={summary['dim']}: "
+        f"{first.backbone}: {summary['frames']} frames, grid {first.grid.rows}x{first.grid.cols}, D={summary['dim']}: "
         f"90% variance with {summary['components_90_all']} components (all patches), "
         f"{summary['components_90_top']} (top-{summary['top_patches']} by norm); "
         f"mean |off-diagonal correlation| {summary['correlation']['mean_abs_offdiagonal']:.3f}; "
@@ -98,41 +120,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-FrameStream = Iterator[tuple[np.ndarray, "np.ndarray | None"]]
+def open_sources(inputs: list[Path], stride: int, args: argparse.Namespace) -> list[Source]:
+    """A Source per input; rosbag2 inputs share one extractor, loaded on the first of them."""
+    extractor = None
+    sources = []
+    for path in inputs:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        if is_rosbag(path):
+            if extractor is None:
+                from sps_driving.core.backbones import load_extractor
+
+                extractor = load_extractor(extractor_config_from_args(args))
+            sources.append(_bag_source(path, stride, extractor, args.image_topic))
+        else:
+            sources.append(_cache_source(path, stride))
+    return sources
 
 
-def _cache_frames(
-    path: Path, stride: int, overlay_frame: int, overlay_image: Path | None
-) -> tuple[str, PatchGrid, int, FrameStream]:
-    """Every `stride`-th frame of a feature cache; the overlay frame (counted after the stride)
-    comes with `overlay_image`, since a cache holds no images."""
+def _cache_source(path: Path, stride: int) -> Source:
+    """Every `stride`-th frame of a feature cache (which holds no images)."""
     from sps_driving.train.cache import FeatureCache
 
     cache = FeatureCache(path)
-    image = _read_rgb(overlay_image) if overlay_image is not None else None
     chosen = range(0, len(cache), stride)
-
-    def frames() -> FrameStream:
-        for position, index in enumerate(chosen):
-            yield cache[index].descriptors, image if position == overlay_frame else None
-
-    return cache.backbone, cache.grid, len(chosen), frames()
+    return Source(path, cache.backbone, cache.grid, len(chosen), ((cache[i].descriptors, None) for i in chosen))
 
 
-def _bag_frames(
-    path: Path, stride: int, extractor_config: dict, image_topic: str | None
-) -> tuple[str, PatchGrid, None, FrameStream]:
+def _bag_source(path: Path, stride: int, extractor, image_topic: str | None) -> Source:
     """Every `stride`-th camera frame of a rosbag2 with all its patch descriptors, computed here;
     frames that cannot be decoded are dropped, counted and reported."""
+    from rosbags.rosbag2 import Reader
+
     from sps_driving import bagio, topics
-    from sps_driving.core.backbones import load_extractor
     from sps_driving.core.image import ImageError, to_rgb
 
-    extractor = load_extractor(extractor_config)
     topic = image_topic or topics.IMAGE
     if topic not in bagio.topic_types(path):
-        raise ValueError(f"no topic {topic} in the bag (use --image-topic)")
+        raise ValueError(f"no topic {topic} in the bag {path} (use --image-topic)")
     all_patches = np.arange(extractor.grid.n, dtype=np.int64)
+    with Reader(path) as reader:
+        count = sum(c.msgcount for c in reader.connections if c.topic == topic)
 
     def frames() -> FrameStream:
         dropped = 0
@@ -144,11 +172,12 @@ def _bag_frames(
                 rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
             except ImageError as error:
                 dropped += 1
-                print(f"warning: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)", file=sys.stderr)
+                print(f"warning: {path}: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)",
+                      file=sys.stderr)
                 continue
             yield extractor.descriptors(extractor.encode(rgb), all_patches), rgb
 
-    return extractor.name, extractor.grid, None, frames()
+    return Source(path, extractor.name, extractor.grid, len(range(0, count, stride)), frames())
 
 
 def _read_rgb(path: Path) -> np.ndarray:
