@@ -17,13 +17,14 @@ ROWS, COLS, D = 3, 4, 8
 TINY = dict(width=16, depth=1, heads=2, batch_size=16)
 
 
-def make_cache(directory, sources=("drive_a", "drive_b", "drive_c", "drive_d"), frames_per_source=24, seed=0):
+def make_cache(directory, sources=("drive_a", "drive_b", "drive_c", "drive_d"), frames_per_source=24, seed=0,
+               with_position_table=True):
     """Labels are a smooth function of the descriptors, so a policy can learn them."""
     rng = np.random.default_rng(seed)
     weights = rng.normal(size=D)
     meta = {"backbone": "test-random", "grid": {"rows": ROWS, "cols": COLS}, "descriptor_dim": D}
     table = rng.normal(size=(ROWS * COLS, 5)).astype(np.float32)
-    with FeatureCacheWriter(directory, meta, table, shard_size=20) as writer:
+    with FeatureCacheWriter(directory, meta, table if with_position_table else None, shard_size=20) as writer:
         for s, source in enumerate(sources):
             for i in range(frames_per_source):
                 descriptors = rng.normal(size=(ROWS * COLS, D))
@@ -98,6 +99,14 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path)
         train(config(cache_dir, tmp_path / "resumed", epochs=5, rate=0.3, resume=True))
     with pytest.raises(FileNotFoundError, match="last"):
         train(config(cache_dir, tmp_path / "never_started", epochs=5, resume=True))
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(config(cache_dir, tmp_path / "straight", epochs=4))
+
+
+def test_sequence_variants_need_the_backbones_position_table(tmp_path):
+    no_table = make_cache(tmp_path / "cache", frames_per_source=4, with_position_table=False)
+    with pytest.raises(ValueError, match="position table"):
+        train(config(no_table, tmp_path / "m", variant="spps", epochs=1))
 
 
 def test_early_stopping_and_the_plateau_scheduler(cache_dir, tmp_path):

@@ -305,8 +305,12 @@ def train(cfg: TrainConfig, descriptor_transform: Optional[DescriptorTransform] 
 
 def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
     out, last_dir = Path(cfg.out), Path(cfg.out) / LAST_DIR
+    if not cfg.resume and (last_dir / STATE_JSON).exists():
+        raise FileExistsError(f"{out} already holds a training run: continue it with --resume or choose another --out")
     cache = FeatureCache(cfg.cache)
     selection = cfg.selection()
+    if selection.sparse_sequence and cache.position_table() is None:
+        raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.directory} has none")
     selector = PatchSelector(selection, cache.grid)
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
     config = policy_config(cfg, cache, split)
@@ -380,6 +384,8 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
                                              cfg.batch_size, procs.device)
         loss_sum, frames_seen, val_sum, val_count = procs.all_sum(loss_sum, frames_seen, val_sum, val_count)
         train_loss, val_loss = loss_sum / frames_seen, val_sum / val_count
+        if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
+            raise FloatingPointError(f"training diverged in epoch {epoch} (non-finite loss); try a lower --lr")
         scheduler.step(val_loss)
         improved = val_loss < state["best_validation_loss"]
         state.update(epoch=epoch + 1)
