@@ -120,7 +120,7 @@ def test_memory_budget_chunks_without_changing_results(model, image):
 def test_alpha_covering_grid_equals_unmasked_itc_embeddings(model, image):
     fast = extractor(model, falloff="hard", alpha=100.0, dim=24)
     ours = fast.descriptors(fast.encode(image), np.arange(16))
-    pixels = preprocess(image, fast.image_size)
+    pixels = preprocess(image, (fast.image_size, fast.image_size))
     with torch.inference_mode():
         out = model(pixel_values=pixels, input_ids=torch.tensor([[2, 7, 3]]), use_image_text_matching_head=False)
     # transformers' own per-query ITC embeddings [1, Q, P], pooled as documented

@@ -37,6 +37,7 @@ from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_e
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
 from sps_driving.core.backbones.vit_masked import resolve_dtype
 from sps_driving.core.grid import PatchGrid, attention_bias, patch_masks
+from sps_driving.core.image import ImageError
 
 # BLIP-2's image processor: bicubic resize to the model's square input, CLIP mean/std.
 PIXEL_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -91,13 +92,32 @@ def _fp32_layer_norm_forward(norm: nn.LayerNorm):
     return forward
 
 
-def preprocess(image_rgb: np.ndarray, size: int) -> torch.Tensor:
-    """uint8 HxWx3 RGB -> float32 [1, 3, size, size], resized (aspect not kept) and normalized."""
-    if image_rgb.dtype != np.uint8 or image_rgb.ndim != 3 or image_rgb.shape[2] != 3:
-        raise ValueError(f"expected a uint8 HxWx3 RGB image, got {image_rgb.dtype} {image_rgb.shape}")
-    resized = cv2.resize(image_rgb, (size, size), interpolation=cv2.INTER_CUBIC)
-    pixels = (resized.astype(np.float32) / 255.0 - PIXEL_MEAN) / PIXEL_STD
-    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32))[None]
+RESIZE = {"cubic": cv2.INTER_CUBIC, "area": cv2.INTER_AREA}
+
+
+def preprocess(
+    image_rgb: np.ndarray, size: tuple[int, int], resize: str = "cubic", mean=PIXEL_MEAN, std=PIXEL_STD
+) -> torch.Tensor:
+    """uint8 HxWx3 RGB -> float32 [1, 3, height, width] for size = (height, width): resized (the
+    aspect is not kept), scaled to [0, 1], normalized per channel."""
+    if not isinstance(image_rgb, np.ndarray) or image_rgb.dtype != np.uint8 or image_rgb.ndim != 3 or image_rgb.shape[2] != 3:
+        raise ImageError(f"expected a uint8 HxWx3 RGB image, got {getattr(image_rgb, 'dtype', type(image_rgb))} "
+                         f"{getattr(image_rgb, 'shape', '')}")
+    height, width = size
+    resized = cv2.resize(image_rgb, (width, height), interpolation=RESIZE[resize])
+    pixels = (resized.astype(np.float32) / 255.0 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))[None]
+
+
+def token_bias(
+    grid: PatchGrid, indices: np.ndarray, falloff: str, alpha: float, suppression: float,
+    prefix_tokens: int = 1, prefix_mask: float = 1.0,
+) -> np.ndarray:
+    """float32 [k, prefix_tokens + N]: SPS eq. 1's (1 - m^(j)) r over a ViT's tokens, the prefix
+    (CLS) tokens first with mask value prefix_mask."""
+    masks = patch_masks(grid, indices, falloff, float(alpha))
+    prefix = np.full((len(masks), prefix_tokens), prefix_mask, dtype=np.float32)
+    return attention_bias(np.concatenate([prefix, masks], axis=1), float(suppression))
 
 
 class DescriptorHead(nn.Module):
@@ -216,7 +236,6 @@ class Blip2Extractor:
         self.patch_qformer = PatchQFormer(self.model.qformer, self.model.query_tokens)
         self.backbone_module = Blip2BackboneModule(self.model.vision_model)
         self.patch_module = Blip2PatchModule(self.patch_qformer, self.model.vision_projection, self.head)
-        self._token_bias_cache: dict[bytes, torch.Tensor] = {}
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -257,7 +276,7 @@ class Blip2Extractor:
     @torch.inference_mode()
     def image_tokens(self, image_rgb: np.ndarray) -> torch.Tensor:
         """The vision backbone on one frame: [T, E] image tokens."""
-        pixels = preprocess(image_rgb, self.image_size).to(self.device)
+        pixels = preprocess(image_rgb, (self.image_size, self.image_size)).to(self.device)
         return self.backbone_module(pixels)
 
     @torch.inference_mode()
@@ -270,10 +289,11 @@ class Blip2Extractor:
 
     def token_bias(self, indices: np.ndarray) -> torch.Tensor:
         """[k, T] float32 attention bias over the image tokens (CLS first) for patch `indices`."""
-        indices = self._check_indices(indices)
-        masks = patch_masks(self.grid, indices, self.options["falloff"], float(self.options["alpha"]))
-        cls = np.full((len(indices), 1), float(self.options["cls_mask"]), dtype=np.float32)
-        bias = attention_bias(np.concatenate([cls, masks], axis=1), float(self.options["suppression"]))
+        opts = self.options
+        bias = token_bias(
+            self.grid, self._check_indices(indices), opts["falloff"], opts["alpha"], opts["suppression"],
+            prefix_mask=float(opts["cls_mask"]),
+        )
         return torch.from_numpy(bias).to(self.device)
 
     @torch.inference_mode()

@@ -1,0 +1,142 @@
+"""`sps-driving export`: ONNX graphs and TensorRT engines of a per-patch extractor, and a parity check.
+
+  sps-driving export onnx --backbone blip2 --model-path models/blip2-itm-vit-g --out models/export/blip2
+  sps-driving export onnx --backbone dinov2_vits14 --out models/export/dinov2_vits14
+  sps-driving export tensorrt --export-dir models/export/blip2          (GPU machines, needs tensorrt)
+  sps-driving export parity --export-dir models/export/blip2 --backend onnxruntime --backbone blip2 ...
+
+`--random-weights tiny|real` builds BLIP-2 with random weights (for timing and checks without a
+checkpoint; the same --seed gives the same weights in every command).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="export_command", metavar="WHAT", required=True)
+    onnx = sub.add_parser("onnx", help="export the backbone and per-patch graphs to ONNX")
+    _add_extractor_arguments(onnx)
+    onnx.add_argument("--out", required=True, help="export directory (e.g. models/export/blip2)")
+    trt = sub.add_parser("tensorrt", help="build TensorRT engines from an ONNX export (GPU only)")
+    trt.add_argument("--export-dir", required=True)
+    trt.add_argument("--fp32", action="store_true", help="fp32 engines (default fp16 with fp32 LayerNorm/softmax)")
+    trt.add_argument("--patches", type=int, nargs=3, default=(1, 128, 256), metavar=("MIN", "OPT", "MAX"),
+                     help="optimization profile of the patch batch")
+    trt.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace [GiB]")
+    trt.add_argument("--force", action="store_true", help="rebuild even if a cached engine exists")
+    parity = sub.add_parser("parity", help="compare an exported runtime with the fp32 torch extractor")
+    _add_extractor_arguments(parity)
+    parity.add_argument("--export-dir", required=True)
+    parity.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime")
+    parity.add_argument("--tolerance", type=float, default=1e-4, help="max abs descriptor difference allowed")
+    parity.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _add_extractor_arguments(parser) -> None:
+    parser.add_argument("--backbone", choices=("dinov2_vits14", "blip2"), default="dinov2_vits14")
+    parser.add_argument("--config", help="extraction YAML (default config/extraction.yaml)")
+    parser.add_argument("--model-path", help="local model folder (BLIP-2) or ONNX file (DINOv2)")
+    parser.add_argument("--random-weights", choices=("tiny", "real"), help="BLIP-2 with random weights at tiny or real dims")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
+    parser.add_argument("--dim", type=int, default=64, help="BLIP-2 descriptor channels D")
+
+
+def torch_extractor(args, device: str = "cpu"):
+    """The fp32 torch extractor the exports are made from and compared with."""
+    from sps_driving.core.backbones import load_extractor, resolve_config
+
+    given = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    config = {**given, "backbone": args.backbone, "backend": "torch", "device": device, "dtype": "float32"}
+    if args.model_path:
+        config["model_path"] = args.model_path
+    if args.backbone == "blip2":
+        config.setdefault("dim", args.dim)
+    if args.random_weights:
+        if args.backbone != "blip2":
+            raise SystemExit("--random-weights is for --backbone blip2")
+        from sps_driving.core.backbones.blip2 import DEFAULTS, Blip2Extractor, real_blip2_config, tiny_blip2_config
+
+        blip2 = real_blip2_config() if args.random_weights == "real" else tiny_blip2_config()
+        options = {key: value for key, value in resolve_config(config).items() if key in DEFAULTS}
+        if args.random_weights == "tiny":
+            options["dim"] = min(options["dim"], blip2.image_text_hidden_size)
+        return Blip2Extractor.from_hf_config(blip2, options, seed=args.seed)
+    return load_extractor(config)
+
+
+def run(args) -> int:
+    if args.export_command == "onnx":
+        return _run_onnx(args)
+    if args.export_command == "tensorrt":
+        return _run_tensorrt(args)
+    return _run_parity(args)
+
+
+def _run_onnx(args) -> int:
+    from sps_driving.export.onnx_export import export_onnx
+
+    with tqdm(total=2, desc="export onnx", unit="step") as bar:
+        bar.set_postfix_str("loading the extractor")
+        extractor = torch_extractor(args)
+        bar.update()
+        bar.set_postfix_str("tracing backbone and per-patch graphs")
+        start = time.perf_counter()
+        meta = export_onnx(extractor, args.out)
+        bar.update()
+    sizes = {p.name: p.stat().st_size for p in sorted(Path(args.out).iterdir()) if p.is_file()}
+    print(f"exported {extractor.name} to {args.out} in {time.perf_counter() - start:.1f} s: "
+          + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sizes.items()))
+    print(f"metadata: {meta}")
+    return 0
+
+
+def _run_tensorrt(args) -> int:
+    from sps_driving.core.backbones.runtimes import BACKBONE_FILE, PATCHES_FILE, RuntimeMissing, read_export
+    from sps_driving.export.tensorrt import build_engine
+
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        print("TensorRT is not installed: `pip install tensorrt` on a machine with an NVIDIA GPU", file=sys.stderr)
+        return 2
+    export_dir = Path(args.export_dir)
+    try:
+        read_export(export_dir, {"export_dir": str(export_dir)})
+    except RuntimeMissing as error:
+        print(error, file=sys.stderr)
+        return 2
+    for graph in tqdm((BACKBONE_FILE, PATCHES_FILE), desc="build TensorRT engines", unit="engine"):
+        start = time.perf_counter()
+        path = build_engine(export_dir / graph, fp16=not args.fp32, patches=tuple(args.patches),
+                            workspace_gb=args.workspace_gb, force=args.force)
+        print(f"{graph}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _run_parity(args) -> int:
+    from sps_driving.core.backbones.runtimes import load_runtime_extractor
+
+    runtime_config = {"backbone": args.backbone, "backend": args.backend, "export_dir": args.export_dir, "device": "auto"}
+    runtime = load_runtime_extractor(runtime_config)
+    reference = torch_extractor(args)
+    image = np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)
+    indices = np.arange(reference.grid.n)
+    expected = reference.descriptors(reference.encode(image), indices)
+    got = runtime.descriptors(runtime.encode(image), indices)
+    diff = float(np.abs(got - expected).max())
+    cosine = float(np.min(np.sum(got * expected, 1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-12)))
+    result = {"backbone": reference.name, "backend": args.backend, "max_abs_diff": diff, "min_cosine": cosine,
+              "descriptor_scale": float(np.abs(expected).max()), "tolerance": args.tolerance, "ok": diff <= args.tolerance}
+    print(json.dumps(result) if args.json else
+          f"{reference.name} {args.backend} vs torch fp32: max |diff| {diff:.3g} (tolerance {args.tolerance:g}), "
+          f"min cosine {cosine:.6f}, descriptor scale {result['descriptor_scale']:.3g} -> {'OK' if result['ok'] else 'FAIL'}")
+    return 0 if result["ok"] else 1
