@@ -136,8 +136,11 @@ def test_load_extractor_defaults_come_from_config_yaml():
     assert extractor.name == "dinov2_vits14" and extractor.dim == 384
     assert (extractor.grid.rows, extractor.grid.cols) == (16, 16)
     assert extractor.encoder.masks_last_layer
-    config = resolve_config({"input_size": [224, 336], "masked_layer": 5})
+    config = resolve_config({"input_size": [224, 336], "masked_layer": 5, "backend": "onnxruntime", "export_dir": "x"})
     assert config["input_size"] == [224, 336] and config["masked_layer"] == 5 and config["falloff"] == "hard"
+    assert config["backend"] == "onnxruntime" and config["export_dir"] == "x"
+    # BLIP-2 applies its own defaults: only the given keys reach it
+    assert resolve_config({"backbone": "blip2", "dim": 32}) == {"backbone": "blip2", "backend": "torch", "dim": 32}
 
 
 def test_load_extractor_reads_a_yaml_file(tmp_path):

