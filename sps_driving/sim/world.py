@@ -89,8 +89,9 @@ def make_episode(config: dict, scenario: Scenario, seed: int) -> Episode:
         color = model.colors[int(paint * len(model.colors))]
         moving = layout.random() < traffic["moving_fraction"]
         lo, hi = traffic["intrusion_m"]
-        amp = traffic["sway_amplitude_m"] if moving else 0.0
-        intrusion = layout.uniform(min(lo + amp, (lo + hi) / 2), max(hi - amp, (lo + hi) / 2))
+        # The sway never takes the intrusion outside [lo, hi].
+        amp = min(traffic["sway_amplitude_m"], (hi - lo) / 2.0) if moving else 0.0
+        intrusion = layout.uniform(lo + amp, hi - amp)
         # The inner edge reaches `intrusion` into the ego lane from its right boundary.
         lateral = -half_lane + intrusion - model.width_m / 2.0
         actors.append(

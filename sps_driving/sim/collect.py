@@ -1,0 +1,114 @@
+"""`sps-driving collect --out DIR --episodes N --seed S`: expert drives recorded as rosbag2.
+
+One bag per episode (DIR/episode_00000, ...), on the topics the car records
+(sps_driving.topics), so `sps-driving extract DIR/episode_*` reads them like car bags:
+camera image and camera info, the reference command, vehicle speed, lane pose and the
+nearest-obstacle gap, all stamped with the frame's time.
+
+The car is pushed around (perturbed start, steering pulses, throttle noise) so the data holds
+recoveries; the reference command is always the expert's clean command for the frame's state
+(guided policy learning), not the pushed command that actually moved the car.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sps_driving import bagio, topics
+from sps_driving.sim.config import load_sim_config
+from sps_driving.sim.expert import Disturbance, Expert
+from sps_driving.sim.scenarios import get_scenario
+from sps_driving.sim.world import World, make_episode, rng_for
+
+
+def episode_seed(seed: int, index: int) -> int:
+    """Episode seeds of a collection: disjoint from evaluation seeds, which start at 0."""
+    return 1_000_000 + seed * 10_000 + index
+
+
+def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, start_ns: int, storage: str, disturb: bool = True) -> dict:
+    """Drive one expert episode and write it as a rosbag2 at `bag_dir`; returns its summary."""
+    from sps_driving.sim.render import get_renderer
+
+    renderer = get_renderer(config)
+    episode = make_episode(config, get_scenario(scenario_name), seed)
+    disturbance = Disturbance(config, rng_for(seed, "disturbance"))
+    start = disturbance.start_state(episode.cruise_speed) if disturb else {}
+    world = World(config, episode, **start)
+    expert = Expert(config)
+    cam = config["camera"]
+    hfov = math.radians(float(cam["hfov_deg"]))
+    steps = int(round(float(config["episode_s"]) * float(config["control_rate_hz"])))
+    period_ns = int(round(1e9 / float(config["control_rate_hz"])))
+    with bagio.BagWriter(bag_dir, storage=storage) as bag:
+        for k in range(steps):
+            stamp = start_ns + k * period_ns
+            image = renderer.render(world)
+            clean = expert.command(world)
+            bag.write(topics.IMAGE, bagio.image_message(image, stamp), stamp)
+            bag.write(topics.CAMERA_INFO, bagio.camera_info_message(image.shape[0], image.shape[1], stamp, hfov_rad=hfov), stamp)
+            bag.write(topics.REFERENCE_COMMAND, bagio.command_message(clean.steering, clean.throttle, stamp), stamp)
+            bag.write(topics.VEHICLE_TWIST, bagio.twist_message(world.state.speed, stamp), stamp)
+            bag.write(topics.LANE_POSE, bagio.lane_pose_message(world.lane.lateral, world.lane.heading_error, stamp), stamp)
+            bag.write(topics.OBSTACLE_RANGE, bagio.range_message(world.nearest_gap(), stamp), stamp)
+            applied = disturbance.apply(clean, world.dt) if disturb else clean
+            world.step(applied.steering, applied.throttle)
+    result = world.result(steps * world.dt).as_dict()
+    result["bag"] = bag_dir.name
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="folder for the episode bags (created)")
+    parser.add_argument("--episodes", type=int, default=10, help="number of episodes (one bag each)")
+    parser.add_argument("--seed", type=int, default=0, help="collection seed: episode layouts and disturbances derive from it")
+    parser.add_argument("--scenario", help="scenario name (default: the in-distribution one from config/sim.yaml)")
+    parser.add_argument("--episode-s", type=float, help="episode length in s (default from config/sim.yaml)")
+    parser.add_argument("--width", type=int, help="rendered image width in px (height follows the camera aspect)")
+    parser.add_argument("--storage", choices=sorted(bagio.STORAGES), help="rosbag2 storage (default from config/sim.yaml)")
+    parser.add_argument("--no-disturbance", action="store_true", help="clean expert drives: no perturbed start, no pushes")
+    parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
+
+
+def run(args) -> int:
+    config = load_sim_config(args.sim_config)
+    if args.episode_s is not None:
+        config["episode_s"] = float(args.episode_s)
+    if args.width is not None:
+        cam = config["camera"]
+        cam["render_height"] = int(round(args.width * int(cam["native_height"]) / int(cam["native_width"])))
+        cam["render_width"] = int(args.width)
+    if args.episodes < 1:
+        raise SystemExit("--episodes must be at least 1")
+    collect = config["collect"]
+    scenario = args.scenario or collect["scenario"]
+    get_scenario(scenario)  # validates the name before any work
+    storage = args.storage or collect["storage"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    for index in tqdm(range(args.episodes), desc=f"collect {scenario}", unit="episode"):
+        bag_dir = out / f"episode_{index:05d}"
+        if bag_dir.exists():
+            raise SystemExit(f"{bag_dir} exists; collect into an empty folder")
+        start_ns = int(collect["epoch_ns"]) + index * int(float(collect["episode_gap_s"]) * 1e9)
+        summaries.append(record_episode(config, scenario, episode_seed(args.seed, index), bag_dir, start_ns, storage, not args.no_disturbance))
+    manifest = {
+        "scenario": scenario,
+        "seed": args.seed,
+        "episodes": args.episodes,
+        "episode_s": config["episode_s"],
+        "image_size": [config["camera"]["render_width"], config["camera"]["render_height"]],
+        "disturbance": not args.no_disturbance,
+        "storage": storage,
+        "results": summaries,
+    }
+    (out / "collect.json").write_text(json.dumps(manifest, indent=1))
+    interventions = sum(s["interventions"] for s in summaries)
+    print(f"{args.episodes} episode bag(s) in {out} ({scenario}); expert interventions: {interventions}")
+    return 0

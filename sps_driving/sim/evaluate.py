@@ -1,0 +1,377 @@
+"""`sps-driving eval`: closed-loop out-of-distribution evaluation in the driving world (SPS
+section 4.2, Table 1), in-process: renderer -> extractor -> patch selection -> policy -> vehicle.
+
+    sps-driving eval --policy models/sps50 --profile quick --out runs/eval
+    sps-driving eval --expert --profile quick --out runs/eval      # checks the world itself
+
+Episodes run in worker processes (spawn); every finished episode is appended to
+OUT/results.jsonl, and a rerun skips the episodes already there (resumable). Tables are
+written from everything in results.jsonl: OUT/table1.csv and OUT/table1.md (one column per
+method, the ID row then the 14 OOD rows, an average over the OOD rows and the gain over DA in
+points), and OUT/details.md (per scenario: mean with 95% interval, failures by type,
+interventions, mean speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import multiprocessing as mp
+import subprocess
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from tqdm import tqdm
+
+from sps_driving.sim.config import PROFILES, load_sim_config
+from sps_driving.sim.scenarios import SCENARIO_NAMES, SCENARIOS, get_scenario
+from sps_driving.sim.world import World, make_episode
+
+RESULTS_FILE = "results.jsonl"
+EXPERT = "expert"
+# Evaluation episode seeds start here; collection seeds (sps_driving.sim.collect) never reach it.
+EVAL_SEED_BASE = 0
+METHOD_ORDER = ("No-FM", "I-ViT", "MF", "DA")
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+         12: 2.18, 15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02, 60: 2.00, 120: 1.98}
+
+
+def method_name(policy_config: dict) -> str:
+    """Table 2's column name from a policy's selection: DA at rate 1.0, else e.g. SPS-50."""
+    selection = policy_config.get("selection", {})
+    rate = float(selection.get("rate", 1.0))
+    variant = str(selection.get("variant", "sps"))
+    if rate >= 1.0:
+        return "DA"
+    label = {"sps": "SPS", "spps": "SPPS", "mspps": "MSPPS", "threshold": "SPS-v1"}.get(variant, variant.upper())
+    return f"{label}-{int(round(rate * 100))}"
+
+
+def episode_stamp_ns(config: dict, episode_index: int, step: int) -> int:
+    """Frame stamps as the collection writes them, so patch selection replays per stamp."""
+    collect = config["collect"]
+    period_ns = int(round(1e9 / float(config["control_rate_hz"])))
+    return int(collect["epoch_ns"]) + episode_index * int(float(collect["episode_gap_s"]) * 1e9) + step * period_ns
+
+
+# ------------------------------------------------------------------------------ drivers
+class PolicyDriver:
+    """Camera frame -> selected patches -> descriptors -> policy command."""
+
+    def __init__(self, policy_dir: str, device: str = "cpu"):
+        from sps_driving.core.backbones import load_extractor
+        from sps_driving.core.policy import load_policy
+
+        self.policy = load_policy(policy_dir, device=device)
+        extractor_config = dict(self.policy.config.get("extractor") or {"backbone": self.policy.config.get("backbone", "dinov2_vits14")})
+        if extractor_config.get("backbone", "dinov2_vits14") == "dinov2_vits14":
+            extractor_config["device"] = device
+        self.extractor = load_extractor(extractor_config)
+        if self.extractor.grid != self.policy.grid or self.extractor.dim != self.policy.descriptor_dim:
+            raise ValueError(
+                f"policy {policy_dir} expects a {self.policy.grid.rows}x{self.policy.grid.cols}x{self.policy.descriptor_dim} "
+                f"descriptor grid but the extractor gives {self.extractor.grid.rows}x{self.extractor.grid.cols}x{self.extractor.dim}"
+            )
+        self.selector = self.policy.selector
+        self.last = (0.0, 0.0)
+        self.drops = 0
+
+    def reset(self) -> None:
+        self.last = (0.0, 0.0)
+
+    def __call__(self, image: np.ndarray, stamp_ns: int) -> tuple[float, float]:
+        try:
+            indices = self.selector.select(stamp_ns)
+            state = self.extractor.encode(image)
+            command = self.policy.predict(self.extractor.descriptors(state, indices), indices)
+        except (ValueError, RuntimeError):
+            # A frame the stack cannot use is dropped and counted; the car holds the last
+            # command, as the vehicle interface does within its staleness timeout.
+            self.drops += 1
+            return self.last
+        if not all(math.isfinite(c) for c in command):
+            self.drops += 1
+            return self.last
+        self.last = command
+        return command
+
+
+def run_episode(config: dict, scenario_name: str, episode_index: int, driver=None, renderer=None) -> dict:
+    """One closed-loop episode; `driver` None means the privileged expert (no camera needed)."""
+    from sps_driving.sim.expert import Expert
+
+    episode = make_episode(config, get_scenario(scenario_name), EVAL_SEED_BASE + episode_index)
+    world = World(config, episode)
+    steps = int(round(float(config["episode_s"]) * float(config["control_rate_hz"])))
+    expert = Expert(config) if driver is None else None
+    drops_before = getattr(driver, "drops", 0)
+    if driver is not None:
+        driver.reset()
+    for step in range(steps):
+        if expert is not None:
+            command = expert.command(world)
+            steering, throttle = command.steering, command.throttle
+        else:
+            image = renderer.render(world)
+            steering, throttle = driver(image, episode_stamp_ns(config, episode_index, step))
+        world.step(steering, throttle)
+    result = world.result(steps * world.dt).as_dict()
+    result["episode"] = episode_index
+    result["dropped_frames"] = getattr(driver, "drops", 0) - drops_before
+    return result
+
+
+# ------------------------------------------------------------------------------ workers
+_WORKER: dict = {}
+
+
+def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    _WORKER["config"] = config
+    if policy_dir is not None:
+        from sps_driving.sim.render import get_renderer
+
+        _WORKER["renderer"] = get_renderer(config)
+        _WORKER["driver"] = PolicyDriver(policy_dir, device)
+
+
+def _run_task(task: tuple[str, int]) -> dict:
+    scenario_name, episode_index = task
+    return run_episode(_WORKER["config"], scenario_name, episode_index, _WORKER.get("driver"), _WORKER.get("renderer"))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    method: str
+    policy_dir: Optional[str]
+    profile: str
+    episodes: int
+    episode_s: float
+    width: int
+    height: int
+
+    def key(self, scenario: str, episode: int) -> tuple:
+        return (self.method, scenario, episode, self.episode_s, self.width, self.height)
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["method"], row["scenario"], row["episode"], row["episode_s"], row["width"], row["height"])
+
+
+def read_results(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by an interrupted run; that episode reruns
+    return rows
+
+
+def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu") -> list[dict]:
+    """Run the missing episodes of `scenarios`, appending each to out/results.jsonl."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS_FILE
+    done = {_row_key(r) for r in read_results(path)}
+    tasks = [(s, e) for s in scenarios for e in range(settings.episodes) if settings.key(s, e) not in done]
+    new_rows = []
+    if not tasks:
+        print(f"all {len(scenarios) * settings.episodes} episodes of {settings.method} already in {path}")
+        return new_rows
+    threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
+    init = (config, settings.policy_dir, device, threads)
+    extra = {"method": settings.method, "profile": settings.profile, "episode_s": settings.episode_s,
+             "width": settings.width, "height": settings.height, "policy": settings.policy_dir}
+    with path.open("a") as sink, tqdm(total=len(tasks), desc=f"eval {settings.method}", unit="episode") as bar:
+        def record(row: dict) -> None:
+            row = {**extra, **row}
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            new_rows.append(row)
+            bar.update(1)
+
+        if workers <= 1:
+            _init_worker(*init)
+            for task in tasks:
+                record(_run_task(task))
+        else:
+            with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init) as pool:
+                for row in pool.imap_unordered(_run_task, tasks):
+                    record(row)
+    return new_rows
+
+
+# ------------------------------------------------------------------------------ tables
+def interval95(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of the 95% t-interval (0 half-width for one value)."""
+    n = len(values)
+    mean = float(np.mean(values))
+    if n < 2:
+        return mean, 0.0
+    df = n - 1
+    t = next((v for k, v in sorted(_T975.items()) if k >= df), 1.96)
+    return mean, float(t * np.std(values, ddof=1) / math.sqrt(n))
+
+
+def summarize(rows: list[dict]) -> dict:
+    """{method: {scenario: stats}} from result rows."""
+    grouped: dict = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        grouped[row["method"]][row["scenario"]].append(row)
+    summary = {}
+    for method, by_scenario in grouped.items():
+        summary[method] = {}
+        for scenario, episodes in by_scenario.items():
+            mean, half = interval95([e["score"] for e in episodes])
+            failures: dict = defaultdict(int)
+            for e in episodes:
+                for kind, count in e["failures"].items():
+                    failures[kind] += count
+            summary[method][scenario] = {
+                "mean": mean,
+                "ci95": half,
+                "episodes": len(episodes),
+                "interventions": sum(e["interventions"] for e in episodes),
+                "failures": dict(failures),
+                "mean_speed_mps": float(np.mean([e["mean_speed_mps"] for e in episodes])),
+                "dropped_frames": sum(e.get("dropped_frames", 0) for e in episodes),
+                "episode_s": episodes[0]["episode_s"],
+                "size": f"{episodes[0]['width']}x{episodes[0]['height']}",
+            }
+    return summary
+
+
+def _method_sort_key(name: str) -> tuple:
+    if name in METHOD_ORDER:
+        return (0, METHOD_ORDER.index(name), 0, name)
+    if name == EXPERT:
+        return (2, 0, 0, name)
+    family, _, rate = name.rpartition("-")
+    return (1, ("MSPPS", "SPPS", "SPS").index(family) if family in ("MSPPS", "SPPS", "SPS") else 3, -int(rate) if rate.isdigit() else 0, name)
+
+
+def table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Table 1 layout: header and rows (ID, OOD rows, average over OOD, gain over DA in points)."""
+    methods = sorted(summary, key=_method_sort_key)
+    header = ["scenario"] + methods
+    rows = []
+    for scenario in SCENARIO_NAMES:
+        if any(scenario in summary[m] for m in methods):
+            rows.append([scenario] + [f"{summary[m][scenario]['mean']:.2f}" if scenario in summary[m] else "" for m in methods])
+    averages = {}
+    for m in methods:
+        ood = [summary[m][s]["mean"] for s in SCENARIO_NAMES[1:] if s in summary[m]]
+        averages[m] = float(np.mean(ood)) if ood else None
+    rows.append(["average"] + [f"{averages[m]:.3f}" if averages[m] is not None else "" for m in methods])
+    if averages.get("DA") is not None:
+        rows.append(["gain_over_DA_points"] + [f"{100 * (averages[m] - averages['DA']):+.1f}" if averages[m] is not None else "" for m in methods])
+    return header, rows
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_tables(rows: list[dict], out: Path, command: str) -> None:
+    summary = summarize(rows)
+    if not summary:
+        return
+    header, table = table_rows(summary)
+    with (out / "table1.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(table)
+    labels = {s.name: s.label for s in SCENARIOS}
+    settings = sorted({(r["profile"], r["episode_s"], r["width"], r["height"]) for r in rows})
+    counts = {m: sorted({v["episodes"] for v in by.values()}) for m, by in summary.items()}
+    lines = [
+        "# Closed-loop evaluation (normalized success duration)",
+        "",
+        f"Command: `{command}`  ",
+        f"Git revision: {_git_revision()}  ",
+        "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
+        "Episodes per scenario: " + ", ".join(f"{m}: {'/'.join(map(str, c))}" for m, c in counts.items()) + "  ",
+        "Episode seeds: 0..N-1 (layouts shared by all scenarios and methods). Score: time until the first "
+        "failure / episode length. Average: over the OOD rows. Gain: average minus DA's, in points.",
+        "",
+        "| " + " | ".join(["Scenario"] + header[1:]) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for row in table:
+        lines.append("| " + " | ".join([labels.get(row[0], row[0])] + row[1:]) + " |")
+    (out / "table1.md").write_text("\n".join(lines) + "\n")
+    details = ["# Per-scenario details", ""]
+    for method in sorted(summary, key=_method_sort_key):
+        details += [f"## {method}", "", "| Scenario | Score (95% CI) | Episodes | Interventions | Lane | Collision | Heading | Speed m/s | Dropped frames |",
+                    "|---|---|---|---|---|---|---|---|---|"]
+        for scenario in SCENARIO_NAMES:
+            s = summary[method].get(scenario)
+            if s is None:
+                continue
+            f = s["failures"]
+            details.append(
+                f"| {labels[scenario]} | {s['mean']:.2f} ± {s['ci95']:.2f} | {s['episodes']} | {s['interventions']} | "
+                f"{f.get('lane_boundary', 0)} | {f.get('collision', 0)} | {f.get('heading', 0)} | {s['mean_speed_mps']:.1f} | {s['dropped_frames']} |"
+            )
+        details.append("")
+    (out / "details.md").write_text("\n".join(details))
+
+
+# ------------------------------------------------------------------------------ command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument("--policy", help="policy checkpoint folder (policy.safetensors + config.json)")
+    who.add_argument("--expert", action="store_true", help="drive with the privileged expert (checks the world)")
+    parser.add_argument("--name", help="method column name (default from the policy's selection, e.g. DA, SPS-50)")
+    parser.add_argument("--profile", choices=PROFILES, default="quick", help="episodes, episode length and image size (config/sim.yaml)")
+    parser.add_argument("--episodes", type=int, help="episodes per scenario (overrides the profile)")
+    parser.add_argument("--episode-s", type=float, help="episode length in s (overrides the profile)")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIO_NAMES), metavar="NAME", help="scenario names (default: Table 1's 15)")
+    parser.add_argument("--out", required=True, help="output folder: results.jsonl, table1.csv, table1.md, details.md")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
+    parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
+
+
+def run(args) -> int:
+    import sys
+
+    config = load_sim_config(args.sim_config, profile=args.profile)
+    for name in args.scenarios:
+        get_scenario(name)
+    if args.episode_s is not None:
+        config["episode_s"] = float(args.episode_s)
+    episodes = args.episodes if args.episodes is not None else int(config["profile"]["episodes"])
+    if episodes < 1:
+        raise SystemExit("--episodes must be at least 1")
+    if args.expert:
+        method, policy_dir = args.name or EXPERT, None
+    else:
+        from sps_driving.core.policy import read_policy_config
+
+        method, policy_dir = args.name or method_name(read_policy_config(args.policy)), str(Path(args.policy).resolve())
+    cam = config["camera"]
+    settings = EvalSettings(method, policy_dir, args.profile, episodes, float(config["episode_s"]), int(cam["render_width"]), int(cam["render_height"]))
+    out = Path(args.out)
+    print(f"{method}: profile {args.profile}, {episodes} episode(s) of {settings.episode_s:g} s per scenario, "
+          f"{settings.width}x{settings.height} px, {len(args.scenarios)} scenario(s), {args.workers} worker(s)")
+    evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device)
+    rows = read_results(out / RESULTS_FILE)
+    write_tables(rows, out, "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "sps-driving eval ...")
+    print((out / "table1.md").read_text())
+    return 0
