@@ -92,10 +92,13 @@ def test_image_folder_with_labels(tmp_path, extractor, folder):
     np.testing.assert_allclose(cache[1].descriptors.astype(np.float32), expected, rtol=1e-3, atol=1e-3)
 
 
-def test_unknown_inputs_are_refused(tmp_path, extractor):
+def test_unknown_inputs_and_missing_topics_are_refused_before_extraction(tmp_path, extractor, bag):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="neither a rosbag2"):
-        extract([tmp_path / "empty"], tmp_path / "cache", extractor)
+        extract([bag, tmp_path / "empty"], tmp_path / "cache", extractor)
+    with pytest.raises(ValueError, match="no topic /driver/cmd; its topics: /camera/image_raw, /vehicle/command"):
+        extract([bag], tmp_path / "cache", extractor, settings=ExtractSettings(command_topic="/driver/cmd"))
+    assert not (tmp_path / "cache").exists()
 
 
 def test_command_line_extract_then_train(tmp_path, bag, folder, capsys):

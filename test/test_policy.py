@@ -47,8 +47,10 @@ def test_variant_picks_the_architecture():
     assert isinstance(make("spps"), SequencePolicy) and isinstance(make("mspps"), SequencePolicy)
     with pytest.raises(ValueError, match="position"):
         build_policy(config("spps"))
-    with pytest.raises(ValueError, match="unknown policy settings"):
-        build_policy({**config(), "policy": {"widht": 3}})
+    with pytest.raises(ValueError, match="policy settings must be exactly"):
+        build_policy({**config(), "policy": {**TINY, "widht": 3}})
+    with pytest.raises(ValueError, match="max_steering_rad"):
+        build_policy({**config(), "output": {}})
     with pytest.raises(ValueError, match="grid"):
         build_policy({k: v for k, v in config().items() if k != "grid"})
 

@@ -43,6 +43,10 @@ def config(cache_dir, out, **kwargs):
     return TrainConfig(cache=str(cache_dir), out=str(out), **{**TINY, **kwargs})
 
 
+def test_python_defaults_match_config_train_yaml(tmp_path):
+    assert TrainConfig.from_yaml(cache="c", out="o") == TrainConfig(cache="c", out="o")
+
+
 def test_split_holds_out_whole_sources_or_the_last_frames(cache_dir, tmp_path):
     cache = FeatureCache(cache_dir)
     train_idx, val_idx, rule = split_frames(cache, 0.25)

@@ -39,8 +39,7 @@ from sps_driving.core.selection import PatchSelector, SelectionConfig
 POLICY_FORMAT = "sps_driving.policy/1"
 WEIGHTS_FILE = "policy.safetensors"
 CONFIG_FILE = "config.json"
-DEFAULT_POLICY = {"width": 128, "depth": 2, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.0}
-DEFAULT_OUTPUT = {"max_steering_rad": 0.5}
+POLICY_KEYS = ("width", "depth", "heads", "mlp_ratio", "dropout")  # values: config/train.yaml
 
 
 class _TransformerPolicy(nn.Module):
@@ -144,11 +143,12 @@ def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> n
     grid = PatchGrid(int(grid_cfg["rows"]), int(grid_cfg["cols"]))
     descriptor_dim = int(_require(config, "descriptor_dim"))
     selection = SelectionConfig.from_dict(_require(config, "selection"))
-    dims = {**DEFAULT_POLICY, **config.get("policy", {})}
-    unknown = set(dims) - set(DEFAULT_POLICY)
-    if unknown:
-        raise ValueError(f"unknown policy settings {sorted(unknown)}")
-    output = {**DEFAULT_OUTPUT, **config.get("output", {})}
+    dims = _require(config, "policy")
+    if set(dims) != set(POLICY_KEYS):
+        raise ValueError(f"policy settings must be exactly {list(POLICY_KEYS)}, got {sorted(dims)}")
+    output = _require(config, "output")
+    if "max_steering_rad" not in output:
+        raise ValueError("policy config output needs max_steering_rad")
     common = dict(
         descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
         mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]),

@@ -30,10 +30,11 @@ import yaml
 from tqdm import tqdm
 
 from sps_driving import topics
+from sps_driving.train import train_config_path
 from sps_driving.train.cache import FeatureCacheWriter
 
 LABELS_FILE = "labels.csv"
-TRAIN_CONFIG = Path(__file__).resolve().parents[2] / "config" / "train.yaml"
+TRAIN_CONFIG = train_config_path()
 
 
 @dataclass
@@ -75,6 +76,16 @@ def _command_values(msg) -> Optional[tuple[float, float]]:
     except (ValueError, IndexError):
         return None
     return steering, throttle
+
+
+def check_bag_topics(path: Path, settings: ExtractSettings) -> None:
+    """Fail before any extraction when a bag lacks the camera or command topic (a wrong topic name)."""
+    from sps_driving.bagio import topic_types
+
+    present = topic_types(path)
+    missing = [t for t in (settings.camera_topic, settings.command_topic) if t not in present]
+    if missing:
+        raise ValueError(f"bag {path} has no topic {', '.join(missing)}; its topics: {', '.join(sorted(present))}")
 
 
 def bag_frame_count(path: Path, topic: str) -> Optional[int]:
@@ -166,6 +177,9 @@ def extract(inputs: Sequence, out, extractor, extractor_config: Optional[dict] =
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by reason)."""
     inputs = [Path(p) for p in inputs]
     kinds = [input_kind(p) for p in inputs]
+    for path, kind in zip(inputs, kinds):
+        if kind == "rosbag2":
+            check_bag_topics(path, settings)
     meta = {
         "backbone": extractor.name,
         "extractor": extractor_config or {"name": extractor.name},
