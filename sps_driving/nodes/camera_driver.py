@@ -110,7 +110,7 @@ class CameraDriver(Node):
         self.counters = {"frames": 0, "dropped": 0, "reconnects": 0}
         self._failing_since_ns = None
         self._finished_logged = False
-        self.image_pub = self.create_publisher(Image, topics.IMAGE, msgs.qos("sensor"))
+        self.image_pub = self.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
         self.info_pub = self.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor"))
         self.status_pub = self.create_publisher(DiagnosticArray, "~/status", msgs.qos("status"))
         self.create_timer(1.0 / float(p["rate_hz"]), self._tick)

@@ -43,6 +43,10 @@ class StageTimer:
         compute_ms = (time.perf_counter() - started_s) * 1e3
         self.publisher.publish(msgs.diagnostics(stamp, self.stage, 0, "", {"compute_ms": f"{compute_ms:.3f}", **counters}))
 
+    def dropped(self, stamp: int, reason: str, counters: dict) -> None:
+        """A frame this stage will not pass on (level WARN, the reason as message)."""
+        self.publisher.publish(msgs.diagnostics(stamp, self.stage, 1, f"dropped: {reason}", dict(counters)))
+
 
 def run(node_class, args=None) -> int:
     """Init, spin until Ctrl-C or shutdown, clean up. A node that cannot start (bad parameter,

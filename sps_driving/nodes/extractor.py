@@ -62,7 +62,7 @@ class ExtractorNode(Node):
         self._running = True
         self.publisher = self.create_publisher(PointCloud2, topics.DESCRIPTORS, msgs.qos("stream"))
         self.stage_timer = StageTimer(self, self.NODE_NAME)
-        self.create_subscription(Image, topics.IMAGE, self._on_image, msgs.qos("sensor"))
+        self.create_subscription(Image, topics.IMAGE, self._on_image, msgs.qos("image"))
         self.create_subscription(Image, topics.SELECTION, self._on_selection, msgs.qos("selection"))
         self.worker = threading.Thread(target=self._work, name="extractor", daemon=True)
         self.worker.start()
@@ -73,6 +73,7 @@ class ExtractorNode(Node):
         with self._lock:
             if self._pending is not None:
                 self.counters["dropped_stale"] += 1
+                self.stage_timer.dropped(msgs.stamp_ns(self._pending[0].header), "stale", self.counters)
             self._pending = (msg, time.monotonic())
             self._lock.notify()
 
@@ -108,6 +109,7 @@ class ExtractorNode(Node):
                     if time.monotonic() - arrived > self.selection_timeout_s:
                         self._pending = None
                         self.counters["dropped_no_selection"] += 1
+                        self.stage_timer.dropped(msgs.stamp_ns(msg.header), "no selection", self.counters)
                         self.get_logger().warning("dropped a frame: no selection decision arrived", throttle_duration_sec=1.0)
                         continue
                 self._lock.wait(timeout=0.05)
@@ -125,18 +127,19 @@ class ExtractorNode(Node):
                 rgb = msgs.image_to_rgb(msg)
                 values = self.extractor.descriptors(self.extractor.encode(rgb), indices)
             except (ImageError, ValueError) as exc:
-                self._drop_invalid(f"dropped a frame: {exc}")
+                self._drop_invalid(stamp, str(exc))
                 continue
             if not np.all(np.isfinite(values)):
-                self._drop_invalid("dropped a frame: non-finite descriptors")
+                self._drop_invalid(stamp, "non-finite descriptors")
                 continue
             self.publisher.publish(msgs.descriptors_message(values, indices, stamp, msg.header.frame_id))
             self.counters["frames"] += 1
             self.stage_timer.publish(stamp, started, self.counters)
 
-    def _drop_invalid(self, why: str) -> None:
+    def _drop_invalid(self, stamp: int, why: str) -> None:
         self.counters["dropped_invalid"] += 1
-        self.get_logger().error(why, throttle_duration_sec=1.0)
+        self.stage_timer.dropped(stamp, why, self.counters)
+        self.get_logger().error(f"dropped a frame: {why}", throttle_duration_sec=1.0)
 
     def destroy_node(self):
         with self._lock:

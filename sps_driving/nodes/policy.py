@@ -45,6 +45,7 @@ class PolicyNode(Node):
             steering, throttle = self.policy.predict(values, indices)
         except ValueError as exc:  # MessageError, bad shapes, NaN/Inf in or out
             self.counters["dropped_invalid"] += 1
+            self.stage_timer.dropped(stamp, str(exc), self.counters)
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
             return
         self.publisher.publish(msgs.command_message(steering, throttle, stamp))

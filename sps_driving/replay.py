@@ -1,0 +1,439 @@
+"""`sps-driving replay BAG`: play a rosbag2 through the live graph and report.
+
+The graph (selection, extractor, policy, vehicle_interface with the `topics` backend,
+safety_monitor) runs as separate node processes over DDS on loopback (sps_driving.graph). The
+bag's camera frames (and lane state, obstacle range, speed when recorded) are published with their
+recorded stamps, so the selection is the one the car made and results are reproducible:
+
+- lockstep (default): one frame at a time; the next frame goes out when the previous one has its
+  command or a stage reported dropping it. Deterministic, and as fast as the graph computes.
+  The vehicle interface's age limits are raised to the frame timeout (frames are not at 30 fps).
+- real time: messages go out at their recorded pace; stages that cannot keep up drop frames.
+
+Everything the graph publishes is recorded into an output bag (log time = when it was received
+here), together with the CameraInfo of each frame as it entered the graph. The report (frames,
+command error against the bag's reference commands, failures, interventions, per-stage latency,
+compute and graph overhead) is computed from those records by `build_report`, which needs no ROS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from sps_driving import msgs, topics
+
+# Stage outputs whose receive time minus the frame's entry time is that stage's latency.
+STAGES = {"selection": topics.SELECTION, "extractor": topics.DESCRIPTORS, "policy": topics.POLICY_COMMAND}
+RECORDED = {
+    topics.SELECTION: "sensor_msgs/msg/Image",
+    topics.DESCRIPTORS: "sensor_msgs/msg/PointCloud2",
+    topics.POLICY_COMMAND: "sensor_msgs/msg/JointState",
+    topics.ACTUATION: "sensor_msgs/msg/JointState",
+    topics.VEHICLE_STATUS: "diagnostic_msgs/msg/DiagnosticArray",
+    topics.SAFETY_STATUS: "diagnostic_msgs/msg/DiagnosticArray",
+    topics.SAFETY_EVENTS: "diagnostic_msgs/msg/DiagnosticArray",
+    topics.SAFETY_STOP: "std_msgs/msg/Bool",
+    topics.STAGE_TIMING: "diagnostic_msgs/msg/DiagnosticArray",
+}
+PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)  # besides the camera
+PLAYED_QOS = {topics.IMAGE: "image", topics.CAMERA_INFO: "sensor"}  # as the camera driver publishes them
+GRAPH_NODES = ("selection", "extractor", "policy", "vehicle_interface", "safety_monitor")
+REFERENCE_MATCH_S = 0.05  # a reference command within this of a frame's stamp is its reference
+
+
+@dataclass(frozen=True)
+class Record:
+    topic: str
+    log_time_ns: int  # when it was received (outputs) or published (frames)
+    msg: object  # a rosbags message
+
+
+# ---------------------------------------------------------------- report (no ROS)
+
+
+def percentiles(values) -> dict:
+    values = np.asarray(list(values), dtype=np.float64)
+    if values.size == 0:
+        return {"p50": None, "p99": None, "mean": None, "max": None, "count": 0}
+    return {
+        "p50": float(np.percentile(values, 50)),
+        "p99": float(np.percentile(values, 99)),
+        "mean": float(values.mean()),
+        "max": float(values.max()),
+        "count": int(values.size),
+    }
+
+
+def errors(pairs) -> dict:
+    """MAE, RMSE and max absolute error of (predicted, reference) pairs."""
+    diff = np.array([p - r for p, r in pairs], dtype=np.float64)
+    if diff.size == 0:
+        return {"mae": None, "rmse": None, "max": None, "count": 0}
+    return {
+        "mae": float(np.abs(diff).mean()),
+        "rmse": float(np.sqrt((diff**2).mean())),
+        "max": float(np.abs(diff).max()),
+        "count": int(diff.size),
+    }
+
+
+def match_reference(stamps, reference: dict, tolerance_ns: int) -> dict:
+    """{frame stamp: reference (steering, throttle)} by nearest reference stamp within tolerance."""
+    if not reference:
+        return {}
+    ref_stamps = np.array(sorted(reference), dtype=np.int64)
+    out = {}
+    for stamp in stamps:
+        i = int(np.searchsorted(ref_stamps, stamp))
+        best = min((ref_stamps[j] for j in (i - 1, i) if 0 <= j < len(ref_stamps)), key=lambda s: abs(int(s) - stamp))
+        if abs(int(best) - stamp) <= tolerance_ns:
+            out[stamp] = reference[int(best)]
+    return out
+
+
+def build_report(frames: dict, records: list, reference: dict, wall_s: float) -> dict:
+    """The replay report.
+
+    frames: {camera stamp ns: time it entered the graph, ns}; records: graph outputs as `Record`s;
+    reference: {stamp ns: (steering, throttle)} from the bag; wall_s: duration of the playback.
+    """
+    first_seen: dict = {topic: {} for topic in STAGES.values()}
+    commands = {}
+    compute: dict = {}
+    drops: dict = {}
+    failure_counts: dict = {}
+    safety_interventions = 0
+    vehicle_interventions = 0
+    stop_reasons: dict = {}
+    status_count = stopping_count = 0
+    for rec in records:
+        if rec.topic in first_seen:
+            stamp = msgs.stamp_ns(rec.msg.header)
+            first_seen[rec.topic].setdefault(stamp, rec.log_time_ns)
+            if rec.topic == topics.POLICY_COMMAND:
+                commands.setdefault(stamp, msgs.command_from_message(rec.msg))
+        elif rec.topic == topics.STAGE_TIMING:
+            for name, level, message, values in msgs.diagnostic_values(rec.msg):
+                if level == 0 and "compute_ms" in values:
+                    compute.setdefault(name, {})[msgs.stamp_ns(rec.msg.header)] = float(values["compute_ms"])
+                elif message.startswith("dropped"):
+                    reason = message.split(":", 1)[-1].strip()
+                    key = f"{name}: {reason[:80]}"
+                    drops[key] = drops.get(key, 0) + 1
+        elif rec.topic == topics.SAFETY_EVENTS:
+            for _, _, _, values in msgs.diagnostic_values(rec.msg):
+                failure = values.get("failure", "unknown")
+                failure_counts[failure] = failure_counts.get(failure, 0) + 1
+        elif rec.topic == topics.SAFETY_STATUS:
+            for _, _, _, values in msgs.diagnostic_values(rec.msg):
+                safety_interventions = max(safety_interventions, int(values.get("interventions", 0)))
+        elif rec.topic == topics.VEHICLE_STATUS:
+            for _, level, _, values in msgs.diagnostic_values(rec.msg):
+                status_count += 1
+                vehicle_interventions = max(vehicle_interventions, int(values.get("interventions", 0)))
+                if values.get("stop_reasons"):
+                    stopping_count += 1
+                    for reason in values["stop_reasons"].split(","):
+                        stop_reasons[reason] = stop_reasons.get(reason, 0) + 1
+
+    def latencies(topic):
+        return {s: (t - frames[s]) / 1e6 for s, t in first_seen[topic].items() if s in frames}
+
+    latency_ms = {stage: percentiles(latencies(topic).values()) for stage, topic in STAGES.items()}
+    camera_to_command = latencies(topics.POLICY_COMMAND)
+    latency_ms["camera_to_command"] = percentiles(camera_to_command.values())
+    compute_ms = {stage: percentiles(by_stamp.values()) for stage, by_stamp in sorted(compute.items())}
+    # Graph overhead: end-to-end latency minus the compute on the critical path (extractor, policy).
+    overhead = [
+        total - compute.get("extractor", {}).get(s, math.nan) - compute.get("policy", {}).get(s, math.nan)
+        for s, total in camera_to_command.items()
+    ]
+    compute_ms["graph_overhead"] = percentiles(v for v in overhead if math.isfinite(v))
+
+    out_stamps = [s for s in commands if s in frames]
+    matched = match_reference(out_stamps, reference, int(REFERENCE_MATCH_S * 1e9))
+    steering = errors((commands[s][0], ref[0]) for s, ref in matched.items())
+    throttle = errors((commands[s][1], ref[1]) for s, ref in matched.items())
+    return {
+        "frames_in": len(frames),
+        "frames_out": len(out_stamps),
+        "frames_dropped": len(frames) - len(out_stamps),
+        "drops": drops,
+        "wall_s": wall_s,
+        "throughput_fps": len(out_stamps) / wall_s if wall_s > 0 else None,
+        "reference_commands": len(matched),
+        "steering_mae": steering["mae"],
+        "steering_rmse": steering["rmse"],
+        "steering_max": steering["max"],
+        "throttle_mae": throttle["mae"],
+        "throttle_rmse": throttle["rmse"],
+        "throttle_max": throttle["max"],
+        "failures": failure_counts,
+        "interventions": safety_interventions + vehicle_interventions,
+        "interventions_safety": safety_interventions,
+        "interventions_override": vehicle_interventions,
+        "vehicle_stopping_fraction": stopping_count / status_count if status_count else None,
+        "vehicle_stop_reasons": stop_reasons,
+        "latency_ms": latency_ms,
+        "compute_ms": compute_ms,
+    }
+
+
+def format_report(r: dict) -> str:
+    def num(value, fmt=".4f"):
+        return "n/a" if value is None else format(value, fmt)
+
+    lines = [
+        f"frames in {r['frames_in']}, out {r['frames_out']}, dropped {r['frames_dropped']}"
+        f" ({num(r['throughput_fps'], '.2f')} frames/s over {r['wall_s']:.1f} s)",
+    ]
+    for reason, count in sorted(r["drops"].items()):
+        lines.append(f"  dropped by {reason}: {count}")
+    lines.append(f"reference commands matched: {r['reference_commands']}")
+    for name in ("steering", "throttle"):
+        lines.append(
+            f"  {name:9s} MAE {num(r[name + '_mae'])}  RMSE {num(r[name + '_rmse'])}  max {num(r[name + '_max'])}"
+        )
+    failures = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items())) or "none"
+    lines.append(f"failures: {failures}")
+    lines.append(
+        f"interventions: {r['interventions']} ({r['interventions_safety']} failure episodes, {r['interventions_override']} overrides)"
+    )
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["vehicle_stop_reasons"].items())) or "none"
+    lines.append(f"vehicle stopping {num(r['vehicle_stopping_fraction'], '.0%')} of status reports ({reasons})")
+    lines.append("latency ms (from the frame entering the graph)   p50      p99      n")
+    for stage, stats in r["latency_ms"].items():
+        lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")
+    lines.append("compute ms (inside the node)                      p50      p99      n")
+    for stage, stats in r["compute_ms"].items():
+        lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")
+    return "\n".join(lines)
+
+
+def reference_commands(bag: Path) -> dict:
+    from sps_driving.bagio import read_messages, topic_types
+
+    if topics.REFERENCE_COMMAND not in topic_types(bag):
+        return {}
+    out = {}
+    for item in read_messages(bag, [topics.REFERENCE_COMMAND]):
+        try:
+            out[msgs.stamp_ns(item.msg.header)] = msgs.command_from_message(item.msg)
+        except msgs.MessageError:
+            continue
+    return out
+
+
+# ---------------------------------------------------------------- playback (ROS)
+
+
+def _ros_type(msgtype: str):
+    import importlib
+
+    package, _, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{package}.msg"), name)
+
+
+class Player:
+    """Publishes bag messages into the graph and records what the graph publishes."""
+
+    def __init__(self, node, input_types: dict):
+        from rclpy.executors import SingleThreadedExecutor
+
+        self.node = node
+        self.executor = SingleThreadedExecutor(context=node.context)
+        self.executor.add_node(node)
+        self.records: list[Record] = []
+        self.frames: dict[int, int] = {}
+        self.done: set[int] = set()  # frames with a command or a reported drop
+        self.publishers = {
+            topic: node.create_publisher(_ros_type(msgtype), topic, msgs.qos(PLAYED_QOS.get(topic, "control")))
+            for topic, msgtype in input_types.items()
+        }
+        for topic, msgtype in RECORDED.items():
+            node.create_subscription(_ros_type(msgtype), topic, self._recorder(topic, msgtype), msgs.qos("status"), raw=True)
+
+    def _recorder(self, topic: str, msgtype: str):
+        from sps_driving.bagio import TYPESTORE
+
+        def store(raw: bytes) -> None:
+            received = time.time_ns()
+            msg = TYPESTORE.deserialize_cdr(raw, msgtype)
+            self.records.append(Record(topic, received, msg))
+            if topic == topics.POLICY_COMMAND or (topic == topics.STAGE_TIMING and msg.status and msg.status[0].level == 1):
+                self.done.add(msgs.stamp_ns(msg.header))
+
+        return store
+
+    def publish(self, topic: str, msg) -> None:
+        from sps_driving.bagio import TYPESTORE
+
+        raw = bytes(TYPESTORE.serialize_cdr(msg, msg.__msgtype__))
+        if topic == topics.CAMERA_INFO:
+            stamp = msgs.stamp_ns(msg.header)
+            self.frames.setdefault(stamp, time.time_ns())
+            self.records.append(Record(topic, self.frames[stamp], msg))
+        self.publishers[topic].publish(raw)
+
+    def spin(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            self.executor.spin_once(timeout_sec=max(0.0, min(0.01, end - time.monotonic())))
+            if time.monotonic() >= end:
+                return
+
+    def wait_for(self, stamp: int, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while stamp not in self.done:
+            if time.monotonic() > end:
+                return False
+            self.executor.spin_once(timeout_sec=0.01)
+        return True
+
+
+def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool) -> float:
+    """Publish the bag; returns the playback wall time in s."""
+    from tqdm import tqdm
+
+    from sps_driving.bagio import camera_info_message, read_messages
+
+    wanted = [topics.IMAGE, *PLAYED] + ([topics.CAMERA_INFO] if has_info else [])
+    started = time.monotonic()
+    first_log = None
+    info_stamps: set[int] = set()
+    image_stamps: set[int] = set()
+    bar = tqdm(desc="replay", unit="frame", disable=None)
+    for item in read_messages(bag, wanted):
+        if not lockstep:
+            first_log = item.log_time_ns if first_log is None else first_log
+            player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
+        player.publish(item.topic, item.msg)
+        if item.topic == topics.IMAGE:
+            stamp = msgs.stamp_ns(item.msg.header)
+            image_stamps.add(stamp)
+            if not has_info:
+                info = camera_info_message(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id)
+                player.publish(topics.CAMERA_INFO, info)
+                info_stamps.add(stamp)
+            bar.update(1)
+        elif item.topic == topics.CAMERA_INFO:
+            info_stamps.add(msgs.stamp_ns(item.msg.header))
+        if lockstep:
+            # A frame is in once both its image and its camera info are: wait for its command.
+            for stamp in sorted(image_stamps & info_stamps):
+                player.wait_for(stamp, frame_timeout_s)
+                image_stamps.discard(stamp)
+                info_stamps.discard(stamp)
+        else:
+            player.spin(0.0)
+    bar.close()
+    wall_s = time.monotonic() - started
+    player.spin(min(frame_timeout_s, 3.0))  # the last frames' outputs
+    return wall_s
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bag", type=Path, help="rosbag2 folder (sqlite3 or mcap) with camera frames on " + topics.IMAGE)
+    parser.add_argument("--out", type=Path, help="output bag of everything the graph published (default: BAG_replay_<time>)")
+    parser.add_argument("--storage", choices=("sqlite3", "mcap"), default="sqlite3", help="output bag storage")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--lockstep", dest="lockstep", action="store_true", default=True, help="one frame at a time (default)")
+    mode.add_argument("--realtime", dest="lockstep", action="store_false", help="at the recorded pace")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--checkpoint", type=Path, help="policy folder (default: the policy checkpoint of config/graph.yaml)")
+    parser.add_argument("--backbone-config", type=Path, help="extraction settings YAML (default: config/extraction.yaml)")
+    parser.add_argument("--params", type=Path, help="graph parameters file (default: config/graph.yaml)")
+    parser.add_argument("--frame-timeout", type=float, default=60.0, help="s to wait for one frame's command in lockstep")
+    parser.add_argument("--startup-timeout", type=float, default=180.0, help="s to wait for the nodes to come up")
+    parser.add_argument("--log-dir", type=Path, help="keep the node logs here")
+
+
+def graph_parameters(args, checkpoint: Path, bag_topics: dict) -> dict:
+    params = {
+        "selection": {"checkpoint": str(checkpoint)},
+        "policy": {"checkpoint": str(checkpoint)},
+        # Nothing real is driven: engage at once so the vehicle interface's decisions are recorded.
+        "vehicle_interface": {"backend": "topics", "auto_engage": True},
+        "safety_monitor": {},
+    }
+    if args.backbone_config:
+        params["extractor"] = {"backbone_config": str(args.backbone_config.resolve())}
+    if args.lockstep:
+        ages = {"max_command_age_s": args.frame_timeout, "max_camera_age_s": args.frame_timeout}
+        params["vehicle_interface"].update(ages)
+        params["extractor"] = {**params.get("extractor", {}), "selection_timeout_s": args.frame_timeout}
+        params["safety_monitor"]["max_input_age_s"] = args.frame_timeout
+    # The monitor requires only the inputs the bag has ([""]: none; a ROS list parameter cannot be empty).
+    recorded = [name for name, t in (("lane", topics.LANE_POSE), ("obstacle", topics.OBSTACLE_RANGE)) if t in bag_topics]
+    params["safety_monitor"]["required_inputs"] = recorded or [""]
+    return params
+
+
+def run(args: argparse.Namespace) -> int:
+    from sps_driving.bagio import BagWriter, topic_types
+    from sps_driving.graph import Graph, default_params_file, wait_for_nodes, wait_for_subscribers
+
+    if not args.bag.exists():
+        print(f"error: no bag at {args.bag}")
+        return 2
+    bag_topics = topic_types(args.bag)
+    if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
+        print(f"error: {args.bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
+        return 2
+    params_file = args.params or default_params_file()
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        import yaml
+
+        checkpoint = Path(yaml.safe_load(Path(params_file).read_text())["policy"]["ros__parameters"]["checkpoint"])
+    checkpoint = checkpoint.resolve()
+    if not (checkpoint / "config.json").is_file():
+        print(f"error: no policy checkpoint at {checkpoint}: put policy.safetensors and config.json there "
+              "(`sps-driving train --out DIR`) or pass --checkpoint DIR")
+        return 2
+    out = args.out or args.bag.with_name(f"{args.bag.name}_replay_{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    if out.exists():
+        print(f"error: output bag {out} exists; pass another --out")
+        return 2
+    has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
+    input_types = {t: bag_topics[t] for t in (topics.IMAGE, *PLAYED) if t in bag_topics}
+    input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
+
+    import rclpy
+    from rclpy.node import Node
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = Node("sps_replay", context=context)
+    player = Player(node, input_types)
+    graph = Graph(GRAPH_NODES, parameters=graph_parameters(args, checkpoint, bag_topics), params_file=params_file,
+                  log_dir=args.log_dir)
+    try:
+        with graph:
+            try:
+                wait_for_nodes(node, GRAPH_NODES, args.startup_timeout, graph)
+                wait_for_subscribers(player.publishers[topics.IMAGE], 1, args.startup_timeout)
+                wait_for_subscribers(player.publishers[topics.CAMERA_INFO], 2, args.startup_timeout)
+            except (TimeoutError, RuntimeError) as exc:
+                print(f"error: the graph did not start: {exc}")
+                return 2
+            wall_s = play(args.bag, args.lockstep, args.frame_timeout, player, has_info)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+    with BagWriter(out, args.storage) as writer:
+        for rec in sorted(player.records, key=lambda r: r.log_time_ns):
+            writer.write(rec.topic, rec.msg, rec.log_time_ns)
+    report = build_report(player.frames, player.records, reference_commands(args.bag), wall_s)
+    report["mode"] = "lockstep" if args.lockstep else "realtime"
+    report["output_bag"] = str(out)
+    print(json.dumps(report, indent=2) if args.json else format_report(report) + f"\noutput bag: {out}")
+    return 0
