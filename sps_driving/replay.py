@@ -254,6 +254,7 @@ class Player:
         self.records: list[Record] = []
         self.frames: dict[int, int] = {}
         self.done: set[int] = set()  # frames with a command or a reported drop
+        self.unreadable = 0  # recorded messages that could not be decoded (left out of the bag)
         self.publishers = {
             topic: node.create_publisher(_ros_type(msgtype), topic, msgs.qos(PLAYED_QOS.get(topic, "control")))
             for topic, msgtype in input_types.items()
@@ -262,11 +263,17 @@ class Player:
             node.create_subscription(_ros_type(msgtype), topic, self._recorder(topic, msgtype), msgs.qos("status"), raw=True)
 
     def _recorder(self, topic: str, msgtype: str):
+        from rosbags.serde import SerdeError
+
         from sps_driving.bagio import TYPESTORE
 
         def store(raw: bytes) -> None:
             received = time.time_ns()
-            msg = TYPESTORE.deserialize_cdr(raw, msgtype)
+            try:
+                msg = TYPESTORE.deserialize_cdr(raw, msgtype)
+            except SerdeError:
+                self.unreadable += 1
+                return
             self.records.append(Record(topic, received, msg))
             if topic == topics.POLICY_COMMAND or (topic == topics.STAGE_TIMING and msg.status and msg.status[0].level == 1):
                 self.done.add(msgs.stamp_ns(msg.header))
@@ -434,6 +441,7 @@ def run(args: argparse.Namespace) -> int:
             writer.write(rec.topic, rec.msg, rec.log_time_ns)
     report = build_report(player.frames, player.records, reference_commands(args.bag), wall_s)
     report["mode"] = "lockstep" if args.lockstep else "realtime"
+    report["unreadable_messages"] = player.unreadable
     report["output_bag"] = str(out)
     print(json.dumps(report, indent=2) if args.json else format_report(report) + f"\noutput bag: {out}")
     return 0

@@ -1,0 +1,131 @@
+"""The replay report from recorded data (no ROS needed), and `sps-driving replay` end to end on a
+real rosbag2 through the live graph with the real embedded DINOv2 (slow)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from rclpy.serialization import serialize_message
+
+from sps_driving import msgs, topics
+from sps_driving.bagio import TYPESTORE, BagWriter, command_message, image_message, lane_pose_message, read_messages
+from sps_driving.replay import Record, build_report, match_reference
+
+MS = 1_000_000
+
+
+def as_bag(msg, msgtype):
+    """An rclpy message as the recorder stores it: a rosbags message from its CDR bytes."""
+    return TYPESTORE.deserialize_cdr(serialize_message(msg), msgtype)
+
+
+def timing(stamp, stage, compute_ms=None, dropped=None):
+    if dropped:
+        arr = msgs.diagnostics(stamp, stage, 1, f"dropped: {dropped}", {})
+    else:
+        arr = msgs.diagnostics(stamp, stage, 0, "", {"compute_ms": compute_ms})
+    return as_bag(arr, "diagnostic_msgs/msg/DiagnosticArray")
+
+
+def test_report_counts_errors_latency_and_overhead():
+    t0 = 10_000 * MS
+    stamps = [1_000 * MS + i * 33 * MS for i in range(4)]
+    frames = {s: t0 + i * 100 * MS for i, s in enumerate(stamps)}
+    records = []
+    predicted = [(0.1, 0.2), (0.2, 0.2), (0.0, -0.1)]
+    for i, s in enumerate(stamps[:3]):  # the 4th frame is dropped by the extractor
+        enter = frames[s]
+        records.append(Record(topics.SELECTION, enter + 2 * MS, as_bag(msgs.selection_message([0, 1], 2, 2, s, "c"), "sensor_msgs/msg/Image")))
+        desc = msgs.descriptors_message(np.zeros((2, 3), np.float32), np.array([0, 1]), s, "c")
+        records.append(Record(topics.DESCRIPTORS, enter + 50 * MS, as_bag(desc, "sensor_msgs/msg/PointCloud2")))
+        records.append(Record(topics.POLICY_COMMAND, enter + 60 * MS, command_message(*predicted[i], s)))
+        records.append(Record(topics.STAGE_TIMING, enter + 50 * MS, timing(s, "extractor", 45.0)))
+        records.append(Record(topics.STAGE_TIMING, enter + 60 * MS, timing(s, "policy", 5.0 + i)))
+    records.append(Record(topics.STAGE_TIMING, frames[stamps[3]] + 5 * MS, timing(stamps[3], "extractor", dropped="bad image")))
+    event = msgs.diagnostics(0, "safety_monitor", 2, "lane_boundary", {"failure": "lane_boundary", "interventions": 1})
+    records.append(Record(topics.SAFETY_EVENTS, t0, as_bag(event, "diagnostic_msgs/msg/DiagnosticArray")))
+    status = msgs.diagnostics(0, "safety_monitor", 2, "", {"interventions": 1})
+    records.append(Record(topics.SAFETY_STATUS, t0, as_bag(status, "diagnostic_msgs/msg/DiagnosticArray")))
+    vehicle = msgs.diagnostics(0, "vehicle_interface", 1, "", {"interventions": 2, "stop_reasons": "safety_stop,camera_timeout"})
+    records.append(Record(topics.VEHICLE_STATUS, t0, as_bag(vehicle, "diagnostic_msgs/msg/DiagnosticArray")))
+    # References: exact stamp for frames 0 and 1, 10 ms off for frame 2 (matched), none for 3.
+    reference = {stamps[0]: (0.0, 0.2), stamps[1]: (0.3, 0.0), stamps[2] + 10 * MS: (0.0, 0.0)}
+    r = build_report(frames, records, reference, wall_s=2.0)
+    assert (r["frames_in"], r["frames_out"], r["frames_dropped"]) == (4, 3, 1)
+    assert r["drops"] == {"extractor: bad image": 1} and r["throughput_fps"] == 1.5
+    assert r["reference_commands"] == 3
+    assert r["steering_mae"] == pytest.approx((0.1 + 0.1 + 0.0) / 3)
+    assert r["steering_rmse"] == pytest.approx(math.sqrt((0.01 + 0.01) / 3))
+    assert r["steering_max"] == pytest.approx(0.1)
+    assert r["throttle_mae"] == pytest.approx((0.0 + 0.2 + 0.1) / 3) and r["throttle_max"] == pytest.approx(0.2)
+    assert r["failures"] == {"lane_boundary": 1}
+    assert r["interventions"] == 3 and r["interventions_safety"] == 1 and r["interventions_override"] == 2
+    assert r["vehicle_stop_reasons"] == {"safety_stop": 1, "camera_timeout": 1}
+    lat = r["latency_ms"]
+    assert lat["selection"]["p50"] == pytest.approx(2.0) and lat["extractor"]["p50"] == pytest.approx(50.0)
+    assert lat["camera_to_command"]["p50"] == pytest.approx(60.0) and lat["camera_to_command"]["count"] == 3
+    assert lat["camera_to_command"]["p99"] == pytest.approx(60.0)
+    # Overhead = 60 - 45 - (5, 6, 7) = (10, 9, 8) ms.
+    assert r["compute_ms"]["graph_overhead"]["p50"] == pytest.approx(9.0)
+    assert r["compute_ms"]["policy"]["max"] == pytest.approx(7.0)
+    json.dumps(r)  # the --json output is plain JSON
+
+
+def test_report_of_nothing_is_well_formed():
+    r = build_report({5: 1}, [], {}, wall_s=0.0)
+    assert r["frames_dropped"] == 1 and r["steering_mae"] is None and r["throughput_fps"] is None
+    assert r["latency_ms"]["camera_to_command"] == {"p50": None, "p99": None, "mean": None, "max": None, "count": 0}
+
+
+def test_match_reference_takes_the_nearest_within_tolerance():
+    ref = {100: (1.0, 0.0), 200: (2.0, 0.0), 400: (4.0, 0.0)}
+    assert match_reference([95, 160, 300, 1000], ref, 50) == {95: (1.0, 0.0), 160: (2.0, 0.0)}
+    assert match_reference([1], {}, 50) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.ros
+def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
+    """Frames of an mcap bag through the five node processes (real DINOv2 at 112 px, a tiny random
+    policy); every frame gets a command that equals the core run in-process on the same frames."""
+    from ros_helpers import tiny_checkpoint
+
+    from sps_driving import cli
+    from sps_driving.core.backbones import load_extractor
+    from sps_driving.core.policy import load_policy
+    from sps_driving.core.selection import PatchSelector
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
+    rng = np.random.default_rng(0)
+    t0 = 1_700_000_000_000_000_000
+    images = {}
+    with BagWriter(tmp_path / "drive", "mcap") as bag:
+        for i in range(4):
+            t = t0 + i * 33_333_333
+            images[t] = rng.integers(0, 256, (600, 960, 3), dtype=np.uint8)
+            bag.write(topics.IMAGE, image_message(images[t], t, encoding="bgr8"), t)
+            bag.write(topics.REFERENCE_COMMAND, command_message(0.0, 0.1, t), t)
+            bag.write(topics.LANE_POSE, lane_pose_message(0.2, 0.0, t), t)
+    out = tmp_path / "out"
+    code = cli.main([
+        "replay", str(tmp_path / "drive"), "--out", str(out), "--json", "--checkpoint", str(ckpt),
+        "--backbone-config", str(tmp_path / "extraction.yaml"), "--frame-timeout", "60", "--log-dir", str(tmp_path / "logs"),
+    ])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (report["frames_in"], report["frames_out"], report["frames_dropped"]) == (4, 4, 0)
+    assert report["reference_commands"] == 4 and report["steering_mae"] is not None
+    assert report["failures"] == {} and report["interventions"] == 0
+    for stage in ("selection", "extractor", "policy", "camera_to_command"):
+        assert report["latency_ms"][stage]["count"] == 4 and report["latency_ms"][stage]["p50"] > 0
+    recorded = {msgs.stamp_ns(m.msg.header): msgs.command_from_message(m.msg) for m in read_messages(out, [topics.POLICY_COMMAND])}
+    assert set(recorded) == set(images)
+    extractor = load_extractor({"input_size": [112, 112]})
+    policy = load_policy(ckpt)
+    selector = PatchSelector(policy.selection, policy.grid)
+    for stamp, rgb in images.items():
+        indices = selector.select(stamp)
+        expected = policy.predict(extractor.descriptors(extractor.encode(rgb), indices), indices)
+        assert recorded[stamp] == pytest.approx(expected, abs=1e-4)
