@@ -168,3 +168,11 @@ def test_training_masks_are_fresh_per_frame_and_reproducible_from_the_generator(
     gen = torch.Generator().manual_seed(9)
     first, second = sel.sample_masks(32, gen), sel.sample_masks(32, gen)
     assert not torch.equal(first, second), "each epoch's draw differs"
+
+
+def test_selection_is_pinned_to_a_stable_stream():
+    """Replays must select the same patches on every install: these values are part of the format."""
+    stamp = 1_700_000_000_123_456_789
+    assert selector("sps", 0.3, seed=7, grid=PatchGrid(4, 5)).select(stamp).tolist() == [2, 3, 5, 14, 17, 18]
+    assert selector("threshold", 0.3, seed=7, grid=PatchGrid(4, 5)).select(stamp).tolist() == [
+        1, 2, 3, 5, 6, 14, 15, 16, 17, 18, 19]

@@ -161,12 +161,11 @@ class PatchSelector:
 
     def select(self, stamp_ns: int) -> np.ndarray:
         """Sorted int64 patch indices (row-major) kept for the frame stamped `stamp_ns`."""
-        rng = self.frame_rng(stamp_ns)
-        n = self.grid.n
+        # Only uniform doubles are drawn (bit-stable across numpy versions, unlike permutation()),
+        # so a bag replayed on another install selects the same patches.
+        draws = self.frame_rng(stamp_ns).random(self.grid.n)
         if self.exact_count:
-            chosen = rng.permutation(n)[: self.count]
-            return np.sort(chosen).astype(np.int64)
-        draws = rng.random(n)
+            return np.sort(np.argsort(draws, kind="stable")[: self.count]).astype(np.int64)
         keep = draws < self.keep_probabilities
         if not keep.any():
             keep[self._closest_to_passing(draws)] = True
