@@ -1,0 +1,77 @@
+"""camera_driver as a real process: an image folder at a fixed rate, Image and CameraInfo with the
+same stamp and frame_id, resizing, unreadable files counted as dropped, a missing device retried."""
+
+import cv2
+import numpy as np
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray
+from sensor_msgs.msg import CameraInfo, Image
+
+from ros_helpers import Probe
+from sps_driving import msgs, topics
+from sps_driving.graph import Graph, wait_for_nodes
+
+pytestmark = pytest.mark.ros
+
+
+@pytest.fixture
+def probe():
+    p = Probe()
+    p.record(topics.IMAGE, Image, "image")
+    p.record(topics.CAMERA_INFO, CameraInfo, "sensor")
+    p.record("/camera_driver/status", DiagnosticArray, "status")
+    yield p
+    p.close()
+
+
+def test_image_folder_publishes_stamped_pairs(tmp_path, probe):
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    originals = []
+    for i in range(5):
+        bgr = rng.integers(0, 256, (60, 96, 3), dtype=np.uint8)
+        cv2.imwrite(str(folder / f"{i:03d}.png"), bgr)
+        originals.append(bgr)
+    (folder / "002b.png").write_bytes(b"not a png")  # sorted between frames 2 and 3
+    params = {"source": str(folder), "rate_hz": 10.0, "frame_id": "front_cam", "width": 96, "height": 60, "loop": True}
+
+    def dropped():
+        status = probe.messages("/camera_driver/status")
+        return int(msgs.diagnostic_values(status[-1])[0][3]["dropped"]) if status else 0
+
+    with Graph(["camera_driver"], parameters={"camera_driver": params}, log_dir=tmp_path / "logs") as graph:
+        wait_for_nodes(probe.node, graph.nodes, 30, graph)
+        assert probe.spin_until(lambda: len(probe.messages(topics.IMAGE)) >= 7 and dropped() >= 1, 20)
+        assert graph.alive("camera_driver"), graph.log("camera_driver")
+    images, infos = probe.messages(topics.IMAGE), probe.messages(topics.CAMERA_INFO)
+    # Every frame has its CameraInfo with the same stamp (allowing for the last one in flight).
+    info_stamps = {msgs.stamp_ns(m.header) for m in infos}
+    for image in images[:-1]:
+        assert msgs.stamp_ns(image.header) in info_stamps
+        assert image.header.frame_id == "front_cam" and (image.width, image.height) == (96, 60)
+    # The folder's frames in name order (the unreadable file skipped), resized to 96x60 unchanged.
+    expected = [cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB).tobytes() for bgr in originals]
+    seen = [msgs.image_to_rgb(m).tobytes() for m in images]
+    first = expected.index(seen[0])
+    assert seen[:5] == (expected * 3)[first:first + 5]
+    stamps = [msgs.stamp_ns(m.header) for m in images]
+    assert all(0.05e9 < b - a < 0.5e9 for a, b in zip(stamps, stamps[1:]))  # about 10 Hz, one tick lost per loop
+    info = infos[-1]
+    assert info.k[2] == 48.0 and info.k[0] > 0
+
+
+def test_missing_device_is_retried_not_fatal(tmp_path, probe):
+    params = {"source": str(tmp_path / "no_such_video.mp4"), "rate_hz": 20.0, "reconnect_interval_s": 0.2}
+    with Graph(["camera_driver"], parameters={"camera_driver": params}, log_dir=tmp_path / "logs") as graph:
+        wait_for_nodes(probe.node, graph.nodes, 30, graph)
+
+        def reconnecting():
+            status = probe.messages("/camera_driver/status")
+            return bool(status) and int(msgs.diagnostic_values(status[-1])[0][3]["reconnects"]) >= 2
+
+        assert probe.spin_until(reconnecting, 15)
+        assert graph.alive("camera_driver")
+        name, level, message, values = msgs.diagnostic_values(probe.messages("/camera_driver/status")[-1])[0]
+        assert level == 1 and int(values["dropped"]) > 0 and values["frames"] == "0"
+    assert not probe.messages(topics.IMAGE)
