@@ -45,6 +45,13 @@ def config(cache_dir, out, **kwargs):
 
 def test_python_defaults_match_config_train_yaml(tmp_path):
     assert TrainConfig.from_yaml(cache="c", out="o") == TrainConfig(cache="c", out="o")
+    with pytest.raises(ValueError, match="unknown training settings \\['learning_rate'\\]"):
+        TrainConfig.from_yaml(cache="c", out="o", learning_rate=0.1)
+    for bad, match in [(dict(rate=0.0), "rate"), (dict(width=30, heads=4), "multiple of heads"),
+                       (dict(loss_weights=[1.0]), "loss_weights"), (dict(batch_size=0), "batch_size"),
+                       (dict(plateau_factor=1.0), "plateau_factor")]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(cache="c", out="o", **bad)
 
 
 def test_split_holds_out_whole_sources_or_the_last_frames(cache_dir, tmp_path):

@@ -20,7 +20,7 @@ import argparse
 import csv
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -57,7 +57,14 @@ class ExtractSettings:
     @classmethod
     def from_yaml(cls, path=TRAIN_CONFIG) -> "ExtractSettings":
         section = (yaml.safe_load(Path(path).read_text()) or {}).get("extract", {})
+        unknown = set(section) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown extract settings {sorted(unknown)} in {path}")
         return cls(**section)
+
+    def __post_init__(self) -> None:
+        if not (self.match_tolerance_s >= 0 and self.image_folder_frame_rate_hz > 0 and self.shard_size >= 1):
+            raise ValueError("need match_tolerance_s >= 0, image_folder_frame_rate_hz > 0 and shard_size >= 1")
 
 
 def input_kind(path: Path) -> str:

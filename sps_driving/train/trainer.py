@@ -88,11 +88,29 @@ class TrainConfig:
     device: str = "auto"
     resume: bool = False
 
+    def __post_init__(self) -> None:
+        self.selection()  # raises on a bad variant, rate, seed or keep_probability
+        for name in ("width", "depth", "heads", "epochs", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} must be a multiple of heads {self.heads}")
+        if not (self.lr >= 0 and self.weight_decay >= 0 and self.min_lr >= 0 and 0 < self.plateau_factor < 1):
+            raise ValueError("need lr, weight_decay, min_lr >= 0 and 0 < plateau_factor < 1")
+        if not (0 <= self.dropout < 1 and self.max_steering_rad > 0):
+            raise ValueError("need 0 <= dropout < 1 and max_steering_rad > 0")
+        weights = np.asarray(self.loss_weights, dtype=np.float64)
+        if weights.shape != (2,) or not np.all(np.isfinite(weights)) or np.any(weights < 0) or not weights.any():
+            raise ValueError(f"loss_weights must be two finite non-negative numbers, not both 0, got {self.loss_weights}")
+
     @classmethod
     def from_yaml(cls, path=TRAIN_CONFIG, **overrides) -> "TrainConfig":
         """The `train:` section of config/train.yaml, with `overrides` (None values ignored) on top."""
         section = (yaml.safe_load(Path(path).read_text()) or {}).get("train", {})
         section.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown training settings {sorted(unknown)} (from {path} or the command line)")
         return cls(**section)
 
     def selection(self) -> SelectionConfig:
