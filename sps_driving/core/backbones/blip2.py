@@ -24,6 +24,7 @@ a Blip2ForImageTextRetrieval checkpoint and its tokenizer); nothing is downloade
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,7 +221,7 @@ class Blip2Extractor:
         self.device = resolve_device(opts["device"])
         self.dtype = resolve_weights_dtype(opts["dtype"], self.device)
         self._tokenizer = tokenizer
-        self.model = model.eval().to(self.device, self.dtype)
+        self.model = model.eval().requires_grad_(False).to(self.device, self.dtype)
         if self.dtype != torch.float32:
             keep_layer_norms_fp32(self.model)
         vision_config = self.model.config.vision_config
@@ -308,10 +309,20 @@ class Blip2Extractor:
         """Projection and normalization: [k, Q, H] -> [k, D] float32."""
         return self.head(itc_embeddings(query_outputs, self.model.vision_projection))
 
-    def descriptors(self, state: Blip2FrameState, indices: np.ndarray) -> np.ndarray:
+    def descriptors(self, state: Blip2FrameState, indices: np.ndarray, timings: dict | None = None) -> np.ndarray:
+        """float32 [k, D]; `timings`, if given, accumulates the seconds spent in projection_s
+        (projection, normalization and head) so a benchmark can split the stages."""
         bias = self.token_bias(indices)
         chunk = self.patches_per_batch(state.qformer_frame is None)
-        out = [self.project(self.query_outputs(state, bias[i : i + chunk])) for i in range(0, len(bias), chunk)]
+        out = []
+        for start in range(0, len(bias), chunk):
+            query_outputs = self.query_outputs(state, bias[start : start + chunk])
+            began = _synchronized_clock(self.device)
+            out.append(self.project(query_outputs))
+            if timings is not None:
+                timings["projection_s"] = timings.get("projection_s", 0.0) + _synchronized_clock(self.device) - began
+        if timings is not None:
+            timings.setdefault("projection_s", 0.0)
         if not out:
             return np.zeros((0, self.dim), np.float32)
         return torch.cat(out).float().cpu().numpy()
@@ -377,6 +388,12 @@ class Blip2Extractor:
         if indices.size and (indices.min() < 0 or indices.max() >= self.grid.n):
             raise IndexError(f"patch indices must lie in [0, {self.grid.n}), got {indices.min()}..{indices.max()}")
         return indices
+
+
+def _synchronized_clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def tiny_blip2_config():

@@ -1,0 +1,381 @@
+"""`sps-driving bench`: per-frame time of each component, as the SPS paper's Table 4.
+
+For BLIP-2 (real dims with random weights by default: EVA ViT-g/14 1408-d 39 layers at 224 px,
+Q-Former 768-d 12 layers 32 queries) it times, per frame:
+
+  backbone     the vision model (once per frame whatever the rate)
+  per-patch    the masked Q-Former for the k = ceil(rate * N) kept patches; ours includes the
+               per-frame shared work (image-token keys/values, layer-0 query side)
+  projection   ITC projection, normalization and the D-channel head
+  policy       the grid policy (config/train.yaml dims) on the H' x W' x D grid
+  total        the sum
+
+for the naive Q-Former (transformers' Blip2QFormerModel, image tokens expanded per patch, a
+per-patch encoder mask) and for ours at each rate, interleaved in the same run so that load on
+the machine affects both alike. Speedups compare medians of the per-patch stage. DINOv2 (via
+load_extractor) is timed at the same rates. Each configuration's first (untimed) run is counted
+with torch's FLOP counter: matmul FLOPs per frame of each part, and the achieved FLOP/s against
+--peak-gflops (default: this project's 2-core Zen 3 CPU, AVX2 FMA, ~190 GFLOP/s fp32).
+
+Peak memory is the largest rise during the stage: resident memory sampled every 2 ms on CPU,
+torch's allocator peak on CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from tqdm import tqdm
+
+DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
+DEFAULT_PEAK_GFLOPS = 190.0  # fp32 peak of 2 Zen 3 cores with AVX2 FMA [GFLOP/s]
+COMPONENTS = ("backbone", "per_patch", "projection", "policy")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny-dims BLIP-2 and DINOv2, 2 repeats: numbers in a minute")
+    parser.add_argument("--blip2", choices=("real", "tiny", "none"), help="BLIP-2 dims with random weights (default real; --quick: tiny)")
+    parser.add_argument("--blip2-model-path", help="time a real BLIP-2 checkpoint folder instead of random weights")
+    parser.add_argument("--no-dinov2", action="store_true", help="skip DINOv2")
+    parser.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="selection rates of ours")
+    parser.add_argument("--naive-rates", type=float, nargs="*", default=[1.0], help="rates of the naive Q-Former")
+    parser.add_argument("--repeats", type=int, help="timed frames per configuration (default 3; --quick: 2)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
+    parser.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 (LayerNorm/softmax stay fp32)")
+    parser.add_argument("--peak-gflops", type=float, default=DEFAULT_PEAK_GFLOPS, help="machine peak for the efficiency column")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--out", help="also write the JSON result to this file")
+
+
+def run(args) -> int:
+    _count_cpu_attention_flops()
+    repeats = args.repeats or (2 if args.quick else 3)
+    dims = args.blip2 or ("tiny" if args.quick else "real")
+    result = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": repeats,
+              "peak_gflops": args.peak_gflops}
+    image = np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)
+    if dims != "none" or args.blip2_model_path:
+        fast, naive = blip2_extractors(dims, args)
+        result["blip2"] = bench_blip2(fast, naive, image, args.rates, args.naive_rates, repeats, args.seed)
+        result["blip2"]["dims"] = "checkpoint" if args.blip2_model_path else dims
+    if not args.no_dinov2:
+        from sps_driving.core.backbones import load_extractor
+
+        dinov2 = load_extractor({"backbone": "dinov2_vits14", "device": args.device, "dtype": args.dtype})
+        dinov2.model.requires_grad_(False)  # frozen; the FLOP counter's module tracker needs no autograd
+        result["dinov2"] = bench_extractor(dinov2, image, args.rates, repeats, args.seed)
+    add_efficiency(result, args.peak_gflops)
+    text = json.dumps(result, indent=None if args.json else 2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else format_tables(result))
+    return 0
+
+
+def blip2_extractors(dims: str, args):
+    """Ours and the naive reference sharing one model."""
+    from sps_driving.core.backbones.blip2 import Blip2Extractor, real_blip2_config, tiny_blip2_config
+
+    options = {"device": args.device, "dtype": args.dtype, "suppression": -100.0}
+    if args.blip2_model_path:
+        fast = Blip2Extractor.from_config({"model_path": args.blip2_model_path, **options})
+    else:
+        config = real_blip2_config() if dims == "real" else tiny_blip2_config()
+        options["dim"] = min(64, config.image_text_hidden_size)
+        fast = Blip2Extractor.from_hf_config(config, options, seed=args.seed)
+    naive = Blip2Extractor(fast.model, {**fast.options, "implementation": "naive"}, name=fast.name)
+    return fast, naive
+
+
+def grid_policy(grid, dim: int, device: str):
+    """The grid policy at the dims of config/train.yaml."""
+    from sps_driving.core.policy import POLICY_KEYS, build_policy
+
+    train = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "train.yaml").read_text())["train"]
+    config = {
+        "grid": {"rows": grid.rows, "cols": grid.cols},
+        "descriptor_dim": dim,
+        "selection": {"variant": "sps", "rate": 1.0},
+        "policy": {key: train[key] for key in POLICY_KEYS},
+        "output": {"max_steering_rad": train["max_steering_rad"]},
+    }
+    return build_policy(config).eval().to(device)
+
+
+def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int) -> dict:
+    variants = [("naive", r) for r in naive_rates] + [("ours", r) for r in rates]
+    policy = grid_policy(fast.grid, fast.dim, fast.device)
+    rng = np.random.default_rng(seed)
+    times = {v: {c: [] for c in COMPONENTS} for v in variants}
+    backbone_ms, flops, peaks = [], {}, {v: 0.0 for v in variants}
+    with tqdm(total=(repeats + 1) * (len(variants) + 1), desc=f"bench {fast.name}", unit="run") as bar:
+        for repeat in range(repeats + 1):  # run 0: warm-up, FLOP count
+            counting = repeat == 0
+            with _flops(counting) as counter:
+                start = _now(fast.device)
+                tokens = fast.image_tokens(image)
+                backbone_ms.append(_ms(start, fast.device))
+            if counting:
+                flops["backbone"] = counter.get_total_flops()
+            bar.update()
+            for variant in variants:
+                extractor = naive if variant[0] == "naive" else fast
+                indices = np.sort(rng.choice(fast.grid.n, size=patch_count(variant[1], fast.grid.n), replace=False))
+                stage = {}
+                with _flops(counting) as counter, PeakMemory(fast.device) as memory:
+                    start = _now(fast.device)
+                    state = extractor.prepare_frame(tokens)
+                    descriptors = extractor.descriptors(state, indices, timings=stage)
+                    per_patch_ms = _ms(start, fast.device) - 1e3 * stage["projection_s"]
+                with _flops(counting) as policy_counter:
+                    start = _now(fast.device)
+                    with torch.inference_mode():
+                        grid = torch.from_numpy(fast.grid.scatter(descriptors, indices)).to(fast.device)
+                        policy(grid.reshape(1, fast.grid.n, fast.dim))
+                    policy_ms = _ms(start, fast.device)
+                if counting:
+                    projection = projection_flops(fast, len(indices))
+                    flops[variant] = {"per_patch": counter.get_total_flops() - projection, "projection": projection,
+                                      "policy": policy_counter.get_total_flops()}
+                else:
+                    peaks[variant] = max(peaks[variant], memory.peak_mib)
+                    times[variant]["per_patch"].append(per_patch_ms)
+                    times[variant]["projection"].append(1e3 * stage["projection_s"])
+                    times[variant]["policy"].append(policy_ms)
+                bar.update()
+    backbone = float(np.median(backbone_ms[1:]))
+    rows = []
+    for variant in variants:
+        row = {"impl": variant[0], "rate": variant[1], "k": patch_count(variant[1], fast.grid.n), "backbone_ms": backbone}
+        for component in COMPONENTS[1:]:
+            row[f"{component}_ms"] = float(np.median(times[variant][component]))
+        row["total_ms"] = sum(row[f"{c}_ms"] for c in COMPONENTS)
+        row["per_patch_peak_mib"] = peaks[variant]
+        row["gflop"] = {"backbone": flops["backbone"] / 1e9, **{c: f / 1e9 for c, f in flops[variant].items()}}
+        rows.append(row)
+    return {"name": fast.name, "grid": [fast.grid.rows, fast.grid.cols], "dim": fast.dim, "rows": rows,
+            **speedups(rows)}
+
+
+def bench_extractor(extractor, image, rates, repeats: int, seed: int) -> dict:
+    """Any PatchExtractor: encode (backbone) and descriptors (per-patch) at each rate."""
+    rng = np.random.default_rng(seed)
+    device = getattr(extractor, "device", "cpu")
+    policy = grid_policy(extractor.grid, extractor.dim, device)
+    times = {r: {c: [] for c in COMPONENTS} for r in rates}
+    flops, peaks = {}, {r: 0.0 for r in rates}
+    with tqdm(total=(repeats + 1) * len(rates), desc=f"bench {extractor.name}", unit="run") as bar:
+        for repeat in range(repeats + 1):
+            counting = repeat == 0
+            for rate in rates:
+                indices = np.sort(rng.choice(extractor.grid.n, size=patch_count(rate, extractor.grid.n), replace=False))
+                with _flops(counting) as backbone_counter:
+                    start = _now(device)
+                    state = extractor.encode(image)
+                    backbone_ms = _ms(start, device)
+                with _flops(counting) as counter, PeakMemory(device) as memory:
+                    start = _now(device)
+                    descriptors = extractor.descriptors(state, indices)
+                    per_patch_ms = _ms(start, device)
+                with _flops(counting) as policy_counter:
+                    start = _now(device)
+                    with torch.inference_mode():
+                        grid = torch.from_numpy(extractor.grid.scatter(descriptors, indices)).to(device)
+                        policy(grid.reshape(1, extractor.grid.n, extractor.dim))
+                    policy_ms = _ms(start, device)
+                if counting:
+                    flops[rate] = {"backbone": backbone_counter.get_total_flops(), "per_patch": counter.get_total_flops(),
+                                   "projection": 0, "policy": policy_counter.get_total_flops()}
+                else:
+                    peaks[rate] = max(peaks[rate], memory.peak_mib)
+                    for component, value in zip(COMPONENTS, (backbone_ms, per_patch_ms, 0.0, policy_ms)):
+                        times[rate][component].append(value)
+                bar.update()
+    rows = []
+    for rate in rates:
+        row = {"impl": "ours", "rate": rate, "k": patch_count(rate, extractor.grid.n)}
+        for component in COMPONENTS:
+            row[f"{component}_ms"] = float(np.median(times[rate][component]))
+        row["total_ms"] = sum(row[f"{c}_ms"] for c in COMPONENTS)
+        row["per_patch_peak_mib"] = peaks[rate]
+        row["gflop"] = {c: f / 1e9 for c, f in flops[rate].items()}
+        rows.append(row)
+    return {"name": extractor.name, "grid": [extractor.grid.rows, extractor.grid.cols], "dim": extractor.dim,
+            "rows": rows, **speedups(rows)}
+
+
+def projection_flops(blip2, patches: int) -> int:
+    """ITC projection of every query output and the D-channel head, for `patches` patches."""
+    queries = blip2.model.config.num_query_tokens
+    projection = blip2.model.vision_projection
+    return 2 * patches * (queries * projection.in_features * projection.out_features + projection.out_features * blip2.dim)
+
+
+def patch_count(rate: float, n: int) -> int:
+    """k = ceil(rate * N), as SPS selects."""
+    if not 0 < rate <= 1:
+        raise ValueError(f"selection rate must be in (0, 1], got {rate}")
+    return math.ceil(rate * n)
+
+
+def speedups(rows: list[dict]) -> dict:
+    """Per-patch stage ratios of medians measured in the same run (None where a row is absent)."""
+    def per_patch(impl: str, rate: float):
+        return next((r["per_patch_ms"] for r in rows if r["impl"] == impl and r["rate"] == rate), None)
+
+    def total(impl: str, rate: float):
+        return next((r["total_ms"] for r in rows if r["impl"] == impl and r["rate"] == rate), None)
+
+    def ratio(a, b):
+        return None if a is None or b is None or b <= 0 else a / b
+
+    dense = per_patch("ours", 1.0)
+    return {
+        "speedup_vs_naive_rate1": ratio(per_patch("naive", 1.0), dense),
+        "speedup_sps70_vs_dense": ratio(dense, per_patch("ours", 0.7)),
+        "speedup_sps50_vs_dense": ratio(dense, per_patch("ours", 0.5)),
+        "speedup_sps30_vs_dense": ratio(dense, per_patch("ours", 0.3)),
+        "total_speedup_sps50_vs_naive_dense": ratio(total("naive", 1.0), total("ours", 0.5)),
+    }
+
+
+def add_efficiency(result: dict, peak_gflops: float) -> None:
+    """Achieved GFLOP/s of each timed part and its share of the machine's peak."""
+    for key in ("blip2", "dinov2"):
+        for row in result.get(key, {}).get("rows", []):
+            row["gflops_per_s"] = {
+                part: (gflop / (row[f"{part}_ms"] / 1e3) if row[f"{part}_ms"] > 0 else None)
+                for part, gflop in row["gflop"].items()
+            }
+            achieved = row["gflops_per_s"].get("per_patch")
+            row["per_patch_peak_fraction"] = None if achieved is None else achieved / peak_gflops
+
+
+def format_tables(result: dict) -> str:
+    lines = [f"device {result['device']} ({result['threads']} threads), {result['dtype']}, "
+             f"median of {result['repeats']} frames; GFLOP = matmul work per frame; peak {result['peak_gflops']:g} GFLOP/s"]
+    for key in ("blip2", "dinov2"):
+        if key not in result:
+            continue
+        bench = result[key]
+        title = f"{bench['name']} ({bench.get('dims', 'embedded')}), grid {bench['grid'][0]}x{bench['grid'][1]}, D={bench['dim']}"
+        lines += ["", title,
+                  f"{'model':<12}{'k':>5}{'backbone':>11}{'per-patch':>11}{'proj+norm':>11}{'policy':>9}{'total':>11}"
+                  f"{'pp GFLOP':>10}{'pp GFLOP/s':>12}{'pp peak MiB':>13}"]
+        for row in bench["rows"]:
+            label = f"{row['impl']}-{round(100 * row['rate'])}%"
+            lines.append(
+                f"{label:<12}{row['k']:>5}{_fmt(row['backbone_ms']):>11}{_fmt(row['per_patch_ms']):>11}"
+                f"{_fmt(row['projection_ms']):>11}{_fmt(row['policy_ms']):>9}{_fmt(row['total_ms']):>11}"
+                f"{row['gflop']['per_patch']:>10.3g}{row['gflops_per_s']['per_patch'] or 0:>12.3g}"
+                f"{row['per_patch_peak_mib']:>13.0f}"
+            )
+        backbone = bench["rows"][0]
+        lines.append(f"backbone: {backbone['gflop']['backbone']:.3g} GFLOP at {backbone['gflops_per_s']['backbone'] or 0:.3g} GFLOP/s")
+        ratios = {k: v for k, v in bench.items() if k.startswith(("speedup", "total_speedup")) and v is not None}
+        lines.append("per-patch speedups: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return "\n".join(lines)
+
+
+def _fmt(ms: float) -> str:
+    return f"{ms / 1e3:.2f} s" if ms >= 1000 else f"{ms:.1f} ms" if ms >= 1 else f"{ms * 1e3:.0f} us"
+
+
+def _now(device) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _ms(start: float, device) -> float:
+    return 1e3 * (_now(device) - start)
+
+
+class _NoCount:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _flops(counting: bool):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False) if counting else _NoCount()
+
+
+_REGISTERED = []
+
+
+def _count_cpu_attention_flops() -> None:
+    """torch's FLOP counter knows the CUDA fused-attention kernels; teach it the CPU one too."""
+    from torch.utils import flop_counter
+
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is not None and not _REGISTERED and op not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(op, get_raw=True)(flop_counter.sdpa_flop)
+        _REGISTERED.append(op)
+
+
+class PeakMemory:
+    """Peak memory rise [MiB] inside the block: CUDA allocator peak, or sampled resident set on CPU."""
+
+    def __init__(self, device, interval_s: float = 0.002):
+        self.cuda = torch.device(device).type == "cuda"
+        self.interval_s = interval_s
+        self.peak_mib = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+        else:
+            _release_free_memory()
+            self._base = self._peak = _rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._peak = max(self._peak, _rss())
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak_mib = (torch.cuda.max_memory_allocated() - self._base) / 2**20
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mib = (max(self._peak, _rss()) - self._base) / 2**20
+        return False
+
+
+def _release_free_memory() -> None:
+    """Hand freed heap back to the OS so the next stage's peak shows in the resident set (glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _rss() -> int:
+    """Resident set size in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 0

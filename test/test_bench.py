@@ -1,0 +1,120 @@
+"""`sps-driving bench`: its FLOP accounting proves the fast Q-Former does the shared work once.
+
+BLIP-2 here is a tiny random config of the real classes; no timing is asserted (timings on a
+shared CPU say nothing), only structure, FLOP counts and memory accounting."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from sps_driving import bench, cli
+from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
+
+
+def qformer_flops(config, patches: int, fast: bool) -> int:
+    """Matmul FLOPs of the per-patch Q-Former for `patches` patches, written out from the architecture."""
+    q_cfg = config.qformer_config
+    queries, hidden, inter = config.num_query_tokens, q_cfg.hidden_size, q_cfg.intermediate_size
+    tokens = (config.vision_config.image_size // config.vision_config.patch_size) ** 2 + 1
+    enc = config.vision_config.hidden_size
+    layers = q_cfg.num_hidden_layers
+    cross = len(range(0, layers, q_cfg.cross_attention_frequency))
+    self_attention = 4 * 2 * queries * hidden * hidden + 2 * 2 * queries * queries * hidden
+    feed_forward = 2 * 2 * queries * hidden * inter
+    keys_values = 2 * 2 * tokens * enc * hidden
+    cross_query_side = 2 * 2 * queries * hidden * hidden + 2 * 2 * queries * tokens * hidden  # q, out; logits, weights
+    per_patch = layers * (self_attention + feed_forward) + cross * (keys_values + cross_query_side)
+    if not fast:
+        return patches * per_patch
+    # layer 0 up to its cross-attention logits is the same for every patch
+    query_side_once = self_attention + 2 * queries * hidden * hidden + 2 * queries * tokens * hidden
+    return cross * keys_values + query_side_once + patches * (per_patch - cross * keys_values - query_side_once)
+
+
+@pytest.fixture(scope="module")
+def blip2():
+    bench._count_cpu_attention_flops()
+    return Blip2Extractor.from_hf_config(tiny_blip2_config(), {"dim": 16, "suppression": -100.0}, seed=0)
+
+
+@pytest.mark.parametrize("patches", [1, 16])
+def test_fast_qformer_does_keys_and_values_once_per_frame(blip2, patches):
+    naive = Blip2Extractor(blip2.model, {**blip2.options, "implementation": "naive"})
+    tokens = blip2.image_tokens(np.zeros((56, 56, 3), np.uint8))
+    bias = blip2.token_bias(np.arange(patches))
+    counted = {}
+    for name, extractor in (("fast", blip2), ("naive", naive)):
+        with FlopCounterMode(display=False) as counter:
+            extractor.query_outputs(extractor.prepare_frame(tokens), bias)
+        counted[name] = counter.get_total_flops()
+    config = blip2.model.config
+    assert counted["naive"] == qformer_flops(config, patches, fast=False)
+    assert counted["fast"] == qformer_flops(config, patches, fast=True)
+
+
+def test_bench_json_reports_rows_speedups_and_flops(capsys):
+    argv = ["bench", "--blip2", "tiny", "--no-dinov2", "--repeats", "1", "--rates", "1.0", "0.5", "0.3", "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    blip2 = result["blip2"]
+    assert [(r["impl"], r["rate"], r["k"]) for r in blip2["rows"]] == [
+        ("naive", 1.0, 16), ("ours", 1.0, 16), ("ours", 0.5, 8), ("ours", 0.3, 5)
+    ]
+    for key in ("speedup_vs_naive_rate1", "speedup_sps50_vs_dense", "speedup_sps30_vs_dense"):
+        assert blip2[key] is not None and blip2[key] > 0
+    assert blip2["speedup_sps70_vs_dense"] is None  # 0.7 was not run
+    naive, dense, half, third = blip2["rows"]
+    for row in blip2["rows"]:
+        assert row["total_ms"] == pytest.approx(sum(row[f"{c}_ms"] for c in bench.COMPONENTS))
+        assert row["backbone_ms"] == naive["backbone_ms"]  # one backbone measurement serves every row
+        assert set(row["gflops_per_s"]) == {"backbone", "per_patch", "projection", "policy"}
+    # the work itself: the naive path does more, and ours scales with the kept patches
+    assert naive["gflop"]["per_patch"] > 1.5 * dense["gflop"]["per_patch"]
+    assert dense["gflop"]["per_patch"] > half["gflop"]["per_patch"] > third["gflop"]["per_patch"]
+    assert half["gflop"]["projection"] == pytest.approx(dense["gflop"]["projection"] / 2)
+    assert dense["gflop"]["policy"] > 0
+
+
+def test_tables_print_like_table_4(blip2, capsys):
+    result = {"device": "cpu", "dtype": "float32", "threads": 2, "repeats": 1, "peak_gflops": 190.0}
+    image = np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8)
+    naive = Blip2Extractor(blip2.model, {**blip2.options, "implementation": "naive"})
+    result["blip2"] = bench.bench_blip2(blip2, naive, image, [1.0, 0.5], [1.0], repeats=1, seed=0)
+    bench.add_efficiency(result, 190.0)
+    text = bench.format_tables(result)
+    for label in ("naive-100%", "ours-100%", "ours-50%", "per-patch", "proj+norm", "speedup_vs_naive_rate1"):
+        assert label in text
+
+
+def test_speedups_are_ratios_of_the_per_patch_medians():
+    rows = [
+        {"impl": "naive", "rate": 1.0, "per_patch_ms": 300.0, "total_ms": 400.0},
+        {"impl": "ours", "rate": 1.0, "per_patch_ms": 100.0, "total_ms": 200.0},
+        {"impl": "ours", "rate": 0.5, "per_patch_ms": 50.0, "total_ms": 150.0},
+        {"impl": "ours", "rate": 0.3, "per_patch_ms": 25.0, "total_ms": 125.0},
+    ]
+    ratios = bench.speedups(rows)
+    assert ratios["speedup_vs_naive_rate1"] == 3.0
+    assert ratios["speedup_sps50_vs_dense"] == 2.0
+    assert ratios["speedup_sps30_vs_dense"] == 4.0
+    assert ratios["total_speedup_sps50_vs_naive_dense"] == pytest.approx(400 / 150)
+
+
+def test_peak_memory_sees_a_large_allocation():
+    with bench.PeakMemory("cpu") as memory:
+        block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+        block.sum()
+        del block
+    assert memory.peak_mib >= 48
+    with bench.PeakMemory("cpu") as quiet:
+        torch.zeros(4).sum()
+    assert quiet.peak_mib < 48
+
+
+def test_patch_count_is_sps_k():
+    assert [bench.patch_count(r, 256) for r in (1.0, 0.7, 0.5, 0.3)] == [256, 180, 128, 77]
+    with pytest.raises(ValueError):
+        bench.patch_count(0.0, 256)
