@@ -18,8 +18,8 @@ Each piece of work is done once:
   broadcast over a batch of patches, the later layers run batched (chunked to the memory
   budget), and the last layer computes only token j's query row.
 
-Layers run on the weights of the transformers modules (no copy), with LayerNorm and softmax in
-fp32 so fp16/bf16 weights stay finite.
+Layers run on the weights of the transformers modules (no copy), with LayerNorm and attention
+(softmax included) in fp32 so fp16/bf16 weights stay finite.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sps_driving.core.backbones.qformer import layer_norm_fp32, softmax_fp32
+from sps_driving.core.backbones.qformer import layer_norm_fp32
 from sps_driving.core.grid import FALLOFFS, PatchGrid, attention_bias, patch_masks
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,12 +74,12 @@ def block_forward(
     def split_heads(t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (heads, -1)).transpose(-3, -2)
 
-    q, k, v = split_heads(attn.q_proj(queries)), split_heads(attn.k_proj(x)), split_heads(attn.v_proj(x))
-    if bias is None:  # the fused kernel (fp32 accumulation) is about 3x faster than the explicit form
-        context = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
-    else:  # eq. 1 written out: the bias goes on the scaled logits, softmax in fp32
-        logits = (q @ k.transpose(-1, -2) * attn.scaling).float() + bias
-        context = softmax_fp32(logits).to(v.dtype) @ v
+    q, k, v = (split_heads(t).float() for t in (attn.q_proj(queries), attn.k_proj(x), attn.v_proj(x)))
+    if bias is not None and bias.shape[0] > q.shape[0]:  # the fused kernel does not broadcast batches
+        q, k, v = (t.expand(bias.shape[0], -1, -1, -1) for t in (q, k, v))
+    # A float attn_mask is added to the scaled logits q k^T * scaling before the softmax: eq. 1's
+    # bias exactly. The fused kernel is several times faster here than matmul + softmax written out.
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling).to(x.dtype)
     context = context.transpose(-3, -2).flatten(-2)
     hidden = layer.layer_scale1(attn.o_proj(context)) + residual
     return hidden + layer.layer_scale2(layer.mlp(layer_norm_fp32(hidden, layer.norm2)))
