@@ -14,9 +14,10 @@ Message choices (standard types only):
 - every message carries the header stamp of the camera frame it was computed from.
 
 QoS, per topic kind:
-- "image": camera images. Reliable, keep last 1: a 1.7 MB frame is many DDS fragments and best
-  effort loses whole frames to one lost fragment under load (seen on loopback here); keep-last 1
-  never blocks the writer or queues latency. image_transport publishers are reliable by default.
+- "image": camera images. Reliable, keep last 3: a 1.7 MB frame is many DDS fragments and best
+  effort loses whole frames to one lost fragment under load (seen on loopback here); keep-last
+  never blocks the writer, and 3 lets the extractor's callback see (and count) each frame it
+  skips rather than DDS dropping them silently. image_transport publishers are reliable by default.
 - "sensor": camera info, lane state and obstacle range in. Best effort, keep last 1: a late sample
   is useless, and a best-effort reader accepts reliable and best-effort writers.
 - "selection": reliable, keep last 30 (1 s at 30 fps): the extractor matches decisions to frames
@@ -67,7 +68,7 @@ def header(stamp: int, frame_id: str):
 
 # ---------------------------------------------------------------- QoS
 
-QOS_DEPTHS = {"image": 1, "sensor": 1, "selection": 30, "stream": 1, "control": 10, "status": 100}
+QOS_DEPTHS = {"image": 3, "sensor": 1, "selection": 30, "stream": 1, "control": 10, "status": 100}
 
 
 def qos(kind: str):

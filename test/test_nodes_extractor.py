@@ -1,0 +1,135 @@
+"""The full chain with the real embedded DINOv2 extractor (at 112 px: an 8x8 grid) as separate
+processes: corrupt frames are dropped and counted without harm to any node, the extractor keeps
+only the newest frame under a burst, and killing it stops the car within the command age.
+Slow: loading the backbone alone takes 5-20 s on two shared cores."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray
+from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
+
+from ros_helpers import Probe, tiny_checkpoint
+from sps_driving import msgs, topics
+from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
+
+pytestmark = [pytest.mark.slow, pytest.mark.ros]
+MAX_AGE = 0.5
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("extractor")
+    ckpt = tiny_checkpoint(tmp / "policy", rows=8, cols=8, dim=384)
+    (tmp / "extraction.yaml").write_text("input_size: [112, 112]\n")
+    graph = Graph(
+        ["selection", "extractor", "policy", "vehicle_interface"],
+        parameters={
+            "selection": {"checkpoint": str(ckpt)},
+            "extractor": {"backbone_config": str(tmp / "extraction.yaml"), "selection_timeout_s": 5.0},
+            "policy": {"checkpoint": str(ckpt)},
+            "vehicle_interface": {
+                "auto_engage": True, "require_safety_monitor": False, "max_command_age_s": MAX_AGE, "max_camera_age_s": 5.0,
+            },
+        },
+        log_dir=tmp / "logs",
+    )
+    probe = Probe()
+    for topic, kind, msg_type in (
+        (topics.DESCRIPTORS, "status", PointCloud2), (topics.POLICY_COMMAND, "status", JointState),
+        (topics.STAGE_TIMING, "status", DiagnosticArray), (topics.VEHICLE_STATUS, "status", DiagnosticArray),
+        (topics.ACTUATION, "control", JointState),
+    ):
+        probe.record(topic, msg_type, kind)
+    image = probe.publisher(topics.IMAGE, Image, "image")
+    info = probe.publisher(topics.CAMERA_INFO, CameraInfo, "sensor")
+    with graph:
+        wait_for_nodes(probe.node, graph.nodes, 180, graph)
+        wait_for_subscribers(image, 1, 60)
+        wait_for_subscribers(info, 2, 60)
+        yield graph, probe, image, info
+    probe.close()
+
+
+RNG = np.random.default_rng(0)
+STAMP = [1_700_000_000_000_000_000]
+
+
+def send(image_pub, info_pub, msg=None):
+    STAMP[0] += 33_333_333
+    stamp = STAMP[0]
+    if msg is None:
+        msg = msgs.rgb_to_image(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), stamp, "camera")
+    msg.header.stamp = msgs.ros_time(stamp)
+    image_pub.publish(msg)
+    info_pub.publish(msgs.camera_info(600, 960, stamp, "camera", math.radians(130)))
+    return stamp
+
+
+def outcome(probe, stamp):
+    """'command', a drop reason, or None while pending."""
+    if any(msgs.stamp_ns(m.header) == stamp for m in probe.messages(topics.POLICY_COMMAND)):
+        return "command"
+    for m in probe.messages(topics.STAGE_TIMING):
+        name, level, message, _ = msgs.diagnostic_values(m)[0]
+        if level == 1 and msgs.stamp_ns(m.header) == stamp:
+            return f"{name} {message}"
+    return None
+
+
+def test_corrupt_frames_are_dropped_and_counted(rig):
+    graph, probe, image, info = rig
+    stamp = send(image, info)
+    assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 120), graph.log("extractor")[-2000:]
+    assert outcome(probe, stamp) == "command"
+    good = msgs.rgb_to_image(np.zeros((600, 960, 3), np.uint8), 0, "camera")
+    bad = {
+        "wrong encoding": Image(height=600, width=960, encoding="16UC1", step=1920, data=bytes(600 * 1920)),
+        "truncated": Image(height=600, width=960, encoding="rgb8", step=2880, data=bytes(1000)),
+        "short step": Image(height=600, width=960, encoding="rgb8", step=100, data=bytes(600 * 2880)),
+        "empty": Image(height=0, width=0, encoding="rgb8", step=0, data=b""),
+    }
+    for what, msg in bad.items():
+        stamp = send(image, info, msg)
+        assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 30), what
+        assert outcome(probe, stamp).startswith("extractor dropped"), (what, outcome(probe, stamp))
+    stamp = send(image, info, good)
+    assert probe.spin_until(lambda: outcome(probe, stamp) == "command", 30)
+    assert all(graph.alive(n) for n in graph.nodes)
+    for s, t in (msgs.command_from_message(m) for m in probe.messages(topics.ACTUATION)):
+        assert math.isfinite(s) and math.isfinite(t) and abs(s) <= 0.35 + 1e-9 and -0.8 <= t <= 0.3
+
+
+def test_burst_keeps_only_the_newest_frame(rig):
+    graph, probe, image, info = rig
+    stamps = []
+    for _ in range(8):  # 8 frames at 30 fps, far faster than CPU extraction
+        stamps.append(send(image, info))
+        probe.spin(1 / 30)
+    assert probe.spin_until(lambda: outcome(probe, stamps[-1]) is not None, 60)
+    probe.spin(0.5)
+    results = [outcome(probe, s) for s in stamps]
+    assert results[-1] == "command"
+    assert any(r == "extractor dropped: stale" for r in results), results
+    # No queue: frames in between were skipped, not computed one after another.
+    assert results.count("command") <= 3, results
+
+
+def test_killing_the_extractor_stops_the_car(rig):
+    graph, probe, image, info = rig
+
+    def status():
+        return msgs.diagnostic_values(probe.messages(topics.VEHICLE_STATUS)[-1])[0]
+
+    stamp = send(image, info)
+    assert probe.spin_until(lambda: outcome(probe, stamp) == "command", 60)
+    assert probe.spin_until(lambda: status()[2] == "driving", 2)
+    graph.kill("extractor")
+    killed = time.monotonic()
+    assert probe.spin_until(lambda: "command_timeout" in status()[3]["stop_reasons"], 5)
+    assert time.monotonic() - killed < MAX_AGE + 1 / 30 + 0.3
+    probe.spin(0.3)
+    assert all(t == pytest.approx(-0.5) for _, t in map(msgs.command_from_message, probe.messages(topics.ACTUATION)[-5:]))
+    assert graph.alive("selection") and graph.alive("policy") and graph.alive("vehicle_interface")
