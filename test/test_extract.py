@@ -99,6 +99,7 @@ def test_unknown_inputs_and_missing_topics_are_refused_before_extraction(tmp_pat
     with pytest.raises(ValueError, match="no topic /driver/cmd; its topics: /camera/image_raw, /vehicle/command"):
         extract([bag], tmp_path / "cache", extractor, settings=ExtractSettings(command_topic="/driver/cmd"))
     assert not (tmp_path / "cache").exists()
+    assert main(["extract", "--out", str(tmp_path / "cache"), str(tmp_path / "empty")]) == 2
 
 
 def test_command_line_extract_then_train(tmp_path, bag, folder, capsys):

@@ -114,6 +114,13 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path)
         train(config(cache_dir, tmp_path / "straight", epochs=4))
 
 
+def test_command_line_errors_are_reported_not_raised(tmp_path, capsys):
+    from sps_driving.cli import main
+
+    assert main(["train", "--cache", str(tmp_path / "missing"), "--out", str(tmp_path / "m")]) == 2
+    assert "sps-driving extract" in capsys.readouterr().err
+
+
 def test_sequence_variants_need_the_backbones_position_table(tmp_path):
     no_table = make_cache(tmp_path / "cache", frames_per_source=4, with_position_table=False)
     with pytest.raises(ValueError, match="position table"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -85,14 +86,20 @@ def _command_values(msg) -> Optional[tuple[float, float]]:
     return steering, throttle
 
 
-def check_bag_topics(path: Path, settings: ExtractSettings) -> None:
-    """Fail before any extraction when a bag lacks the camera or command topic (a wrong topic name)."""
+def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]:
+    """Each input's kind; fails before any extraction on an unknown input or a bag without the
+    camera or command topic (usually a wrong topic name)."""
     from sps_driving.bagio import topic_types
 
-    present = topic_types(path)
-    missing = [t for t in (settings.camera_topic, settings.command_topic) if t not in present]
-    if missing:
-        raise ValueError(f"bag {path} has no topic {', '.join(missing)}; its topics: {', '.join(sorted(present))}")
+    kinds = [input_kind(Path(path)) for path in inputs]
+    for path, kind in zip(inputs, kinds):
+        if kind != "rosbag2":
+            continue
+        present = topic_types(path)
+        missing = [t for t in (settings.camera_topic, settings.command_topic) if t not in present]
+        if missing:
+            raise ValueError(f"bag {path} has no topic {', '.join(missing)}; its topics: {', '.join(sorted(present))}")
+    return kinds
 
 
 def bag_frame_count(path: Path, topic: str) -> Optional[int]:
@@ -183,10 +190,7 @@ def extract(inputs: Sequence, out, extractor, extractor_config: Optional[dict] =
             settings: ExtractSettings = ExtractSettings(), overwrite: bool = False) -> dict:
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by reason)."""
     inputs = [Path(p) for p in inputs]
-    kinds = [input_kind(p) for p in inputs]
-    for path, kind in zip(inputs, kinds):
-        if kind == "rosbag2":
-            check_bag_topics(path, settings)
+    kinds = check_inputs(inputs, settings)
     meta = {
         "backbone": extractor.name,
         "extractor": extractor_config or {"name": extractor.name},
@@ -255,14 +259,19 @@ def run(args) -> int:
 
     from sps_driving.core.backbones import load_extractor, resolve_config
 
-    settings = ExtractSettings.from_yaml(args.config)
-    if args.camera_topic:
-        settings = replace(settings, camera_topic=args.camera_topic)
-    if args.command_topic:
-        settings = replace(settings, command_topic=args.command_topic)
-    config = resolve_config(extractor_config_from_args(args))
-    extractor = load_extractor(config)
-    report = extract(args.inputs, args.out, extractor, config, settings, args.overwrite)
+    try:
+        settings = ExtractSettings.from_yaml(args.config)
+        if args.camera_topic:
+            settings = replace(settings, camera_topic=args.camera_topic)
+        if args.command_topic:
+            settings = replace(settings, command_topic=args.command_topic)
+        check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
+        config = resolve_config(extractor_config_from_args(args))
+        extractor = load_extractor(config)
+        report = extract(args.inputs, args.out, extractor, config, settings, args.overwrite)
+    except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     written = sum(c.get("written", 0) for c in report.values())
     print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
           f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}")

@@ -470,8 +470,12 @@ def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
         "variant", "rate", "seed", "epochs", "batch_size", "lr", "width", "depth", "heads",
         "early_stop_patience", "validation_fraction", "num_workers", "device")}
-    cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
-    summary = train(cfg)
+    try:
+        cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
+        summary = train(cfg)
+    except (OSError, ValueError) as error:  # bad settings, missing or damaged cache or checkpoint
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         print(f"trained {cfg.variant} rate {cfg.rate} on {summary['train_frames']} frames "
               f"({summary['validation_frames']} for validation) in {summary['epochs_run']} epochs"
