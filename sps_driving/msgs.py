@@ -29,7 +29,9 @@ QoS, per topic kind:
 
 from __future__ import annotations
 
+import importlib
 import math
+import re
 
 import numpy as np
 
@@ -78,6 +80,40 @@ def qos(kind: str):
         raise ValueError(f"unknown QoS kind {kind!r}; expected one of {sorted(QOS_DEPTHS)}")
     reliability = ReliabilityPolicy.BEST_EFFORT if kind == "sensor" else ReliabilityPolicy.RELIABLE
     return QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=QOS_DEPTHS[kind], reliability=reliability)
+
+
+# ---------------------------------------------------------------- bag messages
+
+_MESSAGE_TYPE = re.compile(r"([A-Za-z0-9_]+)/(?:msg/)?([A-Za-z0-9_]+)")
+
+
+def ros_type(msgtype: str):
+    """The rclpy class of "pkg/msg/Name" (or "pkg/Name")."""
+    match = _MESSAGE_TYPE.fullmatch(msgtype)
+    if match is None:
+        raise ValueError(f"not a message type name: {msgtype!r}")
+    return getattr(importlib.import_module(f"{match.group(1)}.msg"), match.group(2))
+
+
+def from_bag(msg, cls):
+    """A rosbags message as an rclpy message of class `cls`, copied field by field, so a bag
+    recorded on another ROS distro plays here: a field the recording lacks keeps its default
+    (e.g. Range.variance, added after Humble), a field this distro lacks is left out."""
+    out = cls()
+    for name, type_name in cls.get_fields_and_field_types().items():
+        if not hasattr(msg, name):
+            continue
+        value = getattr(msg, name)
+        default = getattr(out, name)
+        if hasattr(default, "get_fields_and_field_types"):
+            value = from_bag(value, type(default))
+        elif "/" in type_name:  # a sequence or array of messages
+            element = ros_type(_MESSAGE_TYPE.search(type_name).group(0))
+            value = [from_bag(v, element) for v in value]
+        elif isinstance(value, np.ndarray):
+            value = value.tobytes() if value.dtype == np.uint8 else value.tolist()
+        setattr(out, name, value)
+    return out
 
 
 # ---------------------------------------------------------------- images

@@ -235,13 +235,6 @@ def reference_commands(bag: Path) -> dict:
 # ---------------------------------------------------------------- playback (ROS)
 
 
-def _ros_type(msgtype: str):
-    import importlib
-
-    package, _, name = msgtype.split("/")
-    return getattr(importlib.import_module(f"{package}.msg"), name)
-
-
 class Player:
     """Publishes bag messages into the graph and records what the graph publishes."""
 
@@ -256,11 +249,11 @@ class Player:
         self.done: set[int] = set()  # frames with a command or a reported drop
         self.unreadable = 0  # recorded messages that could not be decoded (left out of the bag)
         self.publishers = {
-            topic: node.create_publisher(_ros_type(msgtype), topic, msgs.qos(PLAYED_QOS.get(topic, "control")))
+            topic: node.create_publisher(msgs.ros_type(msgtype), topic, msgs.qos(PLAYED_QOS.get(topic, "control")))
             for topic, msgtype in input_types.items()
         }
         for topic, msgtype in RECORDED.items():
-            node.create_subscription(_ros_type(msgtype), topic, self._recorder(topic, msgtype), msgs.qos("status"), raw=True)
+            node.create_subscription(msgs.ros_type(msgtype), topic, self._recorder(topic, msgtype), msgs.qos("status"), raw=True)
 
     def _recorder(self, topic: str, msgtype: str):
         from rosbags.serde import SerdeError
@@ -281,14 +274,13 @@ class Player:
         return store
 
     def publish(self, topic: str, msg) -> None:
-        from sps_driving.bagio import TYPESTORE
-
-        raw = bytes(TYPESTORE.serialize_cdr(msg, msg.__msgtype__))
+        publisher = self.publishers[topic]
+        ros_msg = msgs.from_bag(msg, publisher.msg_type)
         if topic == topics.CAMERA_INFO:
             stamp = msgs.stamp_ns(msg.header)
             self.frames.setdefault(stamp, time.time_ns())
             self.records.append(Record(topic, self.frames[stamp], msg))
-        self.publishers[topic].publish(raw)
+        publisher.publish(ros_msg)
 
     def spin(self, seconds: float) -> None:
         end = time.monotonic() + seconds

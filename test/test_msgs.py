@@ -101,3 +101,24 @@ def test_diagnostics_round_trip():
     assert msgs.diagnostic_values(back) == [("vehicle_interface", 2, "stopping", {"reason": "command_timeout", "count": "3"})]
     bag = TYPESTORE.deserialize_cdr(serialize_message(arr), "diagnostic_msgs/msg/DiagnosticArray")
     assert msgs.diagnostic_values(bag)[0][1] == 2
+
+
+def test_bag_messages_convert_to_this_distros_types():
+    from sensor_msgs.msg import CameraInfo, Image, Range
+
+    from sps_driving.bagio import camera_info_message, image_message, range_message
+
+    rng_msg = msgs.from_bag(range_message(3.5, 42), Range)  # Humble's Range has no `variance`
+    assert rng_msg.range == pytest.approx(3.5) and msgs.stamp_ns(rng_msg.header) == 42
+    info = msgs.from_bag(camera_info_message(600, 960, 7, hfov_rad=math.radians(130)), CameraInfo)
+    assert info.k[2] == 480.0 and info.roi.do_rectify is False and info.header.frame_id == "camera"
+    rgb = np.random.default_rng(3).integers(0, 256, (4, 5, 3), dtype=np.uint8)
+    image = msgs.from_bag(image_message(rgb, 9), Image)
+    assert np.array_equal(msgs.image_to_rgb(image), rgb)
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    bag_diag = TYPESTORE.deserialize_cdr(serialize_message(msgs.diagnostics(1, "n", 1, "m", {"a": 1})), "diagnostic_msgs/msg/DiagnosticArray")
+    assert msgs.diagnostic_values(msgs.from_bag(bag_diag, DiagnosticArray)) == [("n", 1, "m", {"a": "1"})]
+    assert msgs.ros_type("sensor_msgs/msg/Image") is Image and msgs.ros_type("sensor_msgs/Image") is Image
+    with pytest.raises(ValueError):
+        msgs.ros_type("Image")
