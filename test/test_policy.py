@@ -182,3 +182,11 @@ def test_loading_errors_name_the_path(tmp_path):
     (tmp_path / "bad_json" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_policy(tmp_path / "bad_json")
+
+
+def test_policy_timing_benchmark_runs(capsys):
+    from sps_driving.train.policy_timing import main
+
+    assert main(["--rows", "2", "--cols", "3", "--descriptor-dim", "4", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "spps  rate 0.3" in printed and printed.count(" ms") == 6
