@@ -189,4 +189,4 @@ def test_policy_timing_benchmark_runs(capsys):
 
     assert main(["--rows", "2", "--cols", "3", "--descriptor-dim", "4", "--repeats", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "spps  rate 0.3" in printed and printed.count(" ms") == 6
+    assert "spps  rate 0.3" in printed and printed.count(" ms\n") == 6
