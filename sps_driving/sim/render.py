@@ -390,21 +390,28 @@ def _urban_ground(mesh, road, s, right_edge, left_edge, extent, sc, rng) -> None
 def _far_ground(road, sc, rng) -> NodePath:
     """A wide plane under everything to the horizon, and hills or a skyline beyond the detail."""
     mesh = Mesh()
-    cx, cy = float(road.x.mean()), float(road.y.mean())
+    cx, cy = float(road.x.mean()), float(road.y.mean())  # the plane is centred on the road
     size = 1400.0
     g = np.linspace(-size / 2, size / 2, 15)
     gx, gy = np.meshgrid(g + cx, g + cy, indexing="ij")
     pts = np.stack([gx, gy, np.full_like(gx, -0.5)], -1)
     base = np.asarray(GRASS[sc.season] if sc.scene == "rural" else (0.4, 0.4, 0.41))
     mesh.grid(pts, np.broadcast_to(base, pts.shape) * _noise(rng, pts.shape[:2], 0.05))
-    for _ in range(24):
-        angle, dist = rng.uniform(0, 2 * math.pi), rng.uniform(220, 320)
-        x, y = cx + dist * math.cos(angle), cy + dist * math.sin(angle)
+    placed = 0
+    for _ in range(200):
+        if placed == 24:
+            break
+        # Hills (rural) or a skyline (urban) well beyond the modelled roadside, anywhere along the road.
+        x, y = road.point(rng.uniform(0, road.length), rng.choice([-1.0, 1.0]) * rng.uniform(150, 320))
+        size = rng.uniform(40, 90) if sc.scene == "rural" else rng.uniform(15, 40)
+        if not _clear_of_road(road, x, y, size + 90.0):
+            continue
+        placed += 1
         if sc.scene == "rural":
             color = np.asarray(GRASS[sc.season]) * 0.75 + 0.05
-            mesh.blob((x, y, -3.0), (rng.uniform(40, 90), rng.uniform(40, 90), rng.uniform(8, 20)), color, rings=2, sides=8)
+            mesh.blob((x, y, -3.0), (size, rng.uniform(40, 90), rng.uniform(8, 20)), color, rings=2, sides=8)
         else:
-            mesh.box((x, y, 20.0), (rng.uniform(15, 40), rng.uniform(15, 40), rng.uniform(30, 80)), BUILDINGS[int(rng.integers(len(BUILDINGS)))])
+            mesh.box((x, y, 20.0), (size, rng.uniform(15, 40), rng.uniform(30, 80)), BUILDINGS[int(rng.integers(len(BUILDINGS)))])
     return mesh.node("far")
 
 
