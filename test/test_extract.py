@@ -119,3 +119,14 @@ def test_command_line_extract_then_train(tmp_path, bag, folder, capsys):
                  "--depth", "1", "--heads", "2", "--validation-fraction", "0.5"]) == 0
     recorded = json.loads((out / "config.json").read_text())
     assert recorded["backbone"] == "blip2" and recorded["training"]["split"]["validation_sources"] == ["parking_lot"]
+
+
+def test_mcap_bags_are_read_too(tmp_path, extractor):
+    path = tmp_path / "drive_mcap"
+    with bagio.BagWriter(path, storage="mcap") as writer:
+        for i in range(2):
+            stamp = T0 + i * FRAME_NS
+            writer.write(topics.IMAGE, bagio.image_message(image(i), stamp), stamp)
+            writer.write(topics.REFERENCE_COMMAND, bagio.command_message(0.05, -0.5, stamp), stamp)
+    assert extract([path], tmp_path / "cache", extractor) == {"drive_mcap": {"written": 2}}
+    np.testing.assert_allclose(FeatureCache(tmp_path / "cache").targets, [[0.05, -0.5]] * 2, atol=1e-7)
