@@ -59,9 +59,13 @@ def test_collect_writes_rosbag2_with_the_car_topics(tmp_path, storage):
     assert first_stamps[1] > first_stamps[0]  # episodes do not overlap in time
 
 
-def test_collect_refuses_to_overwrite(tmp_path):
+@pytest.mark.parametrize("flat", [False, True])
+def test_collect_refuses_to_overwrite(tmp_path, flat):
     out = tmp_path / "drives"
-    args = ["collect", "--out", str(out), "--episodes", "1", "--episode-s", "0.3", "--width", "96"]
+    args = ["collect", "--out", str(out), "--episodes", "1", "--episode-s", "0.3", "--width", "96"] + (["--flat"] if flat else [])
     assert main(args) == 0
+    bag = out if flat else out / "episode_00000"
+    assert topic_types(bag)[topics.IMAGE] == "sensor_msgs/msg/Image"
+    assert (out / "collect.json").is_file()
     with pytest.raises(SystemExit, match="exists"):
         main(args)

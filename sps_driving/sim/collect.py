@@ -71,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--episode-s", type=float, help="episode length in s (default from config/sim.yaml)")
     parser.add_argument("--width", type=int, help="rendered image width in px (height follows the camera aspect)")
     parser.add_argument("--storage", choices=sorted(bagio.STORAGES), help="rosbag2 storage (default from config/sim.yaml)")
+    parser.add_argument("--flat", action="store_true", help="with --episodes 1: write the bag at --out itself (no episode folder)")
     parser.add_argument("--no-disturbance", action="store_true", help="clean expert drives: no perturbed start, no pushes")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
 
@@ -85,17 +86,22 @@ def run(args) -> int:
         cam["render_width"] = int(args.width)
     if args.episodes < 1:
         raise SystemExit("--episodes must be at least 1")
+    if args.flat and args.episodes != 1:
+        raise SystemExit("--flat writes a single bag: use it with --episodes 1")
     collect = config["collect"]
     scenario = args.scenario or collect["scenario"]
     get_scenario(scenario)  # validates the name before any work
     storage = args.storage or collect["storage"]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.flat:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
     summaries = []
     for index in tqdm(range(args.episodes), desc=f"collect {scenario}", unit="episode"):
-        bag_dir = out / f"episode_{index:05d}"
+        bag_dir = out if args.flat else out / f"episode_{index:05d}"
         if bag_dir.exists():
-            raise SystemExit(f"{bag_dir} exists; collect into an empty folder")
+            raise SystemExit(f"{bag_dir} exists; collect into a new folder")
         start_ns = int(collect["epoch_ns"]) + index * int(float(collect["episode_gap_s"]) * 1e9)
         summaries.append(record_episode(config, scenario, episode_seed(args.seed, index), bag_dir, start_ns, storage, not args.no_disturbance))
     manifest = {
