@@ -95,8 +95,18 @@ def test_corrupt_frames_are_dropped_and_counted(rig):
         stamp = send(image, info, msg)
         assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 30), what
         assert outcome(probe, stamp).startswith("extractor dropped"), (what, outcome(probe, stamp))
+    # A selection decision for another grid (here from the test, with no CameraInfo for the frame).
+    STAMP[0] += 33_333_333
+    stamp = STAMP[0]
+    good.header.stamp = msgs.ros_time(stamp)
+    selection = probe.publisher(topics.SELECTION, Image, "selection")
+    image.publish(good)
+    selection.publish(msgs.selection_message(np.array([0, 5]), 4, 4, stamp, "camera"))
+    assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 30)
+    assert "selection is 4x4" in outcome(probe, stamp) and "backbone grid is 8x8" in outcome(probe, stamp)
     stamp = send(image, info, good)
-    assert probe.spin_until(lambda: outcome(probe, stamp) == "command", 30)
+    assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 60), graph.log("extractor")[-1500:]
+    assert outcome(probe, stamp) == "command"
     assert all(graph.alive(n) for n in graph.nodes)
     for s, t in (msgs.command_from_message(m) for m in probe.messages(topics.ACTUATION)):
         assert math.isfinite(s) and math.isfinite(t) and abs(s) <= 0.35 + 1e-9 and -0.8 <= t <= 0.3

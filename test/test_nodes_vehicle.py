@@ -182,3 +182,16 @@ def test_override_disengages_and_counts_intervention(rig):
     assert last_status(probe)[3]["engagement"] == "disengaged"  # no re-engage without a request
     engage.publish(Bool(data=True))
     assert run_until(probe, inputs, lambda: drives(probe), 3)
+
+
+def test_graph_stops_nodes_cleanly(tmp_path):
+    probe = Probe("stop_probe")
+    try:
+        graph = Graph(["safety_monitor"], log_dir=tmp_path).start()
+        try:
+            wait_for_nodes(probe.node, graph.nodes, 30, graph)
+        finally:
+            codes = graph.stop()
+        assert codes == {"safety_monitor": 0}, graph.log("safety_monitor")
+    finally:
+        probe.close()

@@ -58,7 +58,7 @@ class ExtractorNode(Node):
         self.counters = {"frames": 0, "dropped_stale": 0, "dropped_no_selection": 0, "dropped_invalid": 0}
         self._lock = threading.Condition()
         self._pending: tuple[Image, float] | None = None  # newest image not yet computed, arrival time
-        self._decisions: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._decisions: OrderedDict[int, np.ndarray | str] = OrderedDict()
         self._running = True
         self.publisher = self.create_publisher(PointCloud2, topics.DESCRIPTORS, msgs.qos("stream"))
         self.stage_timer = StageTimer(self, self.NODE_NAME)
@@ -84,28 +84,27 @@ class ExtractorNode(Node):
             self.get_logger().warning(f"dropped selection: {exc}", throttle_duration_sec=1.0)
             return
         grid = self.extractor.grid
+        decision = indices
         if shape != (grid.rows, grid.cols) or len(indices) == 0:
-            self.get_logger().error(
-                f"selection is {shape[0]}x{shape[1]} with {len(indices)} patches; backbone grid is {grid.rows}x{grid.cols}",
-                throttle_duration_sec=1.0,
-            )
-            return
+            # Kept as the frame's decision, so its frame is dropped at once with this reason.
+            decision = f"selection is {shape[0]}x{shape[1]} with {len(indices)} patches; backbone grid is {grid.rows}x{grid.cols}"
         with self._lock:
-            self._decisions[msgs.stamp_ns(msg.header)] = indices
+            self._decisions[msgs.stamp_ns(msg.header)] = decision
             while len(self._decisions) > _KEPT_DECISIONS:
                 self._decisions.popitem(last=False)
             self._lock.notify()
 
     def _next_frame(self):
-        """Wait for the newest frame whose decision is in; drop it if the decision is late."""
+        """Wait for the newest frame whose decision (indices, or why it is unusable) is in; drop
+        the frame if the decision is late."""
         with self._lock:
             while self._running:
                 if self._pending is not None:
                     msg, arrived = self._pending
-                    indices = self._decisions.get(msgs.stamp_ns(msg.header))
-                    if indices is not None:
+                    decision = self._decisions.get(msgs.stamp_ns(msg.header))
+                    if decision is not None:
                         self._pending = None
-                        return msg, indices
+                        return msg, decision
                     if time.monotonic() - arrived > self.selection_timeout_s:
                         self._pending = None
                         self.counters["dropped_no_selection"] += 1
@@ -123,6 +122,9 @@ class ExtractorNode(Node):
             msg, indices = item
             started = time.perf_counter()
             stamp = msgs.stamp_ns(msg.header)
+            if isinstance(indices, str):
+                self._drop_invalid(stamp, indices)
+                continue
             try:
                 rgb = msgs.image_to_rgb(msg)
                 values = self.extractor.descriptors(self.extractor.encode(rgb), indices)
