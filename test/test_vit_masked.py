@@ -77,6 +77,16 @@ def test_finite_suppression_and_soft_falloff_follow_eq1(model):
     np.testing.assert_allclose(got, expected[1 + indices].numpy(), atol=1e-4)
 
 
+def test_strong_finite_suppression_approaches_the_hard_mask(model):
+    indices = np.array([5, 130, 250])
+    by_r = {}
+    for r in (float("-inf"), -1e4, -1.0):
+        extractor = DinoV2Extractor(model, suppression=r)
+        by_r[r] = extractor.descriptors(extractor.encode(FRAME), indices)
+    np.testing.assert_allclose(by_r[-1e4], by_r[float("-inf")], atol=1e-5)
+    assert np.abs(by_r[-1.0] - by_r[float("-inf")]).max() > 0.1  # a weak r lets the masked patches in
+
+
 # Earlier-layer masking runs the later layers once per patch: those tests use a small 8x8 input
 # (interpolated position embeddings, same weights) to stay fast.
 @pytest.mark.parametrize("masked_layer, input_size", [(11, (224, 224)), (4, (112, 112))])

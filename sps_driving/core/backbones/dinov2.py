@@ -169,7 +169,8 @@ class DinoV2Extractor:
 
     Preprocessing: the uint8 RGB frame is resized to input_size with cv2.INTER_AREA (an area
     average, the alias-free choice when shrinking a 960x600 camera frame), scaled to [0, 1] and
-    normalized with the ImageNet mean and std DINOv2 was trained with.
+    normalized with the ImageNet mean and std DINOv2 was trained with. The extractor takes
+    `model` over: it moves it to its device and dtype in place.
     """
 
     name = "dinov2_vits14"

@@ -78,7 +78,7 @@ def block_forward(
     if bias is not None and bias.shape[0] > q.shape[0]:  # the fused kernel does not broadcast batches
         q, k, v = (t.expand(bias.shape[0], -1, -1, -1) for t in (q, k, v))
     # A float attn_mask is added to the scaled logits q k^T * scaling before the softmax: eq. 1's
-    # bias exactly. The fused kernel is several times faster here than matmul + softmax written out.
+    # bias exactly. The fused kernel is faster than matmul + softmax written out (measured on CPU).
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scaling).to(x.dtype)
     context = context.transpose(-3, -2).flatten(-2)
     hidden = layer.layer_scale1(attn.o_proj(context)) + residual
@@ -168,12 +168,7 @@ class MaskedViT:
         outputs = [
             self._chunk(hidden, indices[start : start + chunk]) for start in range(0, len(indices), chunk)
         ]
-        if not outputs:
-            return hidden.new_zeros(0, dim)
-        result = torch.cat(outputs)
-        if not torch.isfinite(result).all():
-            raise FloatingPointError("non-finite patch descriptors (check dtype and suppression)")
-        return result
+        return torch.cat(outputs) if outputs else hidden.new_zeros(0, dim)
 
     def _chunk(self, hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
         bias = self.mask_bias(indices, hidden.device)
