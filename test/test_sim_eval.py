@@ -21,6 +21,10 @@ def test_expert_eval_is_resumable_and_writes_tables(tmp_path):
     assert len(rows) == 4 and all(r["method"] == "expert" and r["score"] == 1.0 for r in rows)
     assert main(args) == 0  # nothing left to run
     assert len((out / "results.jsonl").read_text().splitlines()) == 4
+    # Another episode length runs anew; its table holds only its own episodes.
+    assert main(args[:5] + ["3"] + args[6:]) == 0
+    assert len((out / "results.jsonl").read_text().splitlines()) == 8
+    assert "3 s, 224x140" in (out / "table1.md").read_text() and "4 s" not in (out / "table1.md").read_text()
     with (out / "table1.csv").open() as f:
         table = list(csv.reader(f))
     assert table[0] == ["scenario", "expert"]

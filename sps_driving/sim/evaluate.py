@@ -371,7 +371,9 @@ def run(args) -> int:
     print(f"{method}: profile {args.profile}, {episodes} episode(s) of {settings.episode_s:g} s per scenario, "
           f"{settings.width}x{settings.height} px, {len(args.scenarios)} scenario(s), {args.workers} worker(s)")
     evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device)
-    rows = read_results(out / RESULTS_FILE)
+    # Tables compare methods under the same settings: rows of other profiles stay in the file only.
+    same = (settings.episode_s, settings.width, settings.height)
+    rows = [r for r in read_results(out / RESULTS_FILE) if (r["episode_s"], r["width"], r["height"]) == same]
     write_tables(rows, out, "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "sps-driving eval ...")
     print((out / "table1.md").read_text())
     return 0
