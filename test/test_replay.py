@@ -129,3 +129,34 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
         indices = selector.select(stamp)
         expected = policy.predict(extractor.descriptors(extractor.encode(rgb), indices), indices)
         assert recorded[stamp] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.ros
+def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys):
+    """12 frames at 30 fps, far faster than CPU extraction: the extractor skips to the newest frame."""
+    from ros_helpers import tiny_checkpoint
+
+    from sps_driving import cli
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
+    rng = np.random.default_rng(1)
+    t0 = 1_700_000_000_000_000_000
+    with BagWriter(tmp_path / "drive", "sqlite3") as bag:
+        for i in range(12):
+            t = t0 + i * 33_333_333
+            bag.write(topics.IMAGE, image_message(rng.integers(0, 256, (600, 960, 3), dtype=np.uint8), t), t)
+    out = tmp_path / "out"
+    code = cli.main([
+        "replay", str(tmp_path / "drive"), "--realtime", "--out", str(out), "--json", "--checkpoint", str(ckpt),
+        "--backbone-config", str(tmp_path / "extraction.yaml"),
+    ])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["mode"] == "realtime"
+    assert report["frames_in"] == 12 and 1 <= report["frames_out"] < 12
+    assert report["drops"].get("extractor: stale", 0) >= 1
+    assert report["frames_out"] + sum(report["drops"].values()) <= 12
+    assert report["reference_commands"] == 0 and report["steering_mae"] is None
+    commands = list(read_messages(out, [topics.POLICY_COMMAND]))
+    assert len(commands) == report["frames_out"]
