@@ -14,7 +14,6 @@ simulator, benchmark). Its keys and their defaults (with units) are in config/ex
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,18 +23,11 @@ import yaml
 from tqdm import tqdm
 
 from sps_driving.core.extraction import PatchExtractor
+from sps_driving.resources import config_path
 
 BACKBONES = ("dinov2_vits14", "blip2")
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 CONFIG_NAME = "extraction.yaml"
-
-
-def default_config_path() -> Path:
-    """config/extraction.yaml of the source tree, else the installed share/sps_driving copy."""
-    source = Path(__file__).resolve().parents[3] / "config" / CONFIG_NAME
-    if source.is_file():
-        return source
-    return Path(sys.prefix) / "share" / "sps_driving" / "config" / CONFIG_NAME
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -47,7 +39,7 @@ def _read_yaml(path: str | Path) -> dict:
 
 def default_config() -> dict:
     """The defaults of config/extraction.yaml."""
-    return _read_yaml(default_config_path())
+    return _read_yaml(config_path(CONFIG_NAME))
 
 
 def resolve_config(config: Mapping | str | Path | None = None) -> dict:
