@@ -112,6 +112,8 @@ def from_bag(msg, cls):
             value = [from_bag(v, element) for v in value]
         elif isinstance(value, np.ndarray):
             value = value.tobytes() if value.dtype == np.uint8 else value.tolist()
+        elif type_name == "octet" and isinstance(value, int):  # rosbags reads `byte` as int, rclpy wants bytes
+            value = bytes([value])
         setattr(out, name, value)
     return out
 
