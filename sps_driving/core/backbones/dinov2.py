@@ -144,7 +144,6 @@ def load_dinov2(model_path: str | Path | None = None):
         mlp_ratio=mlp_hidden // hidden,
         patch_size=patch_size,
         image_size=positions_side * patch_size,
-        layer_norm_eps=1e-6,
     )
     # The mask token is for DINOv2's masked-image pre-training only; inference never reads it.
     state.setdefault("embeddings.mask_token", torch.zeros(1, hidden))
