@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -105,6 +106,7 @@ def run(args) -> int:
         start_ns = int(collect["epoch_ns"]) + index * int(float(collect["episode_gap_s"]) * 1e9)
         summaries.append(record_episode(config, scenario, episode_seed(args.seed, index), bag_dir, start_ns, storage, not args.no_disturbance))
     manifest = {
+        "command": "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["collect"] else None,
         "scenario": scenario,
         "seed": args.seed,
         "episodes": args.episodes,
