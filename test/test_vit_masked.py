@@ -174,6 +174,14 @@ def test_bad_masking_options_are_refused(model, extractor, options, message):
         MaskedViT(list(model.encoder.layer), model.layernorm, extractor.grid, **options)
 
 
+def test_hidden_states_of_another_grid_are_refused(model, extractor, state):
+    other = DinoV2Extractor(model, input_size=(112, 112))
+    with pytest.raises(ValueError, match="one frame"):
+        other.descriptors(state, np.array([0]))
+    with pytest.raises(ValueError, match="one frame"):
+        extractor.encoder.descriptors(state.hidden.expand(2, -1, -1), np.array([0]))
+
+
 def test_negative_masked_layer_counts_from_the_end(model, extractor):
     encoder = MaskedViT(list(model.encoder.layer), model.layernorm, extractor.grid, masked_layer=-3)
     assert encoder.masked_layer == 9 and not encoder.masks_last_layer

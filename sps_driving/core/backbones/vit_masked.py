@@ -160,9 +160,12 @@ class MaskedViT:
             raise ValueError(f"patch indices must be a 1-D integer array, got {indices.dtype} {indices.shape}")
         if indices.size and (indices.min() < 0 or indices.max() >= self.grid.n):
             raise ValueError(f"patch indices must lie in [0, {self.grid.n}), got {indices.min()}..{indices.max()}")
-        _, tokens, dim = hidden.shape
-        if tokens != self.num_prefix_tokens + self.grid.n:
-            raise ValueError(f"hidden states have {tokens} tokens, expected {self.num_prefix_tokens + self.grid.n}")
+        frames, tokens, dim = hidden.shape
+        if frames != 1 or tokens != self.num_prefix_tokens + self.grid.n:
+            raise ValueError(
+                f"expected the hidden states of one frame [1, {self.num_prefix_tokens + self.grid.n}, D], "
+                f"got {list(hidden.shape)}"
+            )
         indices = indices.astype(np.int64)
         chunk = self.chunk_size(tokens, dim)
         outputs = [
