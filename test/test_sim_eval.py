@@ -79,3 +79,22 @@ def test_policy_eval_with_the_dinov2_extractor(tmp_path):
     (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert row["method"] == "SPS-50" and row["dropped_frames"] == 0
     assert 0.0 <= row["score"] <= 1.0 and row["distance_m"] > 0
+
+
+def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path):
+    from sps_driving.core.policy import build_policy, save_policy
+    from sps_driving.sim.evaluate import PolicyDriver
+
+    policy_config = {"backbone": "dinov2_vits14", "grid": {"rows": 16, "cols": 16}, "descriptor_dim": 384,
+                     "selection": {"variant": "spps", "rate": 0.3, "seed": 0}, "position_dim": 384,
+                     "policy": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 1.0, "dropout": 0.0},
+                     "output": {"max_steering_rad": 0.5}}
+    torch.manual_seed(0)
+    save_policy(build_policy(policy_config), policy_config, tmp_path / "policy")
+    driver = PolicyDriver(str(tmp_path / "policy"))
+    assert method_name(driver.policy.config) == "SPPS-30"
+    frame = np.random.default_rng(0).integers(0, 255, (140, 224, 3), dtype=np.uint8)
+    first = driver(frame, 1_000)
+    assert all(np.isfinite(first)) and driver.drops == 0
+    assert driver(np.zeros((0, 0, 3), np.uint8), 2_000) == first
+    assert driver.drops == 1
