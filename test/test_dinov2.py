@@ -143,6 +143,18 @@ def test_load_extractor_defaults_come_from_config_yaml():
     assert resolve_config({"backbone": "blip2", "dim": 32}) == {"backbone": "blip2", "backend": "torch", "dim": 32}
 
 
+def test_from_config_takes_a_given_model():
+    from transformers import Dinov2Config, Dinov2Model
+
+    # a tiny random DINOv2 (2 layers, 64 channels) of the real architecture
+    tiny = Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56))
+    config = resolve_config({"input_size": [56, 84], "masked_layer": 0})
+    extractor = DinoV2Extractor.from_config(config, model=tiny)
+    assert extractor.model is tiny and extractor.dim == 64 and (extractor.grid.rows, extractor.grid.cols) == (4, 6)
+    values = extractor.descriptors(extractor.encode(np.zeros((60, 90, 3), dtype=np.uint8)), np.arange(24))
+    assert values.shape == (24, 64) and np.isfinite(values).all()
+
+
 def test_load_extractor_reads_a_yaml_file(tmp_path):
     path = tmp_path / "extraction.yaml"
     path.write_text("input_size: [224, 336]\nmasked_layer: 10\n")

@@ -209,9 +209,11 @@ class DinoV2Extractor:
         )
 
     @classmethod
-    def from_config(cls, config: dict) -> "DinoV2Extractor":
+    def from_config(cls, config: dict, model=None) -> "DinoV2Extractor":
+        """From a resolved extraction config; `model` (e.g. random weights for timing) replaces
+        the one loaded from config["model_path"]."""
         return cls(
-            load_dinov2(config.get("model_path")),
+            model if model is not None else load_dinov2(config.get("model_path")),
             input_size=tuple(config["input_size"]),
             masked_layer=config["masked_layer"],
             falloff=config["falloff"],
