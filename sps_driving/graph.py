@@ -144,3 +144,21 @@ def wait_for_subscribers(publisher, count: int, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{publisher.topic_name}: {publisher.get_subscription_count()} of {count} subscribers after {timeout_s} s")
         time.sleep(0.05)
+
+
+def wait_for_topics(observer, subscribers: dict, timeout_s: float, graph: Graph | None = None) -> None:
+    """Block until each topic has at least the given number of subscriptions on the ROS graph.
+    A node is visible before it has loaded its model; its subscriptions come after, so this is
+    the readiness check. Raises like `wait_for_nodes`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = {t: n for t, n in subscribers.items() if observer.count_subscribers(t) < n}
+        if not missing:
+            return
+        if graph is not None:
+            for name in graph.nodes:
+                if name in graph.processes and not graph.alive(name):
+                    raise RuntimeError(f"node {name} exited with {graph.returncode(name)}:\n{graph.log(name)[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topics without their subscribers after {timeout_s} s: {missing}")
+        time.sleep(0.1)

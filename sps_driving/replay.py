@@ -378,7 +378,7 @@ def graph_parameters(args, checkpoint: Path, bag_topics: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from sps_driving.bagio import BagWriter, topic_types
-    from sps_driving.graph import Graph, default_params_file, wait_for_nodes, wait_for_subscribers
+    from sps_driving.graph import Graph, default_params_file, wait_for_nodes, wait_for_topics
 
     if not args.bag.exists():
         print(f"error: no bag at {args.bag}")
@@ -419,8 +419,12 @@ def run(args: argparse.Namespace) -> int:
         with graph:
             try:
                 wait_for_nodes(node, GRAPH_NODES, args.startup_timeout, graph)
-                wait_for_subscribers(player.publishers[topics.IMAGE], 1, args.startup_timeout)
-                wait_for_subscribers(player.publishers[topics.CAMERA_INFO], 2, args.startup_timeout)
+                # Each stage's input has its reader (and this recorder where it records it).
+                readers = {
+                    topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
+                    topics.POLICY_COMMAND: 2,
+                }
+                wait_for_topics(node, readers, args.startup_timeout, graph)
             except (TimeoutError, RuntimeError) as exc:
                 print(f"error: the graph did not start: {exc}")
                 return 2
