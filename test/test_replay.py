@@ -160,3 +160,25 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys):
     assert report["reference_commands"] == 0 and report["steering_mae"] is None
     commands = list(read_messages(out, [topics.POLICY_COMMAND]))
     assert len(commands) == report["frames_out"]
+
+
+def test_replay_refuses_bad_inputs_with_clear_errors(tmp_path, capsys):
+    from ros_helpers import tiny_checkpoint
+
+    from sps_driving import cli
+
+    assert cli.main(["replay", str(tmp_path / "missing")]) == 2
+    assert "no bag at" in capsys.readouterr().out
+    with BagWriter(tmp_path / "no_images", "sqlite3") as bag:
+        bag.write(topics.LANE_POSE, lane_pose_message(0.0, 0.0, 1), 1)
+    assert cli.main(["replay", str(tmp_path / "no_images")]) == 2
+    assert "no sensor_msgs/Image frames on /camera/image_raw" in capsys.readouterr().out
+    with BagWriter(tmp_path / "drive", "sqlite3") as bag:
+        bag.write(topics.IMAGE, image_message(np.zeros((4, 4, 3), np.uint8), 1), 1)
+    assert cli.main(["replay", str(tmp_path / "drive"), "--checkpoint", str(tmp_path / "none")]) == 2
+    out = capsys.readouterr().out
+    assert "no policy checkpoint at" in out and "policy.safetensors and config.json" in out
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "taken").mkdir()
+    assert cli.main(["replay", str(tmp_path / "drive"), "--checkpoint", str(ckpt), "--out", str(tmp_path / "taken")]) == 2
+    assert "exists" in capsys.readouterr().out
