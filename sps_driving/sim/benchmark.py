@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from sps_driving.sim.config import load_sim_config
+from sps_driving.sim.config import frame_stamp_ns, load_sim_config, set_render_width
 from sps_driving.sim.expert import Expert
 from sps_driving.sim.scenarios import SCENARIOS, get_scenario
 from sps_driving.sim.world import World, make_episode
@@ -55,7 +55,7 @@ def random_policy(directory: str) -> str:
 
 
 def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
-    from sps_driving.sim.evaluate import PolicyDriver, episode_stamp_ns
+    from sps_driving.sim.evaluate import PolicyDriver
     from sps_driving.sim.render import get_renderer
 
     renderer = get_renderer(config)
@@ -66,7 +66,7 @@ def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
         t0 = time.perf_counter()
         image = renderer.render(world)
         t1 = time.perf_counter()
-        steering, throttle = driver(image, episode_stamp_ns(config, 0, k))
+        steering, throttle = driver(image, frame_stamp_ns(config, 0, k))
         t2 = time.perf_counter()
         world.step(steering, throttle)
         t3 = time.perf_counter()
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     config = load_sim_config()
     cam = config["camera"]
     if args.width:
-        cam["render_width"], cam["render_height"] = args.width, int(round(args.width * cam["native_height"] / cam["native_width"]))
+        set_render_width(config, args.width)
     if args.threads:
         import torch
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sps_driving import bagio, topics
-from sps_driving.sim.config import load_sim_config
+from sps_driving.sim.config import frame_stamp_ns, load_sim_config, set_render_width
 from sps_driving.sim.expert import Disturbance, Expert
 from sps_driving.sim.scenarios import get_scenario
 from sps_driving.sim.world import World, make_episode, rng_for
@@ -32,7 +32,7 @@ def episode_seed(seed: int, index: int) -> int:
     return 1_000_000 + seed * 10_000 + index
 
 
-def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, start_ns: int, storage: str, disturb: bool = True) -> dict:
+def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, episode_index: int, storage: str, disturb: bool = True) -> dict:
     """Drive one expert episode and write it as a rosbag2 at `bag_dir`; returns its summary."""
     from sps_driving.sim.render import get_renderer
 
@@ -45,10 +45,9 @@ def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, s
     cam = config["camera"]
     hfov = math.radians(float(cam["hfov_deg"]))
     steps = int(round(float(config["episode_s"]) * float(config["control_rate_hz"])))
-    period_ns = int(round(1e9 / float(config["control_rate_hz"])))
     with bagio.BagWriter(bag_dir, storage=storage) as bag:
         for k in range(steps):
-            stamp = start_ns + k * period_ns
+            stamp = frame_stamp_ns(config, episode_index, k)
             image = renderer.render(world)
             clean = expert.command(world)
             bag.write(topics.IMAGE, bagio.image_message(image, stamp), stamp)
@@ -82,9 +81,7 @@ def run(args) -> int:
     if args.episode_s is not None:
         config["episode_s"] = float(args.episode_s)
     if args.width is not None:
-        cam = config["camera"]
-        cam["render_height"] = int(round(args.width * int(cam["native_height"]) / int(cam["native_width"])))
-        cam["render_width"] = int(args.width)
+        set_render_width(config, args.width)
     if args.episodes < 1:
         raise SystemExit("--episodes must be at least 1")
     if args.flat and args.episodes != 1:
@@ -103,8 +100,7 @@ def run(args) -> int:
         bag_dir = out if args.flat else out / f"episode_{index:05d}"
         if bag_dir.exists():
             raise SystemExit(f"{bag_dir} exists; collect into a new folder")
-        start_ns = int(collect["epoch_ns"]) + index * int(float(collect["episode_gap_s"]) * 1e9)
-        summaries.append(record_episode(config, scenario, episode_seed(args.seed, index), bag_dir, start_ns, storage, not args.no_disturbance))
+        summaries.append(record_episode(config, scenario, episode_seed(args.seed, index), bag_dir, index, storage, not args.no_disturbance))
     manifest = {
         "command": "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["collect"] else None,
         "scenario": scenario,

@@ -43,3 +43,21 @@ def apply_profile(config: dict, profile: str) -> dict:
     config["camera"]["render_height"] = int(settings["render_height"])
     config["profile"] = {"name": profile, **settings}
     return config
+
+
+def set_render_width(config: dict, width: int) -> None:
+    """Render at `width` px, the height following the car camera's aspect (square pixels)."""
+    if width < 16:
+        raise ValueError(f"render width must be at least 16 px, got {width}")
+    cam = config["camera"]
+    cam["render_width"] = int(width)
+    cam["render_height"] = int(round(width * float(cam["native_height"]) / float(cam["native_width"])))
+
+
+def frame_stamp_ns(config: dict, episode_index: int, step: int) -> int:
+    """Stamp of a step's frame: episodes start `episode_gap_s` apart from `epoch_ns`, frames follow
+    at the control rate. Collection and evaluation share it, so patch selection (a function of
+    the stamp) replays."""
+    collect = config["collect"]
+    period_ns = int(round(1e9 / float(config["control_rate_hz"])))
+    return int(collect["epoch_ns"]) + episode_index * int(float(collect["episode_gap_s"]) * 1e9) + step * period_ns

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
-from sps_driving.sim.config import PROFILES, load_sim_config
+from sps_driving.sim.config import PROFILES, frame_stamp_ns, load_sim_config
 from sps_driving.sim.scenarios import SCENARIO_NAMES, SCENARIOS, get_scenario
 from sps_driving.sim.world import World, make_episode
 
@@ -50,13 +50,6 @@ def method_name(policy_config: dict) -> str:
         return "DA"
     label = {"sps": "SPS", "spps": "SPPS", "mspps": "MSPPS", "threshold": "SPS-v1"}.get(variant, variant.upper())
     return f"{label}-{int(round(rate * 100))}"
-
-
-def episode_stamp_ns(config: dict, episode_index: int, step: int) -> int:
-    """Frame stamps as the collection writes them, so patch selection replays per stamp."""
-    collect = config["collect"]
-    period_ns = int(round(1e9 / float(config["control_rate_hz"])))
-    return int(collect["epoch_ns"]) + episode_index * int(float(collect["episode_gap_s"]) * 1e9) + step * period_ns
 
 
 # ------------------------------------------------------------------------------ drivers
@@ -118,7 +111,7 @@ def run_episode(config: dict, scenario_name: str, episode_index: int, driver=Non
             steering, throttle = command.steering, command.throttle
         else:
             image = renderer.render(world)
-            steering, throttle = driver(image, episode_stamp_ns(config, episode_index, step))
+            steering, throttle = driver(image, frame_stamp_ns(config, episode_index, step))
         world.step(steering, throttle)
     result = world.result(steps * world.dt).as_dict()
     result["episode"] = episode_index

@@ -14,7 +14,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from sps_driving.sim.config import load_sim_config
+from sps_driving.sim.config import load_sim_config, set_render_width
 from sps_driving.sim.expert import Expert
 from sps_driving.sim.scenarios import SCENARIOS
 from sps_driving.sim.world import World, make_episode
@@ -35,9 +35,7 @@ def frame_with_actor_ahead(config: dict, scenario, seed: int, ahead_m: tuple[flo
 
 def make_gallery(out: Path, seed: int = 1, width: int = 320, columns: int = 5, config: dict | None = None) -> Path:
     config = config or load_sim_config()
-    cam = config["camera"]
-    cam["render_width"] = width
-    cam["render_height"] = int(round(width * cam["native_height"] / cam["native_width"]))
+    set_render_width(config, width)
     tiles = []
     for scenario in SCENARIOS:
         tile = frame_with_actor_ahead(config, scenario, seed)[:, :, ::-1].copy()
