@@ -21,6 +21,7 @@ LIMITS = ControlLimits(
     max_command_age_s=0.2,
     max_camera_age_s=0.2,
     max_safety_age_s=0.5,
+    max_command_latency_s=1.0,
     control_rate_hz=30.0,
 )
 DT = 1 / 30
@@ -173,3 +174,19 @@ def test_silent_safety_monitor_stops_when_required():
     c.on_camera_frame(0.6)
     c.on_command(0.0, 0.1, 2, 0.6)
     assert c.step(0.6).reasons == (StopReason.SAFETY_MONITOR_TIMEOUT,)
+
+
+def test_command_from_a_late_frame_stops_until_a_timely_one():
+    c = driving_controller()
+    assert c.on_command(0.0, 0.2, 1, 0.0, latency_s=0.1)
+    assert not c.step(0.0).stopping
+    assert c.on_command(0.0, 0.2, 2, 0.01, latency_s=1.5) is False
+    act = c.step(0.02)
+    assert act.reasons == (StopReason.LATE_COMMAND,) and c.late_commands == 1
+    assert c.on_command(0.0, 0.2, 3, 0.03, latency_s=0.2)
+    assert not c.step(0.04).stopping
+    off = VehicleController(ControlLimits(max_command_latency_s=0.0), require_safety_monitor=False)
+    off.on_camera_frame(0.0)
+    assert off.on_command(0.0, 0.1, 1, 0.0, latency_s=1e9)  # replaying old stamps
+    with pytest.raises(ValueError, match="non-negative"):
+        ControlLimits(max_command_latency_s=-1.0)

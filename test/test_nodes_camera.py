@@ -74,4 +74,5 @@ def test_missing_device_is_retried_not_fatal(tmp_path, probe):
         assert graph.alive("camera_driver")
         name, level, message, values = msgs.diagnostic_values(probe.messages("/camera_driver/status")[-1])[0]
         assert level == 1 and int(values["dropped"]) > 0 and values["frames"] == "0"
+        assert graph.stop() == {"camera_driver": 0}  # Ctrl-C is a clean exit
     assert not probe.messages(topics.IMAGE)

@@ -32,6 +32,7 @@ def rig(tmp_path_factory):
             "policy": {"checkpoint": str(ckpt)},
             "vehicle_interface": {
                 "auto_engage": True, "require_safety_monitor": False, "max_command_age_s": MAX_AGE, "max_camera_age_s": 5.0,
+                "max_command_latency_s": 0.0,  # the frames carry made-up stamps
             },
         },
         log_dir=tmp / "logs",

@@ -25,13 +25,18 @@ class ControlLimits:
     max_command_age_s: float = 0.25  # no fresh policy command within this -> controlled stop
     max_camera_age_s: float = 0.25  # no camera frame within this -> controlled stop
     max_safety_age_s: float = 0.5  # no safety-monitor status within this -> controlled stop (when required)
+    # Camera stamp to command arrival: a command computed from an older frame is refused and
+    # stops the car (the pipeline is lagging). 0 disables the check (replaying old stamps).
+    max_command_latency_s: float = 1.0
     control_rate_hz: float = 30.0  # watchdog and command output rate
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"control limit {f.name} must be a positive finite number, got {value!r}")
+            may_be_zero = f.name == "max_command_latency_s"  # 0 = check off
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 or (may_be_zero and value == 0))):
+                kind = "non-negative" if may_be_zero else "positive"
+                raise ValueError(f"control limit {f.name} must be a {kind} finite number, got {value!r}")
         for name in ("max_throttle", "max_brake", "stop_brake"):
             if getattr(self, name) > 1.0:
                 raise ValueError(f"{name} is a pedal fraction in (0, 1], got {getattr(self, name)}")
@@ -55,6 +60,7 @@ class StopReason(str, Enum):
     NO_COMMAND = "no_command"  # nothing received yet
     COMMAND_TIMEOUT = "command_timeout"  # policy or an upstream stage stopped
     INVALID_COMMAND = "invalid_command"  # latest command was NaN/Inf
+    LATE_COMMAND = "late_command"  # latest command came from a frame older than max_command_latency_s
     CAMERA_TIMEOUT = "camera_timeout"  # camera stopped
     SAFETY_STOP = "safety_stop"  # the safety monitor requests a stop
     SAFETY_MONITOR_TIMEOUT = "safety_monitor_timeout"  # the safety monitor went silent
@@ -84,21 +90,33 @@ class VehicleController:
         self._command: tuple[float, float, int] | None = None  # steering, throttle, camera stamp
         self._command_time_s: float | None = None
         self._command_invalid = False
+        self._command_late = False
         self._camera_time_s: float | None = None
         self._safety_stop = False
         self._steering = 0.0
         self._last_step_s: float | None = None
         self.invalid_commands = 0
+        self.late_commands = 0
 
-    def on_command(self, steering: float, throttle: float, stamp_ns: int, now_s: float) -> bool:
-        """Accept a policy command; a non-finite one is counted and makes the car stop. Returns validity."""
+    def on_command(
+        self, steering: float, throttle: float, stamp_ns: int, now_s: float, latency_s: float | None = None
+    ) -> bool:
+        """Accept a policy command; a non-finite one, or one whose camera frame is older than
+        max_command_latency_s (`latency_s`: now minus the frame's stamp), is counted and makes
+        the car stop until an acceptable one arrives. Returns acceptance."""
         if not (math.isfinite(steering) and math.isfinite(throttle)):
             self.invalid_commands += 1
             self._command_invalid = True
             return False
+        self._command_invalid = False
+        limit = self.limits.max_command_latency_s
+        if limit > 0 and latency_s is not None and latency_s > limit:
+            self.late_commands += 1
+            self._command_late = True
+            return False
+        self._command_late = False
         self._command = (float(steering), float(throttle), int(stamp_ns))
         self._command_time_s = now_s
-        self._command_invalid = False
         return True
 
     def on_camera_frame(self, now_s: float) -> None:
@@ -121,6 +139,8 @@ class VehicleController:
             reasons.append(StopReason.SAFETY_MONITOR_TIMEOUT)
         if self._command_invalid:
             reasons.append(StopReason.INVALID_COMMAND)
+        if self._command_late:
+            reasons.append(StopReason.LATE_COMMAND)
         if self._command_time_s is None:
             reasons.append(StopReason.NO_COMMAND)
         elif now_s - self._command_time_s > lim.max_command_age_s:

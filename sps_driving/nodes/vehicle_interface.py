@@ -129,8 +129,12 @@ class VehicleInterface(Node):
             self.dropped_messages += 1
             self.get_logger().warning(f"dropped command: {exc}", throttle_duration_sec=1.0)
             return
-        if not self.controller.on_command(steering, throttle, msgs.stamp_ns(msg.header), time.monotonic()):
-            self.get_logger().error(f"non-finite command ({steering}, {throttle}): stopping", throttle_duration_sec=1.0)
+        stamp = msgs.stamp_ns(msg.header)
+        latency_s = (now_ns(self) - stamp) / 1e9
+        if not self.controller.on_command(steering, throttle, stamp, time.monotonic(), latency_s):
+            self.get_logger().error(
+                f"refused command ({steering}, {throttle}) from a frame {latency_s:.3f} s old: stopping", throttle_duration_sec=1.0
+            )
 
     def _on_camera(self, msg: CameraInfo) -> None:
         self.controller.on_camera_frame(time.monotonic())
@@ -173,6 +177,7 @@ class VehicleInterface(Node):
                     "interventions": self.engagement.interventions,
                     "last_event": self.engagement.last_event,
                     "invalid_commands": self.controller.invalid_commands,
+                    "late_commands": self.controller.late_commands,
                     "dropped_messages": self.dropped_messages,
                     "steering_rad": f"{act.steering_rad:.5f}",
                     "throttle": f"{act.throttle:.4f}",
