@@ -33,6 +33,18 @@ def test_expert_eval_is_resumable_and_writes_tables(tmp_path):
     assert "Interventions" in (out / "details.md").read_text()
 
 
+def test_parallel_expert_eval_matches_the_serial_one(tmp_path):
+    args = ["eval", "--expert", "--episodes", "2", "--episode-s", "3", "--scenarios", SCENARIO_NAMES[3], SCENARIO_NAMES[9]]
+    assert main(args + ["--workers", "1", "--out", str(tmp_path / "serial")]) == 0
+    assert main(args + ["--workers", "2", "--out", str(tmp_path / "parallel")]) == 0
+
+    def by_key(folder):
+        rows = [json.loads(line) for line in (tmp_path / folder / "results.jsonl").read_text().splitlines()]
+        return {(r["scenario"], r["episode"]): (r["distance_m"], r["score"]) for r in rows}
+
+    assert by_key("serial") == by_key("parallel") and len(by_key("serial")) == 4
+
+
 def _row(method, scenario, score, episode=0):
     return {"method": method, "scenario": scenario, "score": score, "interventions": int(score < 1), "episode": episode,
             "failures": {"lane_boundary": int(score < 1)}, "mean_speed_mps": 9.0, "episode_s": 15.0, "width": 224, "height": 140,

@@ -124,12 +124,13 @@ _WORKER: dict = {}
 
 
 def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
     _WORKER["config"] = config
     if policy_dir is not None:
+        import torch
+
         from sps_driving.sim.render import get_renderer
+
+        torch.set_num_threads(threads)
 
         _WORKER["renderer"] = get_renderer(config)
         _WORKER["driver"] = PolicyDriver(policy_dir, device)
