@@ -249,26 +249,29 @@ def weather_overlay(image: np.ndarray, episode: Episode, frame: int, particles_a
     count = int(particles_at_224 * (w * h) / (224 * 140))
     scale = w / 224.0
     out = image.astype(np.float32)
-    layer = np.zeros_like(out)
+    xs, ys = rng.uniform(0, w, count), rng.uniform(0, h, count)
     alpha = np.zeros((h, w), np.float32)
     if weather == "rain":
-        # Overcast contrast loss plus slanted streaks.
+        # Overcast contrast loss plus slanted streaks, all drawn in one call.
         out = 0.75 * out + 0.25 * out.mean()
-        xs, ys = rng.uniform(0, w, count), rng.uniform(0, h, count)
         lengths = rng.uniform(5, 14, count) * scale
-        for x, y, length in zip(xs, ys, lengths):
-            p0, p1 = (int(x), int(y)), (int(x - 0.25 * length), int(y + length))
-            cv2.line(layer, p0, p1, (200, 205, 215), 1, cv2.LINE_AA)
-            cv2.line(alpha, p0, p1, 0.45, 1, cv2.LINE_AA)
+        streaks = np.stack([np.stack([xs, ys], 1), np.stack([xs - 0.25 * lengths, ys + lengths], 1)], 1)
+        cv2.polylines(alpha, list(np.round(streaks).astype(np.int32)), False, 0.45, 1, cv2.LINE_AA)
+        color = np.array((200, 205, 215), np.float32)
     else:
+        # Flakes: single pixels softened, and a third of them grown into larger flakes.
         out = 0.8 * out + 0.2 * 225.0
-        xs, ys = rng.uniform(0, w, count), rng.uniform(0, h, count)
-        radii = np.maximum(1, (rng.uniform(0.4, 1.8, count) * scale)).astype(int)
-        for x, y, r in zip(xs, ys, radii):
-            cv2.circle(layer, (int(x), int(y)), int(r), (250, 250, 252), -1, cv2.LINE_AA)
-            cv2.circle(alpha, (int(x), int(y)), int(r), 0.85, -1, cv2.LINE_AA)
+        ix, iy = xs.astype(int), ys.astype(int)
+        alpha[iy, ix] = 1.0
+        big = np.zeros_like(alpha)
+        third = count // 3
+        big[iy[:third], ix[:third]] = 1.0
+        size = max(3, int(round(2 * scale)) | 1)
+        alpha = np.maximum(cv2.GaussianBlur(alpha, (3, 3), 0) * 2.5, cv2.dilate(big, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (size, size))))
+        alpha = np.clip(alpha, 0.0, 0.9)
+        color = np.array((250, 250, 252), np.float32)
     a = alpha[..., None]
-    out = out * (1 - a) + layer * a
+    out = out * (1 - a) + color * a
     return np.clip(out, 0, 255).astype(np.uint8)
 
 
