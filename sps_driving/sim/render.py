@@ -122,16 +122,14 @@ class Renderer:
         self.region.set_clear_depth_active(True)
         self.scene: NodePath | None = None
         self.actor_nodes: list[NodePath] = []
-        self.loaded: tuple | None = None
-        self.headlight: NodePath | None = None
+        self.loaded: Episode | None = None
 
     def close(self) -> None:
         self.engine.remove_window(self.buffer)
 
     # ---------------------------------------------------------------- per-episode scene
     def load(self, episode: Episode) -> None:
-        key = (episode.scenario.name, episode.seed, id(episode.road))
-        if self.loaded == key:
+        if self.loaded is episode:
             return
         if self.scene is not None:
             self.scene.remove_node()
@@ -153,7 +151,7 @@ class Renderer:
             node = _actor_node(spec.model, spec.color, sc.time == "night", spec.oncoming)
             node.reparent_to(self.scene)
             self.actor_nodes.append(node)
-        self.loaded = key
+        self.loaded = episode
 
     def _sky(self, horizon, zenith) -> None:
         """A dome around the camera rig: an unlit vertical gradient behind everything."""
