@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VENV_FLAGS := $(if $(ROS_DISTRO),--system-site-packages,)
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
+# Several torch processes (the graph's nodes, evaluation workers) share few cores here: OpenMP's
+# default busy-waiting makes each of them several times slower when cores are oversubscribed.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup demo test test-slow bench clean
 

@@ -4,3 +4,6 @@ import os
 # runs on one machine never hear each other (ROS_DOMAIN_ID 1..101 are safe on every OS).
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ.setdefault("ROS_DOMAIN_ID", str(1 + os.getpid() % 101))
+# Node processes and the test process share two cores: busy-waiting OpenMP threads would make
+# every torch process several times slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
