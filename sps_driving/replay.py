@@ -355,54 +355,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", type=Path, help="keep the node logs here")
 
 
-def graph_parameters(args, checkpoint: Path, bag_topics: dict) -> dict:
+class ReplayError(ValueError):
+    """A replay that cannot start: bad bag, missing checkpoint, output in the way, graph not up."""
+
+
+def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_timeout_s: float,
+                     backbone_config: Path | None = None) -> dict:
+    """Per-node parameters over the params file for a replay."""
     params = {
         "selection": {"checkpoint": str(checkpoint)},
+        "extractor": {},
         "policy": {"checkpoint": str(checkpoint)},
         # Nothing real is driven: engage at once so the vehicle interface's decisions are recorded.
         # The bag's stamps are old, so the camera-to-command latency check is off.
         "vehicle_interface": {"backend": "topics", "auto_engage": True, "max_command_latency_s": 0.0},
         "safety_monitor": {},
     }
-    if args.backbone_config:
-        params["extractor"] = {"backbone_config": str(args.backbone_config.resolve())}
-    if args.lockstep:
-        ages = {"max_command_age_s": args.frame_timeout, "max_camera_age_s": args.frame_timeout}
-        params["vehicle_interface"].update(ages)
-        params["extractor"] = {**params.get("extractor", {}), "selection_timeout_s": args.frame_timeout}
-        params["safety_monitor"]["max_input_age_s"] = args.frame_timeout
+    if backbone_config:
+        params["extractor"]["backbone_config"] = str(Path(backbone_config).resolve())
+    if lockstep:  # frames come as fast as the graph computes them, not at 30 fps
+        params["vehicle_interface"].update(max_command_age_s=frame_timeout_s, max_camera_age_s=frame_timeout_s)
+        params["extractor"]["selection_timeout_s"] = frame_timeout_s
+        params["safety_monitor"]["max_input_age_s"] = frame_timeout_s
     # The monitor requires only the inputs the bag has ([""]: none; a ROS list parameter cannot be empty).
     recorded = [name for name, t in (("lane", topics.LANE_POSE), ("obstacle", topics.OBSTACLE_RANGE)) if t in bag_topics]
     params["safety_monitor"]["required_inputs"] = recorded or [""]
     return params
 
 
-def run(args: argparse.Namespace) -> int:
+def replay_bag(
+    bag: Path,
+    out: Path,
+    lockstep: bool = True,
+    checkpoint: Path | None = None,
+    backbone_config: Path | None = None,
+    params_file: Path | None = None,
+    frame_timeout_s: float = 60.0,
+    startup_timeout_s: float = 180.0,
+    log_dir: Path | None = None,
+    storage: str = "sqlite3",
+) -> dict:
+    """Play `bag` through a freshly started graph, write what it published to `out`, return the
+    report (`build_report` plus mode, output_bag, unreadable_messages). Raises ReplayError."""
     from sps_driving.bagio import BagWriter, topic_types
     from sps_driving.graph import Graph, default_params_file, wait_for_nodes, wait_for_topics
 
-    if not args.bag.exists():
-        print(f"error: no bag at {args.bag}")
-        return 2
-    bag_topics = topic_types(args.bag)
+    bag, out = Path(bag), Path(out)
+    if not bag.exists():
+        raise ReplayError(f"no bag at {bag}")
+    bag_topics = topic_types(bag)
     if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
-        print(f"error: {args.bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
-        return 2
-    params_file = args.params or default_params_file()
-    checkpoint = args.checkpoint
+        raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
+    params_file = Path(params_file) if params_file else default_params_file()
     if checkpoint is None:
         import yaml
 
-        checkpoint = Path(yaml.safe_load(Path(params_file).read_text())["policy"]["ros__parameters"]["checkpoint"])
-    checkpoint = checkpoint.resolve()
+        checkpoint = yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"]
+    checkpoint = Path(checkpoint).resolve()
     if not (checkpoint / "config.json").is_file():
-        print(f"error: no policy checkpoint at {checkpoint}: put policy.safetensors and config.json there "
-              "(`sps-driving train --out DIR`) or pass --checkpoint DIR")
-        return 2
-    out = args.out or args.bag.with_name(f"{args.bag.name}_replay_{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        raise ReplayError(
+            f"no policy checkpoint at {checkpoint}: put policy.safetensors and config.json there "
+            "(`sps-driving train --out DIR`) or pass --checkpoint DIR"
+        )
     if out.exists():
-        print(f"error: output bag {out} exists; pass another --out")
-        return 2
+        raise ReplayError(f"output bag {out} exists; pass another --out")
     has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
     input_types = {t: bag_topics[t] for t in (topics.IMAGE, *PLAYED) if t in bag_topics}
     input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
@@ -414,31 +430,44 @@ def run(args: argparse.Namespace) -> int:
     rclpy.init(context=context)
     node = Node("sps_replay", context=context)
     player = Player(node, input_types)
-    graph = Graph(GRAPH_NODES, parameters=graph_parameters(args, checkpoint, bag_topics), params_file=params_file,
-                  log_dir=args.log_dir)
+    parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config)
+    graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
     try:
         with graph:
             try:
-                wait_for_nodes(node, GRAPH_NODES, args.startup_timeout, graph)
+                wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
                 # Each stage's input has its reader (and this recorder where it records it).
                 readers = {
                     topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
                     topics.POLICY_COMMAND: 2,
                 }
-                wait_for_topics(node, readers, args.startup_timeout, graph)
+                wait_for_topics(node, readers, startup_timeout_s, graph)
             except (TimeoutError, RuntimeError) as exc:
-                print(f"error: the graph did not start: {exc}")
-                return 2
-            wall_s = play(args.bag, args.lockstep, args.frame_timeout, player, has_info)
+                raise ReplayError(f"the graph did not start: {exc}") from exc
+            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info)
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
-    with BagWriter(out, args.storage) as writer:
+    with BagWriter(out, storage) as writer:
         for rec in sorted(player.records, key=lambda r: r.log_time_ns):
             writer.write(rec.topic, rec.msg, rec.log_time_ns)
-    report = build_report(player.frames, player.records, reference_commands(args.bag), wall_s)
-    report["mode"] = "lockstep" if args.lockstep else "realtime"
+    report = build_report(player.frames, player.records, reference_commands(bag), wall_s)
+    report["mode"] = "lockstep" if lockstep else "realtime"
     report["unreadable_messages"] = player.unreadable
     report["output_bag"] = str(out)
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out or args.bag.with_name(f"{args.bag.name}_replay_{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    try:
+        report = replay_bag(
+            args.bag, out, lockstep=args.lockstep, checkpoint=args.checkpoint, backbone_config=args.backbone_config,
+            params_file=args.params, frame_timeout_s=args.frame_timeout, startup_timeout_s=args.startup_timeout,
+            log_dir=args.log_dir, storage=args.storage,
+        )
+    except ReplayError as exc:
+        print(f"error: {exc}")
+        return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report) + f"\noutput bag: {out}")
     return 0
