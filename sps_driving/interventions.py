@@ -25,7 +25,6 @@ SPEED_RPT = "pacmod3_msgs/msg/VehicleSpeedRpt"
 BOOL = "std_msgs/msg/Bool"
 TWIST = "geometry_msgs/msg/TwistStamped"
 DIAGNOSTICS = "diagnostic_msgs/msg/DiagnosticArray"
-PACMOD_ENABLED = "/pacmod/enabled"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +42,7 @@ def selected_topics(types: dict[str, str]) -> dict[str, str]:
             roles[topic] = "system"
         elif msgtype == SPEED_RPT:
             roles[topic] = "speed_rpt"
-        elif msgtype == BOOL and topic == PACMOD_ENABLED:
+        elif msgtype == BOOL and topic == topics.PACMOD_ENABLED:
             roles[topic] = "enabled"
         elif msgtype == TWIST and topic == topics.VEHICLE_TWIST:
             roles[topic] = "twist"
@@ -62,7 +61,7 @@ def analyze(bag: Path) -> dict:
     roles = selected_topics(topic_types(bag))
     if not any(r in ("global", "system", "enabled", "vehicle_interface") for r in roles.values()):
         raise ValueError(
-            f"{bag} has no engagement reports: expected {GLOBAL_RPT}, {SYSTEM_RPT}, {BOOL} on {PACMOD_ENABLED} "
+            f"{bag} has no engagement reports: expected {GLOBAL_RPT}, {SYSTEM_RPT}, {BOOL} on {topics.PACMOD_ENABLED} "
             f"or the vehicle interface status on {topics.VEHICLE_STATUS}"
         )
     from tqdm import tqdm

@@ -32,4 +32,12 @@ VEHICLE_OVERRIDE = "/vehicle/override"  # std_msgs/Bool: driver override on a ca
 SAFETY_EVENTS = "/safety/events"  # diagnostic_msgs/DiagnosticArray: one message per failure onset
 STAGE_TIMING = "/sps/timing"  # diagnostic_msgs/DiagnosticArray per frame and stage: compute time, frame's stamp
 
+# PACMod 3 drive-by-wire (astuff/pacmod3, namespace "pacmod"): commands we send, reports we read.
+PACMOD_STEERING_CMD = "/pacmod/steering_cmd"  # pacmod3_msgs/SteeringCmd: steering-wheel angle rad, rotation_rate
+PACMOD_ACCEL_CMD = "/pacmod/accel_cmd"  # pacmod3_msgs/SystemCmdFloat: accelerator pedal 0..1
+PACMOD_BRAKE_CMD = "/pacmod/brake_cmd"  # pacmod3_msgs/SystemCmdFloat: brake pedal 0..1
+PACMOD_GLOBAL_RPT = "/pacmod/global_rpt"  # pacmod3_msgs/GlobalRpt: enabled, override_active, fault_active
+PACMOD_ENABLED = "/pacmod/enabled"  # std_msgs/Bool
+PACMOD_SPEED_RPT = "/pacmod/vehicle_speed_rpt"  # pacmod3_msgs/VehicleSpeedRpt: vehicle_speed m/s
+
 COMMAND_NAMES = ("steering", "throttle")

@@ -69,11 +69,11 @@ class Pacmod3Backend:
         self.node, self.limits, self.pacmod = node, limits, pacmod
         self.SteeringCmd, self.SystemCmdFloat = SteeringCmd, SystemCmdFloat
         qos = msgs.qos("control")
-        self.steering = node.create_publisher(SteeringCmd, "/pacmod/steering_cmd", qos)
-        self.accel = node.create_publisher(SystemCmdFloat, "/pacmod/accel_cmd", qos)
-        self.brake = node.create_publisher(SystemCmdFloat, "/pacmod/brake_cmd", qos)
+        self.steering = node.create_publisher(SteeringCmd, topics.PACMOD_STEERING_CMD, qos)
+        self.accel = node.create_publisher(SystemCmdFloat, topics.PACMOD_ACCEL_CMD, qos)
+        self.brake = node.create_publisher(SystemCmdFloat, topics.PACMOD_BRAKE_CMD, qos)
         self._report = None
-        node.create_subscription(GlobalRpt, "/pacmod/global_rpt", self._on_report, qos)
+        node.create_subscription(GlobalRpt, topics.PACMOD_GLOBAL_RPT, self._on_report, qos)
 
     def _on_report(self, msg) -> None:
         self._report = (bool(msg.enabled), bool(msg.override_active), bool(msg.fault_active), time.monotonic())
