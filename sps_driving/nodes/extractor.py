@@ -128,7 +128,7 @@ class ExtractorNode(Node):
             try:
                 rgb = msgs.image_to_rgb(msg)
                 values = self.extractor.descriptors(self.extractor.encode(rgb), indices)
-            except (ImageError, ValueError) as exc:
+            except (ImageError, ValueError, RuntimeError) as exc:  # RuntimeError: torch (e.g. out of memory)
                 self._drop_invalid(stamp, str(exc))
                 continue
             if not np.all(np.isfinite(values)):

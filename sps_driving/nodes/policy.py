@@ -43,7 +43,7 @@ class PolicyNode(Node):
         try:
             values, indices = msgs.descriptors_from_message(msg)
             steering, throttle = self.policy.predict(values, indices)
-        except ValueError as exc:  # MessageError, bad shapes, NaN/Inf in or out
+        except (ValueError, RuntimeError) as exc:  # MessageError, bad shapes, NaN/Inf in or out; torch errors
             self.counters["dropped_invalid"] += 1
             self.stage_timer.dropped(stamp, str(exc), self.counters)
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
