@@ -7,12 +7,12 @@ import time
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped
-from sensor_msgs.msg import CameraInfo, JointState
+from sensor_msgs.msg import CameraInfo, JointState, Range
 from std_msgs.msg import Bool
 
 from ros_helpers import Probe, Rate
 from sps_driving import msgs, topics
-from sps_driving.bagio import TYPESTORE, lane_pose_message
+from sps_driving.bagio import lane_pose_message, range_message
 from sps_driving.graph import Graph, wait_for_nodes
 
 pytestmark = pytest.mark.ros
@@ -32,10 +32,7 @@ VEHICLE = {
 
 
 def lane_pose(lateral, heading):
-    from rclpy.serialization import deserialize_message
-
-    raw = TYPESTORE.serialize_cdr(lane_pose_message(lateral, heading, 0), "geometry_msgs/msg/PoseStamped")
-    return deserialize_message(bytes(raw), PoseStamped)
+    return msgs.from_bag(lane_pose_message(lateral, heading, 0), PoseStamped)
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +164,13 @@ def test_lane_failure_requests_stop_and_raises_event(rig):
     assert event[2] == "lane_boundary" and event[1] == 2
     inputs.lateral = 0.0
     assert run_until(probe, inputs, lambda: drives(probe), 3)
+    # An obstacle inside the minimum gap: collision.
+    events_before = len(probe.messages(topics.SAFETY_EVENTS))
+    probe.publisher(topics.OBSTACLE_RANGE, Range, "control").publish(msgs.from_bag(range_message(0.4, 0), Range))
+    assert run_until(probe, inputs, lambda: len(probe.messages(topics.SAFETY_EVENTS)) > events_before, 3)
+    assert msgs.diagnostic_values(probe.messages(topics.SAFETY_EVENTS)[-1])[0][2] == "collision"
+    probe.publisher(topics.OBSTACLE_RANGE, Range, "control").publish(msgs.from_bag(range_message(float("inf"), 0), Range))
+    assert run_until(probe, inputs, lambda: drives(probe), 3)
     # Lane state stops arriving: stale input -> stop requested.
     inputs.lane = False
     assert run_until(probe, inputs, lambda: "safety_stop" in last_status(probe)[3]["stop_reasons"], 3)
@@ -191,3 +195,18 @@ def test_override_disengages_and_counts_intervention(rig):
     engage.publish(Bool(data=True))
     assert run_until(probe, inputs, lambda: drives(probe), 3)
 
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [({"backend": "pacmod3"}, "needs pacmod3_msgs"), ({"backend": "can"}, "unknown vehicle backend"),
+     ({"max_throttle": 1.5}, "max_throttle")],
+)
+def test_bad_configuration_is_a_clear_startup_error(tmp_path, params, message):
+    graph = Graph(["vehicle_interface"], parameters={"vehicle_interface": params}, log_dir=tmp_path)
+    with graph:
+        deadline = time.monotonic() + 30
+        while graph.alive("vehicle_interface") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert graph.returncode("vehicle_interface") == 1
+        assert message in graph.log("vehicle_interface")
