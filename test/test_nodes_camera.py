@@ -1,6 +1,8 @@
 """camera_driver as a real process: an image folder at a fixed rate, Image and CameraInfo with the
 same stamp and frame_id, resizing, unreadable files counted as dropped, a missing device retried."""
 
+import time
+
 import cv2
 import numpy as np
 import pytest
@@ -76,3 +78,18 @@ def test_missing_device_is_retried_not_fatal(tmp_path, probe):
         assert level == 1 and int(values["dropped"]) > 0 and values["frames"] == "0"
         assert graph.stop() == {"camera_driver": 0}  # Ctrl-C is a clean exit
     assert not probe.messages(topics.IMAGE)
+
+
+def test_gstreamer_pipeline_without_gstreamer_is_a_clear_error(tmp_path):
+    from sps_driving.nodes.camera_driver import opencv_has_gstreamer
+
+    if opencv_has_gstreamer():
+        pytest.skip("this OpenCV has GStreamer")
+    params = {"source": "aravissrc ! videoconvert ! appsink"}
+    graph = Graph(["camera_driver"], parameters={"camera_driver": params}, log_dir=tmp_path)
+    with graph:
+        deadline = time.monotonic() + 30
+        while graph.alive("camera_driver") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert graph.returncode("camera_driver") == 1
+        assert "needs an OpenCV built with GStreamer" in graph.log("camera_driver")

@@ -10,6 +10,7 @@ stamp and frame_id. A device or pipeline that stops delivering is reopened every
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import cv2
@@ -54,10 +55,19 @@ class FolderSource:
         return not self.loop and self.position >= len(self.files)
 
 
+def opencv_has_gstreamer() -> bool:
+    return re.search(r"GStreamer:\s*YES", cv2.getBuildInformation()) is not None
+
+
 class CaptureSource:
     """OpenCV VideoCapture of a device index, a GStreamer pipeline or a video file."""
 
     def __init__(self, source: str, loop: bool, width: int, height: int):
+        if "!" in source and not opencv_has_gstreamer():
+            raise ValueError(
+                "a GStreamer pipeline needs an OpenCV built with GStreamer (the ROS distro's python3-opencv is; "
+                "the PyPI opencv-python wheels are not)"
+            )
         self.source, self.loop, self.width, self.height = source, loop, width, height
         self.is_file = Path(source).is_file()
         self.capture = None
