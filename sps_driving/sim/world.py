@@ -75,6 +75,8 @@ def make_episode(config: dict, scenario: Scenario, seed: int) -> Episode:
     layout = rng_for(seed, "layout")
     looks = rng_for(seed, "looks", scenario.name)
     traffic = config["traffic"]
+    if max(traffic["creep_speed_mps"]) >= min(traffic["cruise_speed_mps"]):
+        raise ValueError("traffic: creeping obstacles must be slower than the slowest cruise speed")
     road = generate_road(layout, config)
     cruise = float(layout.uniform(*traffic["cruise_speed_mps"]))
     start = config["road"]["start_s_m"]
@@ -94,19 +96,21 @@ def make_episode(config: dict, scenario: Scenario, seed: int) -> Episode:
         intrusion = layout.uniform(lo + amp, hi - amp)
         # The inner edge reaches `intrusion` into the ego lane from its right boundary.
         lateral = -half_lane + intrusion - model.width_m / 2.0
+        creep = float(layout.uniform(*traffic["creep_speed_mps"])) if moving else 0.0
         actors.append(
             ActorSpec(
                 model,
                 tuple(float(c) * float(looks.uniform(0.85, 1.1)) for c in color),
                 s,
                 lateral,
-                float(layout.uniform(*traffic["creep_speed_mps"])) if moving else 0.0,
+                creep,
                 amp,
                 float(layout.uniform(*traffic["sway_period_s"])),
                 float(layout.uniform(0, 2 * math.pi)),
             )
         )
-        obstacle_s.append(s)
+        # Where the ego, at cruise speed, passes it (a creeping obstacle is met further on).
+        obstacle_s.append(s + creep * (s - start) / (cruise - creep))
         s += layout.uniform(*traffic["obstacle_spacing_m"])
 
     # Oncoming cars are timed to meet the ego (driving at cruise speed) away from the obstacles,
