@@ -195,3 +195,34 @@ def test_scenario_axes_change_the_picture(config):
     summer_green = day[..., 1] - day[..., [0, 2]].mean(-1)
     urban_green = urban[..., 1] - urban[..., [0, 2]].mean(-1)
     assert summer_green.mean() > urban_green.mean() + 5  # fields versus concrete
+
+
+def test_lane_frame_on_a_circular_road(config):
+    radius = 100.0
+    road = Road(np.array([0.0, 300.0]), np.array([1 / radius, 1 / radius]), 0.5, 3.6, 1.2)
+    # The centerline is a circle of radius 100 m centred at (0, 100) (left turns, start heading +x).
+    angle = 1.2
+    assert road.pose_at(radius * angle)[:2] == pytest.approx((radius * math.sin(angle), radius - radius * math.cos(angle)), abs=1e-3)
+    for lateral in (-1.5, 0.0, 2.0):
+        x, y = road.point(radius * angle, lateral)
+        assert math.hypot(x, y - radius) == pytest.approx(radius - lateral, abs=1e-3)
+        pose = road.to_lane(x, y, angle + 0.1, s_hint=radius * angle - 10.0)
+        assert pose.s == pytest.approx(radius * angle, abs=0.05)
+        assert pose.lateral == pytest.approx(lateral, abs=1e-3)
+        assert pose.heading_error == pytest.approx(0.1, abs=1e-3)
+
+
+def test_bicycle_model_turning_radius_speed_and_steering_rate(config):
+    from sps_driving.sim.vehicle import VehicleState, step
+
+    params = VehicleParams.from_config(config)
+    state = VehicleState(0.0, 0.0, 0.0, 5.0, 0.2)
+    for _ in range(50):  # hold 0.2 rad for 5 s at about 5 m/s: a circle of radius L / tan(0.2)
+        state = step(params, state, 0.2, params.drag_per_s * 5.0 / params.max_accel_mps2, 0.1)
+    radius = params.wheelbase_m / math.tan(0.2)
+    assert math.hypot(state.x, state.y - radius) == pytest.approx(radius, rel=1e-3)
+    assert state.speed == pytest.approx(5.0, rel=1e-3)
+    slewing = step(params, VehicleState(0, 0, 0, 5.0, 0.0), 0.5, 0.0, 0.1)
+    assert slewing.steer == pytest.approx(params.max_steer_rate_rad_s * 0.1)
+    braking = step(params, VehicleState(0, 0, 0, 1.0, 0.0), 0.0, -1.0, 0.5)
+    assert braking.speed == 0.0  # stops, never reverses
