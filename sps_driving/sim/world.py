@@ -212,16 +212,19 @@ class World:
         self.lane = LanePose(s, lateral, heading_error)
 
     def actor_poses(self, t: float | None = None) -> list[ActorPose]:
+        """Actors on the road at time t (default now), placed in the world in one vectorized pass."""
         t = self.time if t is None else t
-        poses = []
-        for spec in self.episode.actors:
-            s, lat, vs, vl = spec.lane_state(t)
-            if not 0.0 <= s <= self.road.length:
-                continue
-            x, y = self.road.point(s, lat)
-            yaw = float(self.road.heading_at(s)) + (math.pi if spec.oncoming else 0.0)
-            poses.append(ActorPose(spec, s, lat, vs, vl, x, y, yaw))
-        return poses
+        states = [(spec, spec.lane_state(t)) for spec in self.episode.actors]
+        states = [(spec, st) for spec, st in states if 0.0 <= st[0] <= self.road.length]
+        if not states:
+            return []
+        s = np.array([st[0] for _, st in states])
+        xy = self.road.points(s, np.array([st[1] for _, st in states]))
+        yaw = self.road.heading_at(s)
+        return [
+            ActorPose(spec, st[0], st[1], st[2], st[3], float(p[0]), float(p[1]), float(h) + (math.pi if spec.oncoming else 0.0))
+            for (spec, st), p, h in zip(states, xy, yaw)
+        ]
 
     def nearest_gap(self, state: VehicleState | None = None, poses: list[ActorPose] | None = None) -> float:
         """Free gap (m) between the ego footprint and the nearest actor footprint; inf if none near."""
