@@ -237,6 +237,12 @@ def test_similarity_map_and_overlays():
     blended = overlay(image, sim, 0.5)
     assert blended.shape == image.shape and blended.dtype == np.uint8
     np.testing.assert_array_equal(overlay(image, sim, 0.0), image)
+    # Normalized per map (appendix A.2): the most similar patch is red, the least blue, at any scale.
+    heat = overlay(np.zeros_like(image), 0.4 + 0.1 * (sim + 1.0), 1.0)
+    seed_pixel, opposite_pixel = heat[10, 50], heat[30, 30]  # centres of patches 2 and 5
+    assert seed_pixel[0] > 100 and seed_pixel[2] < 50 and opposite_pixel[2] > 100 and opposite_pixel[0] < 50
+    flat = overlay(np.zeros_like(image), np.full((3, 4), 0.7), 1.0)  # a constant map is all low
+    assert np.all(flat == flat[0, 0]) and flat[0, 0, 2] > 100 and flat[0, 0, 0] < 50
     mosaic = overlay_grid(image, x, grid, cell_width=40, opacity=0.5)
     assert mosaic.shape == (3 * 30, 4 * 40, 3)
     assert not np.array_equal(mosaic[:30, :40], mosaic[:30, 40:80])  # each seed its own map

@@ -31,12 +31,15 @@ def cosine_similarity_map(descriptors: np.ndarray, grid: PatchGrid, seed: int) -
 
 
 def overlay(image_rgb: np.ndarray, similarity: np.ndarray, opacity: float) -> np.ndarray:
-    """uint8 RGB frame with the [rows, cols] similarity map, mapped from [-1, 1] to [0, 1] on one
-    fixed colour scale (so maps of different seeds compare), blended on top."""
+    """uint8 RGB frame with the [rows, cols] similarity map, normalized to [0, 1] (min to max of
+    this map, as appendix A.2 does) and blended on top; a constant map shows as all low."""
     if not 0.0 <= opacity <= 1.0:
         raise ValueError(f"overlay opacity must be in [0, 1], got {opacity}")
     height, width = image_rgb.shape[:2]
-    scaled = np.clip((similarity + 1.0) / 2.0, 0.0, 1.0).astype(np.float32)
+    # Per-map normalization: descriptors of one frame are mostly positively similar (correlated),
+    # so a fixed [-1, 1] scale would paint every map the same colour.
+    spread = float(similarity.max() - similarity.min())
+    scaled = ((similarity - similarity.min()) / spread if spread > 0 else np.zeros_like(similarity)).astype(np.float32)
     upsampled = cv2.resize(scaled, (width, height), interpolation=cv2.INTER_LINEAR)
     heat_bgr = cv2.applyColorMap(np.round(upsampled * 255).astype(np.uint8), cv2.COLORMAP_JET)
     heat = cv2.cvtColor(heat_bgr, cv2.COLOR_BGR2RGB)
