@@ -62,8 +62,9 @@ class ExtractorNode(Node):
         self._running = True
         self.publisher = self.create_publisher(PointCloud2, topics.DESCRIPTORS, msgs.qos("stream"))
         self.stage_timer = StageTimer(self, self.NODE_NAME)
-        self.create_subscription(Image, topics.IMAGE, self._on_image, msgs.qos("image"))
+        # Decisions first: a writer that sees the image reader knows the decision reader exists.
         self.create_subscription(Image, topics.SELECTION, self._on_selection, msgs.qos("selection"))
+        self.create_subscription(Image, topics.IMAGE, self._on_image, msgs.qos("image"))
         self.worker = threading.Thread(target=self._work, name="extractor", daemon=True)
         self.worker.start()
         grid = self.extractor.grid
