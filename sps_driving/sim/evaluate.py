@@ -6,7 +6,8 @@ section 4.2, Table 1), in-process: renderer -> extractor -> patch selection -> p
 
 Episodes run in worker processes (spawn); every finished episode is appended to
 OUT/results.jsonl, and a rerun skips the episodes already there (resumable). Tables are
-written from everything in results.jsonl: OUT/table1.csv and OUT/table1.md (one column per
+written from every method's rows in results.jsonl that share this run's episode length and
+image size: OUT/table1.csv and OUT/table1.md (one column per
 method, the ID row then the 14 OOD rows, an average over the OOD rows and the gain over DA in
 points), and OUT/details.md (per scenario: mean with 95% interval, failures by type,
 interventions, mean speed).
@@ -34,7 +35,8 @@ from sps_driving.sim.world import World, make_episode
 
 RESULTS_FILE = "results.jsonl"
 EXPERT = "expert"
-# Evaluation episode seeds start here; collection seeds (sps_driving.sim.collect) never reach it.
+# Evaluation episodes use seeds EVAL_SEED_BASE + 0..N-1; collection seeds start at 1,000,000
+# (sps_driving.sim.collect.episode_seed), so training never sees an evaluation layout.
 EVAL_SEED_BASE = 0
 METHOD_ORDER = ("No-FM", "I-ViT", "MF", "DA")
 _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
@@ -131,7 +133,6 @@ def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: 
         from sps_driving.sim.render import get_renderer
 
         torch.set_num_threads(threads)
-
         _WORKER["renderer"] = get_renderer(config)
         _WORKER["driver"] = PolicyDriver(policy_dir, device)
 
