@@ -46,7 +46,7 @@ class AnalysisSettings:
     correlation_frame: int = 0
     strong_correlation: float = 0.5
     overlay_frame: int = 0
-    overlay_seeds: tuple[tuple[float, float], ...] = ((0.75, 0.5), (0.35, 0.15))
+    overlay_seeds: tuple[tuple[float, float], ...] = ((0.75, 0.5), (0.5, 0.1))
     overlay_cell_width: int = 120
     overlay_opacity: float = 0.5
     lemma_rank: int | None = None
@@ -218,5 +218,6 @@ def _distribution(values: list[int]) -> dict:
 
 
 def _write_rgb(path: Path, image_rgb: np.ndarray) -> None:
-    if not cv2.imwrite(str(path), cv2.cvtColor(image_rgb, cv2.COLOR_RGB2BGR)):
+    # Full compression: the overlay grid is a large image and is meant to be kept with results.
+    if not cv2.imwrite(str(path), cv2.cvtColor(image_rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_PNG_COMPRESSION, 9]):
         raise OSError(f"could not write {path}")
