@@ -142,7 +142,8 @@ def wait_for_subscribers(publisher, count: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while publisher.get_subscription_count() < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{publisher.topic_name}: {publisher.get_subscription_count()} of {count} subscribers after {timeout_s} s")
+            matched = publisher.get_subscription_count()
+            raise TimeoutError(f"{publisher.topic_name}: {matched} of {count} subscribers after {timeout_s} s")
         time.sleep(0.05)
 
 

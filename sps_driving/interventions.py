@@ -107,7 +107,8 @@ def format_summary(s: dict) -> str:
     lines += [
         f"recording:       {s['recording_s']:.1f} s",
         f"in autonomy:     {s['autonomy_s']:.1f} s, {num(s['autonomy_km'], '.3f')} km (of {num(s['total_km'], '.3f')} km driven)",
-        f"interventions:   {s['interventions']} ({s['overrides']} overrides, {s['disables']} disables), {s['engagements']} engagements",
+        f"interventions:   {s['interventions']} ({s['overrides']} overrides, {s['disables']} disables), "
+        f"{s['engagements']} engagements",
         f"per hour:        {num(s['interventions_per_hour'], '.2f')}",
         f"per km:          {num(s['interventions_per_km'], '.3f')}",
     ]

@@ -234,7 +234,9 @@ def descriptors_from_message(msg) -> tuple[np.ndarray, np.ndarray]:
     dim = int(desc.count)
     k = int(msg.width) * int(msg.height)
     if msg.point_step != 4 + 4 * dim or len(msg.data) != k * msg.point_step:
-        raise MessageError(f"descriptor cloud of {k} points x {dim} values has {len(msg.data)} bytes, point_step {msg.point_step}")
+        raise MessageError(
+            f"descriptor cloud of {k} points x {dim} values has {len(msg.data)} bytes, point_step {msg.point_step}"
+        )
     records = np.frombuffer(memoryview(msg.data).cast("B"), dtype=np.dtype([("index", "<u4"), ("descriptor", "<f4", (dim,))]))
     return records["descriptor"].astype(np.float32), records["index"].astype(np.int64)
 

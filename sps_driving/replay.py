@@ -205,7 +205,8 @@ def format_report(r: dict) -> str:
     failures = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items())) or "none"
     lines.append(f"failures: {failures}")
     lines.append(
-        f"interventions: {r['interventions']} ({r['interventions_safety']} failure episodes, {r['interventions_override']} overrides)"
+        f"interventions: {r['interventions']} ({r['interventions_safety']} failure episodes, "
+        f"{r['interventions_override']} overrides)"
     )
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["vehicle_stop_reasons"].items())) or "none"
     lines.append(f"vehicle stopping {num(r['vehicle_stopping_fraction'], '.0%')} of status reports ({reasons})")

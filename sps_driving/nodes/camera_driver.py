@@ -153,7 +153,8 @@ class CameraDriver(Node):
 
     def _publish_status(self) -> None:
         level = 1 if self._failing_since_ns else 0
-        self.status_pub.publish(msgs.diagnostics(now_ns(self), self.NODE_NAME, level, "no frames" if level else "ok", self.counters))
+        message = "no frames" if level else "ok"
+        self.status_pub.publish(msgs.diagnostics(now_ns(self), self.NODE_NAME, level, message, self.counters))
 
 
 def main(args=None) -> int:

@@ -73,7 +73,9 @@ class SafetyMonitorNode(Node):
         for failure in status.new_failures:
             self.get_logger().error(f"failure: {failure.value}")
             self.event_pub.publish(
-                msgs.diagnostics(stamp, self.NODE_NAME, 2, failure.value, {"failure": failure.value, "interventions": status.interventions})
+                msgs.diagnostics(
+                    stamp, self.NODE_NAME, 2, failure.value, {"failure": failure.value, "interventions": status.interventions}
+                )
             )
         if status.stop_requested != self._last_stop:
             self.get_logger().warning(f"stop request {status.stop_requested} (failures [{failures}], stale [{stale}])")
