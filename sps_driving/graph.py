@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-NODES = ("camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor")
+# Every node executable of the package (setup.py); sim_world stands in for the car in simulation.
+NODES = ("camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "sim_world")
 PACKAGE = "sps_driving"
 
 
