@@ -80,3 +80,13 @@ def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
         assert readers[node][topics.CAMERA_INFO] == "$(var camera_info_topic)"
     camera = [n for n in launch.findall("node") if n.get("exec") == "camera_driver"][0]
     assert camera.get("unless") == "$(var use_vendor_camera)"
+
+
+def test_params_file_sections_are_nodes_the_graph_can_start():
+    from sps_driving.graph import NODES
+
+    params_file = yaml.safe_load((ROOT / "config" / "graph.yaml").read_text())
+    assert set(params_file) <= set(NODES) and set(NODES) <= setup_entry_points()
+    for name, section in params_file.items():
+        declared = importlib.import_module(f"sps_driving.nodes.{name}").PARAMETERS
+        assert set(section["ros__parameters"]) <= set(declared), name
