@@ -221,13 +221,19 @@ def test_finetune_refuses_a_vision_only_backbone(tmp_path, capsys):
     from sps_driving.cli import main
 
     rng = np.random.default_rng(7)
-    tiny_cache(tmp_path / "cache", {}, 6, 4, 8, rng, backbone="dinov2_vits14")  # {} resolves to the DINOv2 default
+    # As `sps-driving extract` records the default extractor: by name only.
+    tiny_cache(tmp_path / "cache", {"name": "dinov2_vits14"}, 6, 4, 8, rng, backbone="dinov2_vits14")
     train_base(tmp_path / "cache", tmp_path / "base")
     code = main(["finetune", "--checkpoint", str(tmp_path / "base"), "--cache", str(tmp_path / "cache"),
                  "--out", str(tmp_path / "tuned")])
     assert code == 2
     assert "'dinov2_vits14', which has no text tower" in capsys.readouterr().err
     assert not (tmp_path / "tuned").exists()
+    # A DINOv2 checkpoint is refused even next to a BLIP-2 cache.
+    tiny_cache(tmp_path / "blip2_cache", {"backbone": "blip2", "model_path": "models/blip2"}, 6, 4, 8, rng)
+    code = main(["finetune", "--checkpoint", str(tmp_path / "base"), "--cache", str(tmp_path / "blip2_cache"),
+                 "--out", str(tmp_path / "tuned")])
+    assert code == 2 and "checkpoint uses backbone 'dinov2_vits14'" in capsys.readouterr().err
 
 
 def test_finetune_with_a_tiny_blip2_saved_locally(tmp_path, tiny_blip2, capsys):

@@ -48,21 +48,17 @@ class FinetuneSettings:
         return cls(**section)
 
 
-def text_backbone(extractor_config: dict | None, name: str | None) -> str:
-    """The loader's backbone key for a recorded extractor config (defaults filled in), or the
-    recorded backbone name when there is no config."""
-    from sps_driving.core.backbones import resolve_config
-
-    if extractor_config is None:
-        return str(name)
-    return str(resolve_config(extractor_config)["backbone"])
+def recorded_backbone(extractor_config: dict | None, name: str | None) -> str:
+    """The loader's `backbone` key of a recorded extractor config; a config without one (the
+    default extractor, recorded by name only) is identified by the recorded backbone name."""
+    return str((extractor_config or {}).get("backbone") or name)
 
 
 def refuse_vision_only(cache, policy_config: dict) -> str | None:
     """A message when the cache's or the checkpoint's backbone has no text tower, else None."""
     for what, backbone in (
-        (f"feature cache {cache.directory}", text_backbone(cache.meta.get("extractor"), cache.backbone)),
-        ("checkpoint", text_backbone(policy_config.get("extractor"), policy_config.get("backbone"))),
+        (f"feature cache {cache.directory}", recorded_backbone(cache.meta.get("extractor"), cache.backbone)),
+        ("checkpoint", recorded_backbone(policy_config.get("extractor"), policy_config.get("backbone"))),
     ):
         if backbone not in TEXT_BACKBONES:
             return (
