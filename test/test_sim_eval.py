@@ -45,6 +45,13 @@ def test_parallel_expert_eval_matches_the_serial_one(tmp_path):
     assert by_key("serial") == by_key("parallel") and len(by_key("serial")) == 4
 
 
+def test_unknown_scenario_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="unknown weather 'fog'"):
+        main(["eval", "--expert", "--out", str(tmp_path), "--scenarios", "rural-summer-fog-day-car"])
+    with pytest.raises(SystemExit, match="scene-season-weather-time-actor"):
+        main(["collect", "--out", str(tmp_path / "c"), "--scenario", "rural"])
+
+
 def _row(method, scenario, score, episode=0):
     return {"method": method, "scenario": scenario, "score": score, "interventions": int(score < 1), "episode": episode,
             "failures": {"lane_boundary": int(score < 1)}, "mean_speed_mps": 9.0, "episode_s": 15.0, "width": 224, "height": 140,

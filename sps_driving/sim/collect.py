@@ -88,7 +88,10 @@ def run(args) -> int:
         raise SystemExit("--flat writes a single bag: use it with --episodes 1")
     collect = config["collect"]
     scenario = args.scenario or collect["scenario"]
-    get_scenario(scenario)  # validates the name before any work
+    try:
+        get_scenario(scenario)  # validates the name before any work
+    except ValueError as exc:
+        raise SystemExit(f"collect: {exc}") from None
     storage = args.storage or collect["storage"]
     out = Path(args.out)
     if args.flat:

@@ -347,8 +347,11 @@ def run(args) -> int:
     import sys
 
     config = load_sim_config(args.sim_config, profile=args.profile)
-    for name in args.scenarios:
-        get_scenario(name)
+    try:
+        for name in args.scenarios:
+            get_scenario(name)
+    except ValueError as exc:
+        raise SystemExit(f"eval: {exc}") from None
     if args.episode_s is not None:
         config["episode_s"] = float(args.episode_s)
     episodes = args.episodes if args.episodes is not None else int(config["profile"]["episodes"])
