@@ -45,9 +45,11 @@ def test_parallel_expert_eval_matches_the_serial_one(tmp_path):
     assert by_key("serial") == by_key("parallel") and len(by_key("serial")) == 4
 
 
-def test_unknown_scenario_is_a_clear_error(tmp_path):
+def test_unknown_scenario_or_missing_policy_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="unknown weather 'fog'"):
         main(["eval", "--expert", "--out", str(tmp_path), "--scenarios", "rural-summer-fog-day-car"])
+    with pytest.raises(SystemExit, match="no policy config"):
+        main(["eval", "--policy", str(tmp_path / "missing"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="scene-season-weather-time-actor"):
         main(["collect", "--out", str(tmp_path / "c"), "--scenario", "rural"])
 

@@ -362,7 +362,11 @@ def run(args) -> int:
     else:
         from sps_driving.core.policy import read_policy_config
 
-        method, policy_dir = args.name or method_name(read_policy_config(args.policy)), str(Path(args.policy).resolve())
+        try:
+            policy_config = read_policy_config(args.policy)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"eval: {exc}") from None
+        method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
     cam = config["camera"]
     settings = EvalSettings(method, policy_dir, args.profile, episodes, float(config["episode_s"]), int(cam["render_width"]), int(cam["render_height"]))
     out = Path(args.out)
