@@ -13,6 +13,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+from tqdm import tqdm
 
 from sps_driving.sim.config import load_sim_config, set_render_width
 from sps_driving.sim.expert import Expert
@@ -37,7 +38,7 @@ def make_gallery(out: Path, seed: int = 1, width: int = 320, columns: int = 5, c
     config = config or load_sim_config()
     set_render_width(config, width)
     tiles = []
-    for scenario in SCENARIOS:
+    for scenario in tqdm(SCENARIOS, desc="gallery", unit="scenario"):
         tile = frame_with_actor_ahead(config, scenario, seed)[:, :, ::-1].copy()
         # OpenCV's fonts have no dagger: unseen car types are spelled out.
         text = scenario.label.replace("Car†", "Car (unseen type)") + (" - ID" if scenario.in_distribution else "")
