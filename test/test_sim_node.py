@@ -2,8 +2,6 @@
 drives with the commands it receives on the vehicle interface's output topic."""
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -36,13 +34,9 @@ def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
     from sensor_msgs.msg import Image, JointState, Range
 
     from sps_driving import msgs, topics
+    from sps_driving.graph import Graph, wait_for_nodes
 
     results = tmp_path / "results.jsonl"
-    log = open(tmp_path / "sim_world.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sps_driving.nodes.sim_world", "--ros-args", "-p", "episode_s:=1.0", "-p", f"results_path:={results}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
     rclpy.init()
     node = rclpy.create_node("sim_world_test")
     images, lanes, ranges = [], [], []
@@ -50,24 +44,24 @@ def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
     node.create_subscription(PoseStamped, topics.LANE_POSE, lambda m: lanes.append(msgs.lane_from_message(m)), msgs.qos("sensor"))
     node.create_subscription(Range, topics.OBSTACLE_RANGE, lambda m: ranges.append(m.range), msgs.qos("sensor"))
     command_pub = node.create_publisher(JointState, topics.ACTUATION, msgs.qos("control"))
+    graph = Graph(["sim_world"], parameters={"sim_world": {"episode_s": 1.0, "results_path": str(results)}}, log_dir=tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while len(images) < 3 and time.monotonic() < deadline:
-            rclpy.spin_once(node, timeout_sec=0.1)
-        assert len(images) >= 3, (tmp_path / "sim_world.log").read_text()
-        assert (images[0].height, images[0].width, images[0].encoding) == (140, 224, "rgb8")
-        # Waiting for a command: the world holds its start state.
-        assert all(lane == lanes[0] for lane in lanes)
-        # Steer hard left: the lateral offset grows, the safety driver resets, the episode ends.
-        while not results.exists() and time.monotonic() < deadline:
-            command_pub.publish(msgs.command_message(0.3, 0.0, 0))
-            rclpy.spin_once(node, timeout_sec=0.05)
-        assert max(lat for lat, _ in lanes) > 0.5 and all(r > 0 for r in ranges)
-        (result,) = [json.loads(line) for line in results.read_text().splitlines()]
-        assert result["interventions"] >= 1 and result["score"] < 1.0
+        with graph:
+            wait_for_nodes(node, ["sim_world"], 60.0, graph)
+            deadline = time.monotonic() + 60
+            while len(images) < 3 and time.monotonic() < deadline:
+                rclpy.spin_once(node, timeout_sec=0.1)
+            assert len(images) >= 3, graph.log("sim_world")
+            assert (images[0].height, images[0].width, images[0].encoding) == (140, 224, "rgb8")
+            # Waiting for a command: the world holds its start state.
+            assert all(lane == lanes[0] for lane in lanes)
+            # Steer hard left: the lateral offset grows, the safety driver resets, the episode ends.
+            while not results.exists() and time.monotonic() < deadline:
+                command_pub.publish(msgs.command_message(0.3, 0.0, 0))
+                rclpy.spin_once(node, timeout_sec=0.05)
+            assert max(lat for lat, _ in lanes) > 0.5 and all(r > 0 for r in ranges)
+            (result,) = [json.loads(line) for line in results.read_text().splitlines()]
+            assert result["interventions"] >= 1 and result["score"] < 1.0
     finally:
         node.destroy_node()
         rclpy.try_shutdown()
-        process.terminate()
-        process.wait(timeout=10)
-        log.close()
