@@ -219,13 +219,14 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def reference_commands(bag: Path) -> dict:
+def reference_commands(bag: Path, topic: str = topics.REFERENCE_COMMAND) -> dict:
+    """{stamp: (steering, throttle)} of the commands that drove the car, from `topic` of the bag."""
     from sps_driving.bagio import read_messages, topic_types
 
-    if topics.REFERENCE_COMMAND not in topic_types(bag):
+    if topic not in topic_types(bag):
         return {}
     out = {}
-    for item in read_messages(bag, [topics.REFERENCE_COMMAND]):
+    for item in read_messages(bag, [topic]):
         try:
             out[msgs.stamp_ns(item.msg.header)] = msgs.command_from_message(item.msg)
         except msgs.MessageError:
@@ -299,24 +300,26 @@ class Player:
         return True
 
 
-def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool) -> float:
-    """Publish the bag; returns the playback wall time in s."""
+def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool, topic_map: dict) -> float:
+    """Publish the bag (its topics renamed by `topic_map`); returns the playback wall time in s."""
     from tqdm import tqdm
 
     from sps_driving.bagio import camera_info_message, read_messages
 
-    wanted = [topics.IMAGE, *PLAYED] + ([topics.CAMERA_INFO] if has_info else [])
+    bag_names = {graph_topic: bag_topic for bag_topic, graph_topic in topic_map.items()}
+    wanted = [bag_names.get(t, t) for t in (topics.IMAGE, *PLAYED, *([topics.CAMERA_INFO] if has_info else []))]
     started = time.monotonic()
     first_log = None
     info_stamps: set[int] = set()
     image_stamps: set[int] = set()
     bar = tqdm(desc="replay", unit="frame", disable=None)
     for item in read_messages(bag, wanted):
+        topic = topic_map.get(item.topic, item.topic)
         if not lockstep:
             first_log = item.log_time_ns if first_log is None else first_log
             player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
-        player.publish(item.topic, item.msg)
-        if item.topic == topics.IMAGE:
+        player.publish(topic, item.msg)
+        if topic == topics.IMAGE:
             stamp = msgs.stamp_ns(item.msg.header)
             image_stamps.add(stamp)
             if not has_info:
@@ -324,7 +327,7 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
                 player.publish(topics.CAMERA_INFO, info)
                 info_stamps.add(stamp)
             bar.update(1)
-        elif item.topic == topics.CAMERA_INFO:
+        elif topic == topics.CAMERA_INFO:
             info_stamps.add(msgs.stamp_ns(item.msg.header))
         if lockstep:
             # A frame is in once both its image and its camera info are: wait for its command.
@@ -336,7 +339,9 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
             player.spin(0.0)
     bar.close()
     wall_s = time.monotonic() - started
-    player.spin(min(frame_timeout_s, 3.0))  # the last frames' outputs
+    if image_stamps and not lockstep:  # the newest frame is never skipped: wait for its outcome
+        player.wait_for(max(image_stamps), frame_timeout_s)
+    player.spin(0.5)  # trailing status and timing messages
     return wall_s
 
 
@@ -354,6 +359,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frame-timeout", type=float, default=60.0, help="s to wait for one frame's command in lockstep")
     parser.add_argument("--startup-timeout", type=float, default=180.0, help="s to wait for the nodes to come up")
     parser.add_argument("--log-dir", type=Path, help="keep the node logs here")
+    parser.add_argument(
+        "--topic", action="append", default=[], metavar="BAG_TOPIC:=GRAPH_TOPIC",
+        help="play a bag topic as a graph topic, e.g. /flir_camera/image_raw:=/camera/image_raw (repeatable)",
+    )
+
+
+def parse_topic_map(items) -> dict:
+    topic_map = {}
+    for item in items:
+        source, sep, target = item.partition(":=")
+        if not sep or not source.startswith("/") or not target.startswith("/"):
+            raise ReplayError(f"--topic takes /bag/topic:=/graph/topic, got {item!r}")
+        topic_map[source] = target
+    return topic_map
 
 
 class ReplayError(ValueError):
@@ -395,16 +414,20 @@ def replay_bag(
     startup_timeout_s: float = 180.0,
     log_dir: Path | None = None,
     storage: str = "sqlite3",
+    topic_map: dict | None = None,
 ) -> dict:
     """Play `bag` through a freshly started graph, write what it published to `out`, return the
-    report (`build_report` plus mode, output_bag, unreadable_messages). Raises ReplayError."""
+    report (`build_report` plus mode, output_bag, unreadable_messages). `topic_map` renames bag
+    topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
+    with the vendor camera driver). Raises ReplayError."""
     from sps_driving.bagio import BagWriter, topic_types
     from sps_driving.graph import Graph, default_params_file, wait_for_nodes, wait_for_topics
 
     bag, out = Path(bag), Path(out)
     if not bag.exists():
         raise ReplayError(f"no bag at {bag}")
-    bag_topics = topic_types(bag)
+    topic_map = dict(topic_map or {})
+    bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
     if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
         raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
     params_file = Path(params_file) if params_file else default_params_file()
@@ -445,14 +468,15 @@ def replay_bag(
                 wait_for_topics(node, readers, startup_timeout_s, graph)
             except (TimeoutError, RuntimeError) as exc:
                 raise ReplayError(f"the graph did not start: {exc}") from exc
-            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info)
+            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info, topic_map)
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
     with BagWriter(out, storage) as writer:
         for rec in sorted(player.records, key=lambda r: r.log_time_ns):
             writer.write(rec.topic, rec.msg, rec.log_time_ns)
-    report = build_report(player.frames, player.records, reference_commands(bag), wall_s)
+    reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
+    report = build_report(player.frames, player.records, reference_commands(bag, reference_topic), wall_s)
     report["mode"] = "lockstep" if lockstep else "realtime"
     report["unreadable_messages"] = player.unreadable
     report["output_bag"] = str(out)
@@ -465,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
         report = replay_bag(
             args.bag, out, lockstep=args.lockstep, checkpoint=args.checkpoint, backbone_config=args.backbone_config,
             params_file=args.params, frame_timeout_s=args.frame_timeout, startup_timeout_s=args.startup_timeout,
-            log_dir=args.log_dir, storage=args.storage,
+            log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic),
         )
     except ReplayError as exc:
         print(f"error: {exc}")

@@ -134,7 +134,8 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.ros
 def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys):
-    """12 frames at 30 fps, far faster than CPU extraction: the extractor skips to the newest frame."""
+    """12 frames at 30 fps, far faster than CPU extraction: the extractor skips to the newest frame.
+    The bag was recorded with a vendor camera driver's topic name, mapped to the graph's."""
     from ros_helpers import tiny_checkpoint
 
     from sps_driving import cli
@@ -146,11 +147,11 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys):
     with BagWriter(tmp_path / "drive", "sqlite3") as bag:
         for i in range(12):
             t = t0 + i * 33_333_333
-            bag.write(topics.IMAGE, image_message(rng.integers(0, 256, (600, 960, 3), dtype=np.uint8), t), t)
+            bag.write("/flir_camera/image_raw", image_message(rng.integers(0, 256, (600, 960, 3), dtype=np.uint8), t), t)
     out = tmp_path / "out"
     code = cli.main([
         "replay", str(tmp_path / "drive"), "--realtime", "--out", str(out), "--json", "--checkpoint", str(ckpt),
-        "--backbone-config", str(tmp_path / "extraction.yaml"),
+        "--backbone-config", str(tmp_path / "extraction.yaml"), "--topic", "/flir_camera/image_raw:=/camera/image_raw",
     ])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["mode"] == "realtime"
@@ -182,3 +183,7 @@ def test_replay_refuses_bad_inputs_with_clear_errors(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     assert cli.main(["replay", str(tmp_path / "drive"), "--checkpoint", str(ckpt), "--out", str(tmp_path / "taken")]) == 2
     assert "exists" in capsys.readouterr().out
+    assert cli.main(["replay", str(tmp_path / "drive"), "--topic", "/a=/b"]) == 2
+    assert "--topic takes" in capsys.readouterr().out
+    assert cli.main(["replay", str(tmp_path / "drive"), "--topic", "/camera/image_raw:=/other"]) == 2
+    assert "no sensor_msgs/Image frames" in capsys.readouterr().out
