@@ -54,14 +54,15 @@ def run(node_class, args=None) -> int:
     rclpy.init(args=args)
     node = None
     try:
-        node = node_class()
+        try:
+            node = node_class()
+        except (ValueError, FileNotFoundError, OSError) as exc:
+            name = getattr(node_class, "NODE_NAME", node_class.__name__)
+            print(f"[{name}] cannot start: {exc}", file=sys.stderr, flush=True)
+            return 1
         rclpy.spin(node)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        name = getattr(node_class, "NODE_NAME", node_class.__name__)
-        print(f"[{name}] cannot run: {exc}", file=sys.stderr, flush=True)
-        return 1
     finally:
         if node is not None:
             node.destroy_node()
