@@ -434,7 +434,10 @@ def replay_bag(
     if checkpoint is None:
         import yaml
 
-        checkpoint = yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"]
+        checkpoint = Path(yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"])
+        # A relative default (models/policy) names the package's folder wherever replay runs from.
+        if not checkpoint.is_absolute() and not checkpoint.exists():
+            checkpoint = params_file.resolve().parent.parent / checkpoint
     checkpoint = Path(checkpoint).resolve()
     if not (checkpoint / "config.json").is_file():
         raise ReplayError(
