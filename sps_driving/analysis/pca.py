@@ -19,9 +19,10 @@ def explained_variance_curve(descriptors: np.ndarray) -> np.ndarray | None:
     """
     x = _as_matrix(descriptors)
     x = x - x.mean(axis=0)
-    # Eigenvalues of the covariance are the squared singular values of the centred matrix;
-    # the 1/N or 1/(N-1) factor cancels in the ratio.
-    eigenvalues = np.linalg.svd(x, compute_uv=False) ** 2
+    # The covariance's nonzero eigenvalues are those of the smaller Gram matrix (N x N or D x D),
+    # whose symmetric eigensolver is many times faster than an SVD of x; 1/N cancels in the ratio.
+    gram = x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+    eigenvalues = np.clip(np.linalg.eigvalsh(gram)[::-1], 0.0, None)
     return _curve_from_eigenvalues(eigenvalues, x.shape[1])
 
 
