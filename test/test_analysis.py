@@ -264,9 +264,13 @@ def test_redundancy_analysis_writes_figures_and_summary(tmp_path):
         analysis.add_frame((weights @ basis + 0.01 * rng.standard_normal((grid.n, 24))).astype(np.float16),
                            image_rgb=rng.integers(0, 256, (48, 64, 3), dtype=np.uint8))
     analysis.add_frame(np.ones((grid.n, 24)))  # no variance: counted, not averaged
+    broken = np.ones((grid.n, 24))
+    broken[3, 4] = np.nan
+    assert analysis.add_frame(broken) is False  # dropped and counted, not a crash
     summary = analysis.write(tmp_path)
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["frames"] == 6 and summary["frames_without_variance"] == 1
+    assert summary["frames_dropped_nonfinite"] == 1
     # Eigenvalues 64, 16, 4, 1, .25: 90% needs 2 components (94%).
     assert summary["components_90_all"] == 2
     assert 1 <= summary["components_90_top"] <= 5
@@ -288,6 +292,13 @@ def test_settings_load_from_the_shipped_yaml_and_reject_unknown_keys(tmp_path):
     bad.write_text("top_patch: 3\n")
     with pytest.raises(ValueError, match="top_patch"):
         AnalysisSettings.from_yaml(bad)
+    bad.write_text("lemma: {draws: 0}\n")
+    with pytest.raises(ValueError, match="lemma_draws"):
+        AnalysisSettings.from_yaml(bad)
+    with pytest.raises(ValueError, match="explained_variance_level"):
+        AnalysisSettings(explained_variance_level=1.5)
+    with pytest.raises(ValueError, match="overlay seeds"):
+        AnalysisSettings(overlay_seeds=((1.5, 0.5),))
 
 
 # ---------------------------------------------------------------- `sps-driving analyze` on a feature cache

@@ -102,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
         for descriptors, image in itertools.chain.from_iterable(s.stream for s in sources):
             if image is None and analysis.frames == settings.overlay_frame:
                 image = overlay_image
-            analysis.add_frame(descriptors, image)
+            if not analysis.add_frame(descriptors, image):
+                print(f"warning: dropped a frame with non-finite descriptors "
+                      f"({analysis.frames_dropped_nonfinite} dropped)", file=sys.stderr)
             progress.update()
             if analysis.frames == args.max_frames:
                 break

@@ -94,6 +94,7 @@ class RedundancyAnalysis:
         self.top_count = top_patch_count(grid.n, settings.top_patches)
         self.frames = 0
         self.frames_without_variance = 0
+        self.frames_dropped_nonfinite = 0
         self.dim: int | None = None
         self._curves_all = CurveAverage()
         self._curves_top = CurveAverage()
@@ -106,8 +107,11 @@ class RedundancyAnalysis:
         self._lemma = LemmaSweep.empty(sample_sizes(grid.n, list(settings.lemma_fractions)), grid.n)
         self._lemma_rng = np.random.default_rng(settings.lemma_seed)
 
-    def add_frame(self, descriptors: np.ndarray, image_rgb: np.ndarray | None = None) -> None:
-        """One frame's [N, D] descriptors (all patches, row-major) and, if known, its RGB image."""
+    def add_frame(self, descriptors: np.ndarray, image_rgb: np.ndarray | None = None) -> bool:
+        """One frame's [N, D] descriptors (all patches, row-major) and, if known, its RGB image.
+
+        A frame with NaN or Inf is dropped and counted (returns False); a wrong shape is an error.
+        """
         x = np.asarray(descriptors, dtype=np.float64)
         if x.ndim != 2 or x.shape[0] != self.grid.n:
             raise ValueError(f"expected [{self.grid.n}, D] descriptors, got shape {x.shape}")
@@ -115,6 +119,9 @@ class RedundancyAnalysis:
             self.dim = x.shape[1]
         elif x.shape[1] != self.dim:
             raise ValueError(f"descriptor dim changed from {self.dim} to {x.shape[1]}")
+        if not np.isfinite(x).all():
+            self.frames_dropped_nonfinite += 1
+            return False
         index = self.frames
         self.frames += 1
         level = self.settings.explained_variance_level
@@ -145,6 +152,7 @@ class RedundancyAnalysis:
         ):
             rank = lemma.lemma_rank or components_to_reach(curve_all, level)
             self._lemma.add_frame(x, rank, lemma.lemma_draws, self._lemma_rng)
+        return True
 
     def write(self, out_dir: Path, about: dict | None = None) -> dict:
         """Write the PNG figures and summary.json (led by `about`, e.g. input and backbone) into
@@ -176,6 +184,7 @@ class RedundancyAnalysis:
             **(about or {}),
             "frames": self.frames,
             "frames_without_variance": self.frames_without_variance,
+            "frames_dropped_nonfinite": self.frames_dropped_nonfinite,
             "grid": [self.grid.rows, self.grid.cols],
             "dim": self.dim,
             "explained_variance_level": level,
