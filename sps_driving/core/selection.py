@@ -33,12 +33,14 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import torch
 
 from sps_driving.core.grid import PatchGrid
+
+if TYPE_CHECKING:  # torch is needed for training draws only; the selection node starts without it
+    import torch
 
 VARIANTS = ("sps", "threshold", "spps", "mspps")
 SPARSE_SEQUENCE_VARIANTS = ("spps", "mspps")
@@ -187,6 +189,8 @@ class PatchSelector:
 
         Same distribution as `select`, vectorized in torch: one independent draw per frame.
         """
+        import torch
+
         n = self.grid.n
         device = generator.device if device is None else device
         draws = torch.rand(batch_size, n, generator=generator, device=generator.device).to(device)
