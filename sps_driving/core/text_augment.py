@@ -118,9 +118,10 @@ class LatentTextAugmenter:
         """Best cosine similarity [B, N] of each patch to any source concept, and which one [B, N]
         (similarity 0 for all-zero patches)."""
         x = self._check(grids).float()
-        norms = x.norm(dim=-1, keepdim=True)
-        units = torch.where(norms > _EMPTY_PATCH_NORM, x / norms.clamp_min(_EMPTY_PATCH_NORM), torch.zeros_like(x))
-        similarity = units @ self._source_units.to(x.device).T
+        # Dividing the [B, N, S] products rather than normalizing x saves two passes over the grids;
+        # an all-zero patch has zero products, so its similarity is 0.
+        norms = x.norm(dim=-1, keepdim=True).clamp_min(_EMPTY_PATCH_NORM)
+        similarity = (x @ self._source_units.to(x.device).T) / norms
         return similarity.max(dim=-1)
 
     def plan(self, grids: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
