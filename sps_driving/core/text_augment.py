@@ -93,8 +93,8 @@ class LatentTextAugmenter:
         alternatives_of: list[list[int]],
         table: ConceptTable,
     ) -> None:
-        sources = torch.as_tensor(np.asarray(source_embeddings, dtype=np.float32))
-        alternatives = torch.as_tensor(np.asarray(alternative_embeddings, dtype=np.float32))
+        sources = torch.as_tensor(source_embeddings, dtype=torch.float32).cpu()
+        alternatives = torch.as_tensor(alternative_embeddings, dtype=torch.float32).cpu()
         if sources.ndim != 2 or alternatives.ndim != 2 or sources.shape[1] != alternatives.shape[1]:
             raise ValueError(f"embeddings must be [S, D] and [A, D], got {tuple(sources.shape)}, {tuple(alternatives.shape)}")
         if len(alternatives_of) != sources.shape[0]:
