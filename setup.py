@@ -1,3 +1,4 @@
+import os
 from glob import glob
 
 from setuptools import find_packages, setup
@@ -24,7 +25,11 @@ setup(
         ("share/" + package_name, ["package.xml"]),
         ("share/" + package_name + "/launch", glob("launch/*.xml")),
         ("share/" + package_name + "/config", glob("config/*.yaml")),
-        ("share/" + package_name + "/models", glob("models/*/*", recursive=False)),
+    ]
+    # Shipped policies and the bundled drive keep their folder layout under share/.
+    + [
+        (os.path.join("share", package_name, folder.rstrip("/")), [f for f in glob(os.path.join(folder, "*")) if os.path.isfile(f)])
+        for folder in sorted(glob("models/*/") + glob("models/*/*/") + glob("data/*/"))
     ],
     install_requires=["setuptools"],
     zip_safe=False,

@@ -16,7 +16,7 @@ from sps_driving import msgs, topics
 from sps_driving.nodes.common import StageTimer, declare, run
 
 PARAMETERS = {
-    "checkpoint": "models/policy",
+    "checkpoint": "models/sps50_dinov2",
     "device": "cpu",
 }
 
