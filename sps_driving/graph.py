@@ -18,19 +18,15 @@ from pathlib import Path
 
 import yaml
 
+from sps_driving.resources import config_path
+
 # Every node executable of the package (setup.py); sim_world stands in for the car in simulation.
 NODES = ("camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "sim_world")
 PACKAGE = "sps_driving"
 
 
 def default_params_file() -> Path:
-    """config/graph.yaml of a source checkout, else of the installed package's share folder."""
-    source = Path(__file__).resolve().parent.parent / "config" / "graph.yaml"
-    if source.is_file():
-        return source
-    from ament_index_python.packages import get_package_share_directory
-
-    return Path(get_package_share_directory(PACKAGE)) / "config" / "graph.yaml"
+    return config_path("graph.yaml")
 
 
 class Graph:

@@ -284,9 +284,9 @@ def test_redundancy_analysis_writes_figures_and_summary(tmp_path):
 
 
 def test_settings_load_from_the_shipped_yaml_and_reject_unknown_keys(tmp_path):
-    from sps_driving.analysis.analyze import default_config_path
+    from sps_driving.resources import config_path
 
-    settings = AnalysisSettings.from_yaml(default_config_path())
+    settings = AnalysisSettings.from_yaml(config_path("analysis.yaml"))
     assert settings.explained_variance_level == 0.9 and settings.top_patches == 128
     bad = tmp_path / "bad.yaml"
     bad.write_text("top_patch: 3\n")

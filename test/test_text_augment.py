@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sps_driving.analysis.analyze import default_config_path
+from sps_driving.resources import config_path
 from sps_driving.core.text_augment import ConceptTable, LatentTextAugmenter, NoTextTowerError, build_text_augmenter
 
 DIM = 16
@@ -127,7 +127,7 @@ def test_bad_input_is_refused():
 
 
 def test_the_shipped_concept_table_loads(tmp_path):
-    shipped = ConceptTable.from_yaml(default_config_path("concepts.yaml"))
+    shipped = ConceptTable.from_yaml(config_path("concepts.yaml"))
     assert shipped.concepts["tree"][0] == "house" and "bus" in shipped.concepts["truck"]
     assert 0.0 < shipped.threshold <= 1.0 and shipped.max_patches_per_frame > 0
     assert shipped.prompt("tree") == "a photo of a tree"

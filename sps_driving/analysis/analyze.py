@@ -21,21 +21,10 @@ from tqdm import tqdm
 
 from sps_driving.analysis.redundancy import AnalysisSettings, RedundancyAnalysis
 from sps_driving.core.grid import PatchGrid
+from sps_driving.resources import config_path
 from sps_driving.train.extract import extractor_config_from_args
 
 CONFIG_NAME = "analysis.yaml"
-
-
-def default_config_path(name: str = CONFIG_NAME) -> Path:
-    """A shipped config file: the source tree's config/ (editable install), else the installed share/."""
-    candidates = [
-        Path(__file__).resolve().parents[2] / "config" / name,
-        Path(sys.prefix) / "share" / "sps_driving" / "config" / name,
-    ]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"config file {name} not found in {', '.join(str(c.parent) for c in candidates)}")
 
 
 def is_rosbag(path: Path) -> bool:
@@ -79,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: --stride and --max-frames must be at least 1", file=sys.stderr)
         return 2
     try:
-        settings = AnalysisSettings.from_yaml(args.config or default_config_path())
+        settings = AnalysisSettings.from_yaml(args.config or config_path(CONFIG_NAME))
         if args.rank is not None:
             settings = replace(settings, lemma_rank=args.rank)
         overlay_image = _read_rgb(args.overlay_image) if args.overlay_image is not None else None

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import yaml
 
+from sps_driving.resources import config_path
+
 PROFILES = ("quick", "paper")
-
-
-def default_config_path() -> Path:
-    """config/sim.yaml of the source tree, else the installed share/sps_driving copy."""
-    source = Path(__file__).resolve().parents[2] / "config" / "sim.yaml"
-    if source.is_file():
-        return source
-    return Path(sys.prefix) / "share" / "sps_driving" / "config" / "sim.yaml"
 
 
 def load_sim_config(path: str | Path | None = None, profile: str | None = None) -> dict:
     """The world config as a nested dict; `profile` applies an evaluation profile's overrides
     (episode length and rendered size)."""
-    path = Path(path) if path is not None else default_config_path()
+    path = Path(path) if path is not None else config_path("sim.yaml")
     if not path.is_file():
         raise FileNotFoundError(f"simulator config not found at {path}; pass --sim-config or restore config/sim.yaml")
     config = yaml.safe_load(path.read_text()) or {}

@@ -31,11 +31,11 @@ import yaml
 from tqdm import tqdm
 
 from sps_driving import topics
-from sps_driving.train import train_config_path
+from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCacheWriter
 
 LABELS_FILE = "labels.csv"
-TRAIN_CONFIG = train_config_path()
+TRAIN_CONFIG = config_path("train.yaml")
 
 
 @dataclass

@@ -101,13 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sps_driving.analysis.analyze import default_config_path
+    from sps_driving.resources import config_path
     from sps_driving.core.backbones import load_extractor
     from sps_driving.core.policy import read_policy_config
     from sps_driving.train.cache import FeatureCache
     from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig, train
 
-    concepts_path = args.concepts or default_config_path(CONCEPTS_NAME)
+    concepts_path = args.concepts or config_path(CONCEPTS_NAME)
     try:
         table = ConceptTable.from_yaml(concepts_path)
         settings = FinetuneSettings.from_yaml(concepts_path)

@@ -47,10 +47,10 @@ from tqdm import tqdm
 
 from sps_driving.core.policy import load_policy, read_policy_config, build_policy, save_policy
 from sps_driving.core.selection import PatchSelector, SelectionConfig
-from sps_driving.train import train_config_path
+from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
 
-TRAIN_CONFIG = train_config_path()
+TRAIN_CONFIG = config_path("train.yaml")
 LAST_DIR = "last"
 STATE_JSON = "train_state.json"
 STATE_TENSORS = "train_state.safetensors"
