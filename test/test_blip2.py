@@ -209,6 +209,10 @@ def test_protocol_shapes_and_bad_input(model, image):
         fast.encode(image.astype(np.float32))
     with pytest.raises(ValueError, match="unknown"):
         extractor(model, alhpa=2.0)
+    for bad in (dict(suppression=1.0), dict(suppression=float("nan")), dict(falloff="gauss"), dict(alpha=-1.0),
+                dict(cls_mask=2.0), dict(implementation="slow")):
+        with pytest.raises(ValueError):
+            extractor(model, **bad)
 
 
 def test_bf16_keeps_layer_norm_and_softmax_finite_and_close(image):

@@ -24,6 +24,7 @@ a Blip2ForImageTextRetrieval checkpoint and its tokenizer); nothing is downloade
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from torch.nn import functional as F
 from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_embeddings
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
 from sps_driving.core.backbones.vit_masked import resolve_dtype
-from sps_driving.core.grid import PatchGrid, attention_bias, patch_masks
+from sps_driving.core.grid import FALLOFFS, PatchGrid, attention_bias, patch_masks
 from sps_driving.core.image import ImageError
 
 # BLIP-2's image processor: bicubic resize to the model's square input, CLIP mean/std.
@@ -216,13 +217,13 @@ class Blip2Extractor:
         unknown = set(opts) - set(DEFAULTS)
         if unknown:
             raise ValueError(f"unknown BLIP-2 extractor options {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-        if opts["implementation"] not in ("fast", "naive"):
-            raise ValueError(f"implementation must be 'fast' or 'naive', got {opts['implementation']!r}")
+        _validate(opts)
         self.options = opts
         self.name = name
         self.device = resolve_device(opts["device"])
         self.dtype = resolve_weights_dtype(opts["dtype"], self.device)
         self._tokenizer = tokenizer
+        self._model_path: Path | None = None  # the folder a tokenizer is read from, when loaded from one
         self.model = model.eval().requires_grad_(False).to(self.device, self.dtype)
         if self.dtype != torch.float32:
             keep_layer_norms_fp32(self.model)
@@ -327,7 +328,10 @@ class Blip2Extractor:
             timings.setdefault("projection_s", 0.0)
         if not out:
             return np.zeros((0, self.dim), np.float32)
-        return torch.cat(out).float().cpu().numpy()
+        result = torch.cat(out).float().cpu().numpy()
+        if not np.isfinite(result).all():
+            raise FloatingPointError(f"non-finite BLIP-2 descriptors ({self.dtype}): check dtype and suppression")
+        return result
 
     def position_table(self) -> np.ndarray:
         table = self.model.vision_model.embeddings.position_embedding[0, 1:]
@@ -390,6 +394,21 @@ class Blip2Extractor:
         if indices.size and (indices.min() < 0 or indices.max() >= self.grid.n):
             raise IndexError(f"patch indices must lie in [0, {self.grid.n}), got {indices.min()}..{indices.max()}")
         return indices
+
+
+def _validate(opts: dict) -> None:
+    if opts["implementation"] not in ("fast", "naive"):
+        raise ValueError(f"implementation must be 'fast' or 'naive', got {opts['implementation']!r}")
+    if opts["falloff"] not in FALLOFFS:
+        raise ValueError(f"unknown mask falloff {opts['falloff']!r}; expected one of {FALLOFFS}")
+    if not (math.isfinite(float(opts["alpha"])) and float(opts["alpha"]) >= 0):
+        raise ValueError(f"alpha must be a finite distance >= 0 patches, got {opts['alpha']}")
+    if not float(opts["suppression"]) < 0:  # also rejects nan
+        raise ValueError(f"suppression strength r must be negative (or -inf), got {opts['suppression']}")
+    if not 0.0 <= float(opts["cls_mask"]) <= 1.0:
+        raise ValueError(f"cls_mask must lie in [0, 1], got {opts['cls_mask']}")
+    if not float(opts["memory_budget_mb"]) >= 0:
+        raise ValueError(f"memory_budget_mb must be >= 0, got {opts['memory_budget_mb']}")
 
 
 def _synchronized_clock(device: torch.device) -> float:

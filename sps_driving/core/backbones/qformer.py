@@ -10,8 +10,8 @@ does not depend on j is shared:
 - layer 0 up to the cross-attention logits: the query tokens, their LayerNorm and layer-0
   self-attention, the cross-attention query projection and Q K^T are the same for every patch,
   so only the bias, softmax and the weighted sum of values run per patch there;
-- with hard masks (r = -inf), keys that no patch of a batch attends to are dropped, and each
-  patch attends only to its own kept keys (padded to the batch's largest count).
+- with hard masks (r = -inf), each patch attends only to the keys its mask keeps (gathered per
+  patch, padded to the batch's largest count with an excluded key) instead of all T image tokens.
 
 The layers run on the weights of the transformers modules (no copy), with LayerNorm and softmax
 always in fp32 so fp16/bf16 weights stay finite (the known fp16 LayerNorm overflow).
@@ -32,8 +32,17 @@ def layer_norm_fp32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     ).to(x.dtype)
 
 
+_SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
+
+
 def softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(logits.float(), dim=-1)
+    """Softmax in fp32. On the CPU, probabilities below the smallest normal float (what a finite
+    r such as -100 leaves on suppressed tokens) become 0: subnormal operands make the following
+    matmul over 50x slower there, and the change is below 1.2e-38."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    if probs.device.type == "cpu" and not torch.jit.is_tracing():
+        probs = F.threshold(probs, _SMALLEST_NORMAL, 0.0, inplace=not probs.requires_grad)
+    return probs
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -72,7 +81,7 @@ def _feed_forward(layer, hidden: torch.Tensor) -> torch.Tensor:
 class QFormerFrame:
     """Per-frame work shared by all patches."""
 
-    keys: list[torch.Tensor]  # per cross-attention layer: [heads, T, d]
+    keys: list[torch.Tensor]  # per cross-attention layer: [heads, T, d], pre-multiplied by the logit scale
     values: list[torch.Tensor]  # per cross-attention layer: [heads, T, d]
     layer0_residual: torch.Tensor  # [Q, H] layer-0 self-attention output (cross-attention residual)
     layer0_logits: torch.Tensor  # [heads, Q, T] fp32 layer-0 scaled cross-attention logits before the bias
@@ -96,13 +105,14 @@ class PatchQFormer(nn.Module):
         keys, values = [], []
         for i in self.cross_layers:
             attn = self.qformer.encoder.layer[i].crossattention.attention
-            keys.append(_split_heads(attn.key(image_tokens), attn.num_attention_heads))
-            values.append(_split_heads(attn.value(image_tokens), attn.num_attention_heads))
+            # contiguous per head: the batched GEMMs against them are slow on strided operands
+            keys.append(_split_heads(attn.key(image_tokens) * attn.scaling, attn.num_attention_heads).contiguous())
+            values.append(_split_heads(attn.value(image_tokens), attn.num_attention_heads).contiguous())
         layer0 = self.qformer.encoder.layer[0]
         queries = layer_norm_fp32(self.query_tokens[0], self.qformer.layernorm)
         residual = _self_attention(layer0.attention, queries[None])[0]
         cross = layer0.crossattention.attention
-        q = _split_heads(cross.query(residual) * cross.scaling, cross.num_attention_heads)
+        q = _split_heads(cross.query(residual), cross.num_attention_heads)
         logits = (q @ keys[0].transpose(-1, -2)).float()
         return QFormerFrame(keys, values, residual, logits)
 
@@ -122,7 +132,7 @@ class PatchQFormer(nn.Module):
                     logits = logits.unsqueeze(1)
                 else:
                     logits = logits[:, :, key_index].transpose(1, 2)  # [heads, k, Q, K]
-                context = _attend(logits, bias, frame.values[0], key_index)
+                context = _attend(logits, bias, frame.values[0], key_index, owned=key_index is not None)
                 hidden = _cross_output(layer.crossattention, context, frame.layer0_residual)
             else:
                 hidden = _self_attention(layer.attention, hidden)
@@ -136,7 +146,7 @@ class PatchQFormer(nn.Module):
 def _cross_attention(layer, hidden, frame: QFormerFrame, slot: int, bias, key_index) -> torch.Tensor:
     attn = layer.crossattention.attention
     patches, queries, _ = hidden.shape
-    q = _split_heads(attn.query(hidden) * attn.scaling, attn.num_attention_heads).transpose(0, 1)  # [heads, k, Q, d]
+    q = _split_heads(attn.query(hidden), attn.num_attention_heads).transpose(0, 1)  # [heads, k, Q, d]
     keys = frame.keys[slot]  # [heads, T, d]
     if key_index is None:
         # every patch's queries stacked per head: one GEMM against the shared keys
@@ -144,14 +154,17 @@ def _cross_attention(layer, hidden, frame: QFormerFrame, slot: int, bias, key_in
         logits = (stacked @ keys.transpose(-1, -2)).view(q.shape[0], patches, queries, -1)
     else:
         logits = q @ keys[:, key_index].transpose(-1, -2)  # each patch against its own kept keys
-    context = _attend(logits, bias, frame.values[slot], key_index)
+    context = _attend(logits, bias, frame.values[slot], key_index, owned=True)
     return _cross_output(layer.crossattention, context, hidden)
 
 
-def _attend(logits: torch.Tensor, bias: torch.Tensor, values: torch.Tensor, key_index) -> torch.Tensor:
+def _attend(logits: torch.Tensor, bias: torch.Tensor, values: torch.Tensor, key_index, owned: bool) -> torch.Tensor:
     """logits [heads, k or 1, Q, K] + bias [k, K] -> fp32 softmax -> weighted values -> context [k, Q, H].
     values [heads, T, d] are shared by all patches (gathered per patch by key_index when given)."""
-    probs = softmax_fp32(logits + bias[None, :, None, :]).to(values.dtype)
+    bias = bias[None, :, None, :]
+    # logits made for this batch take the bias in place (one large buffer less); shared ones must not
+    logits = logits.add_(bias) if owned and logits.dtype == bias.dtype else logits + bias
+    probs = softmax_fp32(logits).to(values.dtype)
     heads, patches, queries, width = probs.shape
     if key_index is None:
         context = (probs.reshape(heads, patches * queries, width) @ values).view(heads, patches, queries, -1)
