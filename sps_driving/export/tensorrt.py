@@ -45,10 +45,12 @@ def keep_fp32(network) -> int:
     import tensorrt as trt
 
     pinned_types = {trt.LayerType.NORMALIZATION, trt.LayerType.SOFTMAX, trt.LayerType.REDUCE}
+    floating = {trt.float32, trt.float16}
     pinned = 0
     for i in range(network.num_layers):
         layer = network.get_layer(i)
-        if layer.type in pinned_types:
+        # reductions also appear in integer shape arithmetic: pin floating-point ones only
+        if layer.type in pinned_types and layer.get_output(0).dtype in floating:
             layer.precision = trt.float32
             for j in range(layer.num_outputs):
                 layer.set_output_type(j, trt.float32)
