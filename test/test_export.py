@@ -1,7 +1,7 @@
 """ONNX export and the onnxruntime backend against the torch extractors (fp32).
 
 BLIP-2 runs as a tiny random config of the real classes; DINOv2 is the real embedded backbone
-(slow: it is exported at full size)."""
+exported at full size."""
 
 import json
 
@@ -107,7 +107,6 @@ def test_cli_export_and_parity_with_random_weights(tmp_path, capsys):
     assert cli.main(args[:-1] + ["--seed", "1"]) == 1
 
 
-@pytest.mark.slow
 def test_dinov2_export_matches_torch(tmp_path, image):
     dinov2 = load_extractor({"backbone": "dinov2_vits14", "device": "cpu", "dtype": "float32"})
     export_onnx(dinov2, tmp_path)
