@@ -109,7 +109,9 @@ def grid_policy(grid, dim: int, device: str):
     """The grid policy at the dims of config/train.yaml."""
     from sps_driving.core.policy import POLICY_KEYS, build_policy
 
-    train = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "train.yaml").read_text())["train"]
+    from sps_driving.resources import config_path
+
+    train = yaml.safe_load(config_path("train.yaml").read_text())["train"]
     config = {
         "grid": {"rows": grid.rows, "cols": grid.cols},
         "descriptor_dim": dim,
