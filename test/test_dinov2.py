@@ -7,36 +7,21 @@ from __future__ import annotations
 import importlib.util
 import math
 
-import cv2
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from matplotlib import cbook
 
 from sps_driving.core.backbones import dinov2, load_extractor, resolve_config, time_extraction
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor, bundled_onnx_path, load_dinov2, resolve_onnx_path
 from sps_driving.core.image import ImageError
+from samples import sample_photo
 
 BACKBONE_OUTPUT = "/backbone/layernorm/Add_1_output_0"
 SAMPLE_PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")
 
 
-def sample_photo(name: str) -> np.ndarray:
-    bgr = cv2.imread(str(cbook.get_sample_data(name, asfileobj=False)), cv2.IMREAD_COLOR)
-    assert bgr is not None, name
-    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_dinov2()
-
-
-@pytest.fixture(scope="module")
-def extractor(model):
-    return DinoV2Extractor(model)
 
 
 def test_rebuilt_model_matches_onnx_backbone_on_real_photos(model, extractor):

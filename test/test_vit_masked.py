@@ -4,31 +4,16 @@ against references built from the transformers layers themselves with their own 
 
 from __future__ import annotations
 
-import cv2
 import numpy as np
 import pytest
 import torch
-from matplotlib import cbook
 
-from sps_driving.core.backbones.dinov2 import DinoV2Extractor, load_dinov2
+from sps_driving.core.backbones.dinov2 import DinoV2Extractor
 from sps_driving.core.backbones.vit_masked import MaskedViT
 from sps_driving.core.grid import attention_bias, patch_masks
+from samples import sample_photo
 
-def _photo(name: str) -> np.ndarray:
-    return cv2.cvtColor(cv2.imread(str(cbook.get_sample_data(name, asfileobj=False))), cv2.COLOR_BGR2RGB)
-
-
-FRAME = _photo("grace_hopper.jpg")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_dinov2()
-
-
-@pytest.fixture(scope="module")
-def extractor(model):
-    return DinoV2Extractor(model)
+FRAME = sample_photo("grace_hopper.jpg")
 
 
 @pytest.fixture(scope="module")
