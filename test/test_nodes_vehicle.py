@@ -13,7 +13,7 @@ from std_msgs.msg import Bool
 from ros_helpers import Probe, Rate
 from sps_driving import msgs, topics
 from sps_driving.bagio import lane_pose_message, range_message
-from sps_driving.graph import Graph, wait_for_nodes
+from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
 
 pytestmark = pytest.mark.ros
 
@@ -166,10 +166,12 @@ def test_lane_failure_requests_stop_and_raises_event(rig):
     assert run_until(probe, inputs, lambda: drives(probe), 3)
     # An obstacle inside the minimum gap: collision.
     events_before = len(probe.messages(topics.SAFETY_EVENTS))
-    probe.publisher(topics.OBSTACLE_RANGE, Range, "control").publish(msgs.from_bag(range_message(0.4, 0), Range))
+    obstacle = probe.publisher(topics.OBSTACLE_RANGE, Range, "control")
+    wait_for_subscribers(obstacle, 1, 10)  # a message sent before discovery matches is lost
+    obstacle.publish(msgs.from_bag(range_message(0.4, 0), Range))
     assert run_until(probe, inputs, lambda: len(probe.messages(topics.SAFETY_EVENTS)) > events_before, 3)
     assert msgs.diagnostic_values(probe.messages(topics.SAFETY_EVENTS)[-1])[0][2] == "collision"
-    probe.publisher(topics.OBSTACLE_RANGE, Range, "control").publish(msgs.from_bag(range_message(float("inf"), 0), Range))
+    obstacle.publish(msgs.from_bag(range_message(float("inf"), 0), Range))
     assert run_until(probe, inputs, lambda: drives(probe), 3)
     # Lane state stops arriving: stale input -> stop requested.
     inputs.lane = False
