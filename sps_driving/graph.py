@@ -79,8 +79,12 @@ class Graph:
     def alive(self, name: str) -> bool:
         return name in self.processes and self.processes[name].poll() is None
 
-    def returncode(self, name: str) -> int | None:
-        return self.processes[name].poll()
+    def returncode(self, name: str, wait_s: float = 0.0) -> int | None:
+        """The node's exit status, waiting up to `wait_s` for it to exit; None while it runs."""
+        try:
+            return self.processes[name].wait(timeout=wait_s) if wait_s > 0 else self.processes[name].poll()
+        except subprocess.TimeoutExpired:
+            return None
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"

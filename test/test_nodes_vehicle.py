@@ -207,8 +207,5 @@ def test_override_disengages_and_counts_intervention(rig):
 def test_bad_configuration_is_a_clear_startup_error(tmp_path, params, message):
     graph = Graph(["vehicle_interface"], parameters={"vehicle_interface": params}, log_dir=tmp_path)
     with graph:
-        deadline = time.monotonic() + 30
-        while graph.alive("vehicle_interface") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert graph.returncode("vehicle_interface") == 1
+        assert graph.returncode("vehicle_interface", wait_s=30) == 1
         assert message in graph.log("vehicle_interface")
