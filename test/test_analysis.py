@@ -348,7 +348,6 @@ def test_analyze_command_on_a_feature_cache(tmp_path, capsys):
     assert main(["analyze", str(tmp_path), "--out", str(out)]) == 2  # a folder that is no cache
 
 
-@pytest.mark.slow  # ~20 s, most of it loading the DINOv2 weights
 def test_analyze_command_on_a_rosbag2_with_the_embedded_dinov2(tmp_path, capsys):
     """Real rosbag2 camera frames through the embedded DINOv2 at a small input size (4 x 6 patches)."""
     import dataclasses

@@ -15,7 +15,7 @@ from ros_helpers import Probe, tiny_checkpoint
 from sps_driving import msgs, topics
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
 
-pytestmark = [pytest.mark.slow, pytest.mark.ros]
+pytestmark = pytest.mark.ros
 MAX_AGE = 0.5
 
 

@@ -16,7 +16,7 @@ from sps_driving import msgs, topics
 from sps_driving.bagio import lane_pose_message
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
 
-pytestmark = [pytest.mark.slow, pytest.mark.ros]
+pytestmark = pytest.mark.ros
 
 
 def test_camera_to_car_drives_and_stops_on_failure(tmp_path):

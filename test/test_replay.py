@@ -1,5 +1,5 @@
 """The replay report from recorded data (no ROS needed), and `sps-driving replay` end to end on a
-real rosbag2 through the live graph with the real embedded DINOv2 (slow)."""
+real rosbag2 through the live graph with the real embedded DINOv2."""
 
 import json
 import math
@@ -84,7 +84,6 @@ def test_match_reference_takes_the_nearest_within_tolerance():
     assert match_reference([1], {}, 50) == {}
 
 
-@pytest.mark.slow
 @pytest.mark.ros
 def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     """Frames of an mcap bag through the five node processes (real DINOv2 at 112 px, a tiny random
@@ -131,7 +130,6 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
         assert recorded[stamp] == pytest.approx(expected, abs=1e-4)
 
 
-@pytest.mark.slow
 @pytest.mark.ros
 def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys):
     """12 frames at 30 fps, far faster than CPU extraction: the extractor skips to the newest frame.
