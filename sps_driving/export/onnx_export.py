@@ -112,8 +112,9 @@ class DinoV2BackboneModule(nn.Module):
 
 
 class DinoV2PatchModule(nn.Module):
-    """(hidden [T, D], bias [k, T], patch_index [k]) -> descriptors [k, D]: MaskedViT's per-patch
-    pass written on tensors only, so the patch batch stays a dynamic axis when traced."""
+    """(hidden [T, D], bias [k, T], patch_index [k]) -> descriptors [k, D]: MaskedViT.patch_forward,
+    the extractor's own per-patch pass, with its layers registered here as the graph's weights; the
+    patch batch stays a dynamic axis when traced."""
 
     def __init__(self, extractor):
         super().__init__()
@@ -122,19 +123,7 @@ class DinoV2PatchModule(nn.Module):
         self.final_norm = self.encoder.final_norm
 
     def forward(self, hidden: torch.Tensor, bias: torch.Tensor, patch_index: torch.Tensor) -> torch.Tensor:
-        from sps_driving.core.backbones.vit_masked import block_forward, layer_norm_fp32
-
-        encoder = self.encoder
-        hidden = hidden[None]
-        query_tokens = patch_index + encoder.num_prefix_tokens
-        if encoder.masks_last_layer:
-            out = block_forward(self.layers[-1], hidden, bias[None, None], query_tokens[None])[0]
-        else:
-            hidden = block_forward(self.layers[encoder.masked_layer], hidden, bias[:, None, None, :])
-            for layer in self.layers[encoder.masked_layer + 1 : -1]:
-                hidden = block_forward(layer, hidden)
-            out = block_forward(self.layers[-1], hidden, query_tokens=query_tokens[:, None])[:, 0]
-        return layer_norm_fp32(out, self.final_norm)
+        return self.encoder.patch_forward(hidden[None], bias, patch_index + self.encoder.num_prefix_tokens)
 
 
 def example_patch_inputs(spec: ExportSpec, tokens: torch.Tensor, patches: int = 3) -> tuple[torch.Tensor, ...]:

@@ -176,6 +176,12 @@ class MaskedViT:
     def _chunk(self, hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
         bias = self.mask_bias(indices, hidden.device)
         query_tokens = torch.from_numpy(indices + self.num_prefix_tokens).to(hidden.device)
+        return self.patch_forward(hidden, bias, query_tokens)
+
+    def patch_forward(self, hidden: torch.Tensor, bias: torch.Tensor, query_tokens: torch.Tensor) -> torch.Tensor:
+        """Descriptors [k, D] of the patches whose tokens are `query_tokens` [k], from the hidden
+        states entering the masked layer [1, T, D] and their eq. 1 biases [k, T]. Tensors only, so
+        the ONNX export traces this same code."""
         if self.masks_last_layer:
             out = block_forward(self.layers[-1], hidden, bias[None, None], query_tokens[None])[0]
         else:
