@@ -77,3 +77,14 @@ def attention_bias(masks: np.ndarray, suppression: float) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         bias = (1.0 - masks) * np.float32(suppression)
     return np.where(masks >= 1.0, np.float32(0.0), bias).astype(np.float32)
+
+
+def token_bias(
+    grid: PatchGrid, indices: np.ndarray, falloff: str, alpha: float, suppression: float,
+    prefix_tokens: int = 1, prefix_mask: float = 1.0,
+) -> np.ndarray:
+    """float32 [k, prefix_tokens + N]: SPS eq. 1's (1 - m^(j)) r over a ViT's tokens, the prefix
+    (CLS) tokens first with mask value prefix_mask (1 = always attended)."""
+    masks = patch_masks(grid, indices, falloff, float(alpha))
+    prefix = np.full((len(masks), prefix_tokens), prefix_mask, dtype=np.float32)
+    return attention_bias(np.concatenate([prefix, masks], axis=1), float(suppression))

@@ -128,7 +128,7 @@ class DinoV2PatchModule(nn.Module):
 
 def example_patch_inputs(spec: ExportSpec, tokens: torch.Tensor, patches: int = 3) -> tuple[torch.Tensor, ...]:
     """A small batch of patches in the spec's input order (the trace example; k stays dynamic)."""
-    from sps_driving.core.backbones.blip2 import token_bias
+    from sps_driving.core.grid import token_bias
     from sps_driving.core.grid import PatchGrid
 
     grid = PatchGrid(*spec.grid)

@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_embeddings
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
 from sps_driving.core.backbones.vit_masked import resolve_dtype
-from sps_driving.core.grid import FALLOFFS, PatchGrid, attention_bias, patch_masks
+from sps_driving.core.grid import FALLOFFS, PatchGrid, token_bias
 from sps_driving.core.image import ImageError
 
 # BLIP-2's image processor: bicubic resize to the model's square input, CLIP mean/std.
@@ -111,17 +111,6 @@ def preprocess(
     resized = cv2.resize(image_rgb, (width, height), interpolation=RESIZE[resize])
     pixels = (resized.astype(np.float32) / 255.0 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))[None]
-
-
-def token_bias(
-    grid: PatchGrid, indices: np.ndarray, falloff: str, alpha: float, suppression: float,
-    prefix_tokens: int = 1, prefix_mask: float = 1.0,
-) -> np.ndarray:
-    """float32 [k, prefix_tokens + N]: SPS eq. 1's (1 - m^(j)) r over a ViT's tokens, the prefix
-    (CLS) tokens first with mask value prefix_mask."""
-    masks = patch_masks(grid, indices, falloff, float(alpha))
-    prefix = np.full((len(masks), prefix_tokens), prefix_mask, dtype=np.float32)
-    return attention_bias(np.concatenate([prefix, masks], axis=1), float(suppression))
 
 
 class DescriptorHead(nn.Module):

@@ -84,7 +84,7 @@ class ExportedExtractor:
         ).numpy()
 
     def patch_inputs(self, frame: ExportedFrame, indices: np.ndarray) -> dict[str, np.ndarray]:
-        from sps_driving.core.backbones.blip2 import token_bias
+        from sps_driving.core.grid import token_bias
 
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if indices.size and (indices.min() < 0 or indices.max() >= self.grid.n):

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sps_driving.core.backbones.qformer import layer_norm_fp32
-from sps_driving.core.grid import FALLOFFS, PatchGrid, attention_bias, patch_masks
+from sps_driving.core.grid import FALLOFFS, PatchGrid, token_bias
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -141,9 +141,8 @@ class MaskedViT:
 
     def mask_bias(self, indices: np.ndarray, device: torch.device) -> torch.Tensor:
         """fp32 [k, T]: eq. 1's (1 - m^(j)) r over all tokens, 0 for the prefix tokens."""
-        patches = attention_bias(patch_masks(self.grid, indices, self.falloff, self.alpha), self.suppression)
-        prefix = np.zeros((len(indices), self.num_prefix_tokens), dtype=np.float32)
-        return torch.from_numpy(np.concatenate([prefix, patches], axis=1)).to(device)
+        bias = token_bias(self.grid, indices, self.falloff, self.alpha, self.suppression, self.num_prefix_tokens)
+        return torch.from_numpy(bias).to(device)
 
     def chunk_size(self, tokens: int, dim: int) -> int:
         """Patches per batched pass that fit the memory budget (fp32 logits, ~4D MLP hidden)."""
