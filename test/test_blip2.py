@@ -10,14 +10,16 @@ import torch
 from transformers import BertTokenizer
 
 from sps_driving.core.backbones.blip2 import (
+    PIXEL_MEAN,
+    PIXEL_STD,
     Blip2Extractor,
     Blip2WeightsMissing,
     fit_pca_head,
     load_head,
-    preprocess,
     save_head,
     tiny_blip2_config,
 )
+from sps_driving.core.image import normalized_pixels
 
 WORDS = "a the car road snow rain night on in is of dog deer truck winter lane".split()
 
@@ -120,7 +122,7 @@ def test_memory_budget_chunks_without_changing_results(model, image):
 def test_alpha_covering_grid_equals_unmasked_itc_embeddings(model, image):
     fast = extractor(model, falloff="hard", alpha=100.0, dim=24)
     ours = fast.descriptors(fast.encode(image), np.arange(16))
-    pixels = preprocess(image, (fast.image_size, fast.image_size))
+    pixels = torch.from_numpy(normalized_pixels(image, (fast.image_size, fast.image_size), "cubic", PIXEL_MEAN, PIXEL_STD))
     with torch.inference_mode():
         out = model(pixel_values=pixels, input_ids=torch.tensor([[2, 7, 3]]), use_image_text_matching_head=False)
     # transformers' own per-query ITC embeddings [1, Q, P], pooled as documented

@@ -25,6 +25,7 @@ _DECODERS = {
 }
 ENCODINGS = tuple(_DECODERS)
 _ENCODERS = {"rgb8": None, "bgr8": cv2.COLOR_RGB2BGR, "mono8": cv2.COLOR_RGB2GRAY}
+RESIZE = {"cubic": cv2.INTER_CUBIC, "area": cv2.INTER_AREA}  # backbone preprocessing interpolations
 
 
 class ImageError(ValueError):
@@ -61,3 +62,16 @@ def from_rgb(rgb: np.ndarray, encoding: str = "rgb8") -> tuple[bytes, int]:
     conversion = _ENCODERS[encoding]
     out = np.ascontiguousarray(rgb if conversion is None else cv2.cvtColor(rgb, conversion))
     return out.tobytes(), out.strides[0]
+
+
+def normalized_pixels(image_rgb: np.ndarray, size: tuple[int, int], resize: str, mean, std) -> np.ndarray:
+    """A backbone's input: uint8 HxWx3 RGB -> float32 [1, 3, height, width] for size = (height,
+    width), resized (the aspect is not kept), scaled to [0, 1] and normalized per channel."""
+    if not isinstance(image_rgb, np.ndarray) or image_rgb.dtype != np.uint8:
+        raise ImageError(f"expected a uint8 numpy RGB image, got {getattr(image_rgb, 'dtype', type(image_rgb))}")
+    if image_rgb.ndim != 3 or image_rgb.shape[2] != 3 or min(image_rgb.shape[:2]) < 1:
+        raise ImageError(f"expected an HxWx3 RGB image, got shape {image_rgb.shape}")
+    height, width = size
+    resized = cv2.resize(image_rgb, (width, height), interpolation=RESIZE[resize])
+    pixels = (resized.astype(np.float32) / 255.0 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1)[None])

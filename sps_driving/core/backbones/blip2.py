@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import cv2
 import numpy as np
 import torch
 from torch import nn
@@ -39,7 +38,7 @@ from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_e
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
 from sps_driving.core.backbones.vit_masked import resolve_dtype
 from sps_driving.core.grid import FALLOFFS, PatchGrid, token_bias
-from sps_driving.core.image import ImageError
+from sps_driving.core.image import normalized_pixels
 
 # BLIP-2's image processor: bicubic resize to the model's square input, CLIP mean/std.
 PIXEL_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -94,23 +93,6 @@ def _fp32_layer_norm_forward(norm: nn.LayerNorm):
         return F.layer_norm(x.float(), norm.normalized_shape, weight, bias, norm.eps).to(x.dtype)
 
     return forward
-
-
-RESIZE = {"cubic": cv2.INTER_CUBIC, "area": cv2.INTER_AREA}
-
-
-def preprocess(
-    image_rgb: np.ndarray, size: tuple[int, int], resize: str = "cubic", mean=PIXEL_MEAN, std=PIXEL_STD
-) -> torch.Tensor:
-    """uint8 HxWx3 RGB -> float32 [1, 3, height, width] for size = (height, width): resized (the
-    aspect is not kept), scaled to [0, 1], normalized per channel."""
-    if not isinstance(image_rgb, np.ndarray) or image_rgb.dtype != np.uint8 or image_rgb.ndim != 3 or image_rgb.shape[2] != 3:
-        raise ImageError(f"expected a uint8 HxWx3 RGB image, got {getattr(image_rgb, 'dtype', type(image_rgb))} "
-                         f"{getattr(image_rgb, 'shape', '')}")
-    height, width = size
-    resized = cv2.resize(image_rgb, (width, height), interpolation=RESIZE[resize])
-    pixels = (resized.astype(np.float32) / 255.0 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))[None]
 
 
 class DescriptorHead(nn.Module):
@@ -269,7 +251,9 @@ class Blip2Extractor:
     @torch.inference_mode()
     def image_tokens(self, image_rgb: np.ndarray) -> torch.Tensor:
         """The vision backbone on one frame: [T, E] image tokens."""
-        pixels = preprocess(image_rgb, (self.image_size, self.image_size)).to(self.device)
+        pixels = torch.from_numpy(
+            normalized_pixels(image_rgb, (self.image_size, self.image_size), "cubic", PIXEL_MEAN, PIXEL_STD)
+        ).to(self.device)
         return self.backbone_module(pixels)
 
     @torch.inference_mode()

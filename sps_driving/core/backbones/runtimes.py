@@ -76,12 +76,10 @@ class ExportedExtractor:
         self._position_table = np.load(self.export_dir / POSITION_FILE)
 
     def pixels(self, image_rgb: np.ndarray) -> np.ndarray:
-        from sps_driving.core.backbones.blip2 import preprocess
+        from sps_driving.core.image import normalized_pixels
 
         meta = self.meta
-        return preprocess(
-            image_rgb, tuple(meta["input_size"]), meta["resize"], meta["pixel_mean"], meta["pixel_std"]
-        ).numpy()
+        return normalized_pixels(image_rgb, tuple(meta["input_size"]), meta["resize"], meta["pixel_mean"], meta["pixel_std"])
 
     def patch_inputs(self, frame: ExportedFrame, indices: np.ndarray) -> dict[str, np.ndarray]:
         from sps_driving.core.grid import token_bias
