@@ -11,7 +11,7 @@ import torch
 
 from sps_driving.core.policy import load_policy, save_policy
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
-from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, split_frames, train
+from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, l2_loss, loss_scale, split_frames, target_std, train
 
 ROWS, COLS, D = 3, 4, 8
 TINY = dict(width=16, depth=1, heads=2, batch_size=16)
@@ -86,15 +86,30 @@ def test_training_learns_and_the_checkpoint_reproduces_its_validation_loss(cache
     assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
     policy = load_policy(tmp_path / "m")
     cache = FeatureCache(cache_dir)
-    _, val_idx, _ = split_frames(cache, recorded["training"]["split"]["validation_fraction"])
+    train_idx, val_idx, _ = split_frames(cache, recorded["training"]["split"]["validation_fraction"])
+    assert recorded["training"]["target_std"] == pytest.approx(cache.targets[train_idx].std(axis=0), rel=1e-5)
+    scale = np.array(loss_scale(recorded["training"]["loss_weights"], recorded["training"]["target_std"]))
     losses = []
     for index in val_idx:
         frame = cache[index]
         kept = policy.selector.select(frame.stamp_ns)
         prediction = policy.predict(frame.descriptors[kept].astype(np.float32), kept)
-        losses.append(np.mean((np.array(prediction) - [frame.steering, frame.throttle]) ** 2))
+        losses.append(np.mean(scale * (np.array(prediction) - [frame.steering, frame.throttle]) ** 2))
     assert abs(np.mean(losses) - recorded["validation_loss"]) <= 1e-6
     assert (tmp_path / "m" / "last" / "train_state.json").is_file()
+
+
+def test_loss_standardizes_each_output_so_small_steering_errors_count():
+    rng = np.random.default_rng(0)
+    targets = np.stack([rng.normal(0.0, 0.02, 4000), rng.normal(0.1, 0.1, 4000)], axis=1)
+    std = target_std(targets)
+    assert std == pytest.approx([0.02, 0.1], rel=0.05)
+    weights = torch.tensor(loss_scale([1.0, 1.0], std))
+    # an error of one spread in either output costs the same; unscaled, steering's would be 25x smaller
+    one_spread = l2_loss(torch.tensor([[std[0], 0.0], [0.0, std[1]]]), torch.zeros(2, 2), weights)
+    assert float(one_spread[0]) == pytest.approx(float(one_spread[1]), rel=1e-5)
+    # a constant output (e.g. throttle held by the expert) is floored, not divided by zero
+    assert all(np.isfinite(loss_scale([1.0, 1.0], target_std(np.zeros((10, 2))))))
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path):

@@ -147,6 +147,24 @@ def split_frames(cache: FeatureCache, validation_fraction: float) -> tuple[np.nd
     return train_idx, val_idx, rule
 
 
+# Smallest target spread used to standardize an output: below it the output is treated as constant.
+MIN_TARGET_STD = 1e-3
+
+
+def target_std(targets: np.ndarray) -> list:
+    """Per-output standard deviation of the training targets (steering rad, throttle), floored."""
+    return [max(float(v), MIN_TARGET_STD) for v in np.asarray(targets, dtype=np.float64).std(axis=0)]
+
+
+def loss_scale(loss_weights, target_std) -> list:
+    """Weights of the squared errors: each output's weight over its target variance.
+
+    Expert steering spreads ~0.02 rad and throttle ~0.1, so raw squared errors would let the
+    throttle drown the steering; standardized, both count as the user's weights say.
+    """
+    return [float(w) / float(s) ** 2 for w, s in zip(loss_weights, target_std)]
+
+
 def l2_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Per-frame weighted mean squared error over (steering, throttle): [B]."""
     return ((prediction - target) ** 2 * weights).mean(dim=1)
@@ -165,10 +183,11 @@ class SelectedPolicy(nn.Module):
 
 @torch.no_grad()
 def validation_sums(policy: nn.Module, cache: FeatureCache, frames: np.ndarray, selector: PatchSelector,
-                    loss_weights, batch_size: int, device) -> tuple[float, int]:
-    """(sum of per-frame L2 losses, frame count) with each frame's replayable selection."""
+                    weights, batch_size: int, device) -> tuple[float, int]:
+    """(sum of per-frame L2 losses, frame count) with each frame's replayable selection; `weights`
+    from loss_scale."""
     policy.eval()
-    weights = torch.as_tensor(loss_weights, dtype=torch.float32, device=device)
+    weights = torch.as_tensor(weights, dtype=torch.float32, device=device)
     total = 0.0
     for start in range(0, len(frames), batch_size):
         batch = frames[start:start + batch_size]
@@ -187,8 +206,8 @@ def evaluate_checkpoint(policy_dir, cache_dir=None, batch_size: int = 64) -> flo
     _, val_idx, rule = split_frames(cache, training["split"]["validation_fraction"])
     if rule["validation_sources"] != training["split"]["validation_sources"]:
         raise ValueError(f"cache {cache.directory} splits differently from the one {policy_dir} was trained on")
-    total, count = validation_sums(policy.module, cache, val_idx, policy.selector, training["loss_weights"],
-                                   batch_size, policy.device)
+    weights = loss_scale(training["loss_weights"], training["target_std"])
+    total, count = validation_sums(policy.module, cache, val_idx, policy.selector, weights, batch_size, policy.device)
     return total / count
 
 
@@ -264,7 +283,7 @@ def load_training_state(directory: Path, optimizer, scheduler) -> dict:
     return record
 
 
-def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict) -> dict:
+def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx: np.ndarray) -> dict:
     return {
         "backbone": cache.backbone,
         "extractor": cache.meta.get("extractor"),
@@ -280,8 +299,9 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict) -> dict:
             "cache_frames": len(cache),
             "sources": cache.sources,
             "split": split,
-            "loss": "L2 (weighted mean squared error of steering, throttle)",
+            "loss": "L2 (weighted mean squared error of steering, throttle, each over its training-target variance)",
             "loss_weights": list(cfg.loss_weights),
+            "target_std": target_std(cache.targets[np.sort(train_idx)]),
             "optimizer": {"name": "Adam", "lr": cfg.lr, "weight_decay": cfg.weight_decay},
             "scheduler": {"name": "ReduceLROnPlateau", "patience": cfg.plateau_patience, "factor": cfg.plateau_factor},
             "batch_size": cfg.batch_size,
@@ -332,7 +352,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.directory} has none")
     selector = PatchSelector(selection, cache.grid)
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
-    config = policy_config(cfg, cache, split)
+    config = policy_config(cfg, cache, split, train_idx)
     config["training"]["world_size"] = procs.world_size
 
     torch.manual_seed(cfg.seed)  # identical initial weights in every process
@@ -376,7 +396,8 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     dataset = cache.dataset(train_idx)
     sampler = DistributedSampler(dataset, num_replicas=procs.world_size, rank=procs.rank, shuffle=True, seed=cfg.seed)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers)
-    weights = torch.as_tensor(cfg.loss_weights, dtype=torch.float32, device=procs.device)
+    scale = loss_scale(cfg.loss_weights, config["training"]["target_std"])
+    weights = torch.as_tensor(scale, dtype=torch.float32, device=procs.device)
     val_frames = val_idx[procs.rank::procs.world_size]
     stopped_early = False
 
@@ -399,7 +420,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
             loss_sum += float(loss.detach()) * len(grids)
             frames_seen += len(grids)
 
-        val_sum, val_count = validation_sums(policy, cache, val_frames, selector, cfg.loss_weights,
+        val_sum, val_count = validation_sums(policy, cache, val_frames, selector, scale,
                                              cfg.batch_size, procs.device)
         loss_sum, frames_seen, val_sum, val_count = procs.all_sum(loss_sum, frames_seen, val_sum, val_count)
         train_loss, val_loss = loss_sum / frames_seen, val_sum / val_count
