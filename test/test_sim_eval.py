@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sps_driving.cli import main
-from sps_driving.sim.evaluate import interval95, method_name, summarize, table_rows
+from sps_driving.sim.evaluate import interval95, method_name, rate_curves, summarize, table_rows, write_tables
 from sps_driving.sim.scenarios import SCENARIO_NAMES
 
 
@@ -74,6 +74,26 @@ def test_table1_layout_average_over_ood_and_gain_over_da():
     assert table[-1][1:] == ["+0.0", f"{100 * (sps_average - 0.8):+.1f}"]
 
 
+def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_path):
+    scores = {"No-FM": 0.3, "DA": 0.6, "SPS-50": 0.7, "SPS-30": 0.65, "SPPS-30": 0.5, "expert": 1.0}
+    rows = [_row(m, s, score) for m, score in scores.items() for s in SCENARIO_NAMES]
+    write_tables(rows, tmp_path, "sps-driving eval ...")
+    with (tmp_path / "table1.csv").open() as f:
+        table1 = list(csv.reader(f))
+    with (tmp_path / "table2.csv").open() as f:
+        table2 = list(csv.reader(f))
+    assert table1[0] == ["scenario", "No-FM", "DA", "SPS-50", "expert"]
+    assert table2[0] == ["scenario", "DA", "SPS-50", "SPS-30", "SPPS-30"]
+    assert [r[0] for r in table2[1:]] == list(SCENARIO_NAMES) + ["average", "gain_over_DA_points"]
+    assert table2[-1][1:] == ["+0.0", "+10.0", "+5.0", "-10.0"]
+    assert "Not yet run: I-ViT" in (tmp_path / "table1.md").read_text()
+    assert "Not yet run: SPS-70, SPPS-70, SPPS-50, MSPPS-70, MSPPS-50, MSPPS-30" in (tmp_path / "table2.md").read_text()
+    curves = rate_curves(summarize(rows))
+    assert curves["SPS"] == [pytest.approx((0.3, 0.65, 0.65)), pytest.approx((0.5, 0.7, 0.7)), pytest.approx((1.0, 0.6, 0.6))]
+    assert set(curves) == {"SPS", "SPPS"}
+    assert (tmp_path / "accuracy_vs_rate.png").stat().st_size > 1000
+
+
 def test_interval_and_method_names():
     mean, half = interval95([1.0, 0.0, 1.0, 0.0])
     assert mean == 0.5 and half == pytest.approx(3.18 * np.std([1, 0, 1, 0], ddof=1) / 2)
@@ -81,6 +101,8 @@ def test_interval_and_method_names():
     assert method_name({"selection": {"variant": "sps", "rate": 1.0}}) == "DA"
     assert method_name({"selection": {"variant": "sps", "rate": 0.5}}) == "SPS-50"
     assert method_name({"selection": {"variant": "mspps", "rate": 0.3}}) == "MSPPS-30"
+    assert method_name({"backbone": "pixels", "selection": {"variant": "sps", "rate": 1.0}}) == "No-FM"
+    assert method_name({"extractor": {"falloff": "none"}, "selection": {"variant": "sps", "rate": 1.0}}) == "I-ViT"
 
 
 def test_policy_eval_with_the_dinov2_extractor(tmp_path):

@@ -7,10 +7,11 @@ section 4.2, Table 1), in-process: renderer -> extractor -> patch selection -> p
 Episodes run in worker processes (spawn); every finished episode is appended to
 OUT/results.jsonl, and a rerun skips the episodes already there (resumable). Tables are
 written from every method's rows in results.jsonl that share this run's episode length and
-image size: OUT/table1.csv and OUT/table1.md (one column per
+image size: OUT/table1.{csv,md} (methods: No-FM, I-ViT, DA, SPS-50 and any other named one) and
+OUT/table2.{csv,md} (DA and SPS/SPPS/MSPPS at rates 0.7, 0.5, 0.3), each with one column per
 method, the ID row then the 14 OOD rows, an average over the OOD rows and the gain over DA in
-points), and OUT/details.md (per scenario: mean with 95% interval, failures by type,
-interventions, mean speed).
+points; OUT/accuracy_vs_rate.png (Figure 5: score against keep rate per selection family); and
+OUT/details.md (per scenario: mean with 95% interval, failures by type, interventions, mean speed).
 """
 
 from __future__ import annotations
@@ -38,13 +39,22 @@ EXPERT = "expert"
 # Evaluation episodes use seeds EVAL_SEED_BASE + 0..N-1; collection seeds start at 1,000,000
 # (sps_driving.sim.collect.episode_seed), so training never sees an evaluation layout.
 EVAL_SEED_BASE = 0
-METHOD_ORDER = ("No-FM", "I-ViT", "MF", "DA")
+SELECTION_FAMILIES = ("SPS", "SPPS", "MSPPS")
+RATES_PERCENT = (70, 50, 30)
+# Column sets of the paper's tables: methods (Table 1) and selection variants by rate (Table 2).
+TABLE1_METHODS = ("No-FM", "I-ViT", "DA", "SPS-50")
+TABLE2_METHODS = ("DA",) + tuple(f"{family}-{rate}" for family in SELECTION_FAMILIES for rate in RATES_PERCENT)
 _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
          12: 2.18, 15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02, 60: 2.00, 120: 1.98}
 
 
 def method_name(policy_config: dict) -> str:
-    """Table 2's column name from a policy's selection: DA at rate 1.0, else e.g. SPS-50."""
+    """The table column of a policy: No-FM (pixels backbone), I-ViT (the backbone's unmasked patch
+    tokens), else by its selection: DA at rate 1.0, e.g. SPS-50 below."""
+    if policy_config.get("backbone") == "pixels":
+        return "No-FM"
+    if (policy_config.get("extractor") or {}).get("falloff") == "none":
+        return "I-ViT"
     selection = policy_config.get("selection", {})
     rate = float(selection.get("rate", 1.0))
     variant = str(selection.get("variant", "sps"))
@@ -248,30 +258,42 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def _method_sort_key(name: str) -> tuple:
-    if name in METHOD_ORDER:
-        return (0, METHOD_ORDER.index(name), 0, name)
-    if name == EXPERT:
-        return (2, 0, 0, name)
-    family, _, rate = name.rpartition("-")
-    return (1, ("MSPPS", "SPPS", "SPS").index(family) if family in ("MSPPS", "SPPS", "SPS") else 3, -int(rate) if rate.isdigit() else 0, name)
+    if name in TABLE1_METHODS:
+        return (0, TABLE1_METHODS.index(name), name)
+    if name in TABLE2_METHODS:
+        return (1, TABLE2_METHODS.index(name), name)
+    return (3 if name == EXPERT else 2, 0, name)
 
 
-def table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Table 1 layout: header and rows (ID, OOD rows, average over OOD, gain over DA in points)."""
-    methods = sorted(summary, key=_method_sort_key)
+def table_rows(summary: dict, methods: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
+    """Table layout: header and rows (ID, OOD rows, average over OOD, gain over DA in points)."""
+    methods = sorted(summary if methods is None else methods, key=_method_sort_key)
     header = ["scenario"] + methods
     rows = []
     for scenario in SCENARIO_NAMES:
         if any(scenario in summary[m] for m in methods):
             rows.append([scenario] + [f"{summary[m][scenario]['mean']:.2f}" if scenario in summary[m] else "" for m in methods])
-    averages = {}
-    for m in methods:
-        ood = [summary[m][s]["mean"] for s in SCENARIO_NAMES[1:] if s in summary[m]]
-        averages[m] = float(np.mean(ood)) if ood else None
+    averages = {m: ood_average(summary[m]) for m in methods}
     rows.append(["average"] + [f"{averages[m]:.3f}" if averages[m] is not None else "" for m in methods])
     if averages.get("DA") is not None:
         rows.append(["gain_over_DA_points"] + [f"{100 * (averages[m] - averages['DA']):+.1f}" if averages[m] is not None else "" for m in methods])
     return header, rows
+
+
+def ood_average(by_scenario: dict) -> float | None:
+    """Mean score over the OOD scenarios present (every Table 1 row but the first, the ID one)."""
+    ood = [by_scenario[s]["mean"] for s in SCENARIO_NAMES[1:] if s in by_scenario]
+    return float(np.mean(ood)) if ood else None
+
+
+def table_methods(summary: dict) -> dict:
+    """{table name: methods present}: Table 1 holds the method families (and any other named
+    method, and the expert as a reference), Table 2 DA and the selection variants by rate."""
+    tables = {
+        "table1": [m for m in summary if m not in TABLE2_METHODS or m in TABLE1_METHODS],
+        "table2": [m for m in summary if m in TABLE2_METHODS],
+    }
+    return {name: methods for name, methods in tables.items() if methods}
 
 
 def _git_revision() -> str:
@@ -283,33 +305,39 @@ def _git_revision() -> str:
 
 
 def write_tables(rows: list[dict], out: Path, command: str) -> None:
+    """OUT/table1.{csv,md}, table2.{csv,md}, details.md and accuracy_vs_rate.png from `rows`."""
     summary = summarize(rows)
     if not summary:
         return
-    header, table = table_rows(summary)
-    with (out / "table1.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(table)
     labels = {s.name: s.label for s in SCENARIOS}
     settings = sorted({(r["profile"], r["episode_s"], r["width"], r["height"]) for r in rows})
-    counts = {m: sorted({v["episodes"] for v in by.values()}) for m, by in summary.items()}
-    lines = [
-        "# Closed-loop evaluation (normalized success duration)",
-        "",
-        f"Command: `{command}`  ",
-        f"Git revision: {_git_revision()}  ",
-        "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
-        "Episodes per scenario: " + ", ".join(f"{m}: {'/'.join(map(str, c))}" for m, c in counts.items()) + "  ",
-        "Episode seeds: 0..N-1 (layouts shared by all scenarios and methods). Score: time until the first "
-        "failure / episode length. Average: over the OOD rows. Gain: average minus DA's, in points.",
-        "",
-        "| " + " | ".join(["Scenario"] + header[1:]) + " |",
-        "|" + "---|" * len(header),
-    ]
-    for row in table:
-        lines.append("| " + " | ".join([labels.get(row[0], row[0])] + row[1:]) + " |")
-    (out / "table1.md").write_text("\n".join(lines) + "\n")
+    for name, methods in table_methods(summary).items():
+        header, table = table_rows(summary, methods)
+        with (out / f"{name}.csv").open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(table)
+        expected = TABLE1_METHODS if name == "table1" else TABLE2_METHODS
+        missing = [m for m in expected if m not in summary]
+        counts = {m: sorted({v["episodes"] for v in summary[m].values()}) for m in header[1:]}
+        lines = [
+            f"# {'Table 1: methods' if name == 'table1' else 'Table 2: selection variants and rates'}"
+            " (closed loop, normalized success duration)",
+            "",
+            f"Command: `{command}`  ",
+            f"Git revision: {_git_revision()}  ",
+            "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
+            "Episodes per scenario: " + ", ".join(f"{m}: {'/'.join(map(str, c))}" for m, c in counts.items()) + "  ",
+            "Not yet run: " + (", ".join(missing) if missing else "none") + "  ",
+            "Episode seeds: 0..N-1 (layouts shared by all scenarios and methods). Score: time until the first "
+            "failure / episode length. Average: over the OOD rows. Gain: average minus DA's, in points.",
+            "",
+            "| " + " | ".join(["Scenario"] + header[1:]) + " |",
+            "|" + "---|" * len(header),
+        ]
+        for row in table:
+            lines.append("| " + " | ".join([labels.get(row[0], row[0])] + row[1:]) + " |")
+        (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     details = ["# Per-scenario details", ""]
     for method in sorted(summary, key=_method_sort_key):
         details += [f"## {method}", "", "| Scenario | Score (95% CI) | Episodes | Interventions | Lane | Collision | Heading | Speed m/s | Dropped frames |",
@@ -325,6 +353,46 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
             )
         details.append("")
     (out / "details.md").write_text("\n".join(details))
+    curves = rate_curves(summary)
+    if any(len(points) > 1 for points in curves.values()):
+        plot_rate_curves(curves, out / "accuracy_vs_rate.png")
+
+
+def rate_curves(summary: dict) -> dict:
+    """{family: [(keep rate, OOD average, ID score)]} for SPS, SPPS and MSPPS, each ending at DA (rate 1)."""
+    curves = {}
+    for family in SELECTION_FAMILIES:
+        points = []
+        for method in [f"{family}-{r}" for r in RATES_PERCENT] + ["DA"]:
+            if method in summary and ood_average(summary[method]) is not None:
+                rate = 1.0 if method == "DA" else int(method.rpartition("-")[2]) / 100
+                in_dist = summary[method].get(SCENARIO_NAMES[0], {}).get("mean", math.nan)
+                points.append((rate, ood_average(summary[method]), in_dist))
+        if any(rate < 1.0 for rate, _, _ in points):
+            curves[family] = sorted(points)
+    return curves
+
+
+def plot_rate_curves(curves: dict, path: Path) -> None:
+    """Figure 5's layout: average OOD score (solid) and ID score (dashed) against the keep rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    for (family, points), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green")):
+        rates, ood, in_dist = zip(*points)
+        ax.plot(rates, ood, "o-", color=color, label=f"{family}: OOD average")
+        ax.plot(rates, in_dist, "s--", color=color, alpha=0.5, label=f"{family}: ID")
+    ax.set_xlabel("keep rate (1.0 = DA, dense)")
+    ax.set_ylabel("normalized success duration")
+    ax.set_ylim(0.0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -337,7 +405,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--episodes", type=int, help="episodes per scenario (overrides the profile)")
     parser.add_argument("--episode-s", type=float, help="episode length in s (overrides the profile)")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIO_NAMES), metavar="NAME", help="scenario names (default: Table 1's 15)")
-    parser.add_argument("--out", required=True, help="output folder: results.jsonl, table1.csv, table1.md, details.md")
+    parser.add_argument("--out", required=True, help="output folder: results.jsonl, table1/table2 .csv and .md, details.md, accuracy_vs_rate.png")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
@@ -377,5 +445,7 @@ def run(args) -> int:
     same = (settings.episode_s, settings.width, settings.height)
     rows = [r for r in read_results(out / RESULTS_FILE) if (r["episode_s"], r["width"], r["height"]) == same]
     write_tables(rows, out, "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "sps-driving eval ...")
-    print((out / "table1.md").read_text())
+    for name in ("table1.md", "table2.md"):
+        if (out / name).is_file():
+            print((out / name).read_text())
     return 0
