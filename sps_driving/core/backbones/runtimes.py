@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sps_driving.core.backbones import UNMASKED_FALLOFF
 from sps_driving.core.grid import PatchGrid
 
 META_FILE = "export.json"
@@ -66,6 +67,11 @@ class ExportedExtractor:
     """The runtime-independent half: preprocessing, masks and batching from export.json."""
 
     def __init__(self, export_dir: str | Path, config: dict):
+        if config.get("falloff") == UNMASKED_FALLOFF:
+            raise ValueError(
+                "falloff none (the ViT's own unmasked patch tokens) runs on backend torch only; the exported "
+                "runtimes (onnxruntime, tensorrt) compute masked descriptors (falloff hard | exp2 | inverse)"
+            )
         self.export_dir = Path(export_dir)
         self.meta = read_export(self.export_dir, config)
         self.name = self.meta["name"]
