@@ -1,6 +1,7 @@
 """Driving policies over patch descriptors, and their checkpoints.
 
-Two small transformer policies, both ending in a CLS token read out to (steering, throttle):
+Two small transformer policies (architecture "transformer"), both ending in a CLS token read out
+to (steering, throttle):
 
 - `GridPolicy` (SPS, threshold, dense Drive-Anywhere): one token per patch of the H' x W' x D
   grid, zeros at dropped patches (SPS eq. 4), plus a learned position embedding per patch.
@@ -9,15 +10,20 @@ Two small transformer policies, both ending in a CLS token read out to (steering
   [N, P], a frozen buffer saved in the checkpoint) projected to the model width; a batch of
   different lengths is padded and masked.
 
+And a CNN (architecture "cnn", the No-FM baseline): `CnnPolicy` folds the grid of the `pixels`
+backbone (each descriptor its patch's pooled pixels) back into an image, zeros at dropped
+patches, and runs a PilotNet-like convolution stack and MLP on it.
+
 Outputs follow `sps_driving.topics`: steering is the front road-wheel angle in rad (left
 positive), bounded to +-max_steering_rad by tanh scaling; throttle is in [-1, 1] (negative is
-brake) by tanh. Both are finite for finite inputs.
+brake) by tanh (`BoundedHead`, shared by all). Both are finite for finite inputs.
 
 A checkpoint is a directory with `policy.safetensors` (the module's state dict) and
-`config.json`. The config records: format, backbone, grid {rows, cols}, descriptor_dim D,
-position_dim P (sequence policies), selection {variant, rate, seed, keep_probability}, policy
-{width, depth, heads, mlp_ratio, dropout}, output {max_steering_rad}, and whatever the trainer
-adds (training data, provenance, validation_loss).
+`config.json`. The config records: format, architecture ("transformer" when absent), backbone,
+grid {rows, cols}, descriptor_dim D, position_dim P (sequence policies), selection {variant,
+rate, seed, keep_probability}, policy (transformer: {width, depth, heads, mlp_ratio, dropout};
+cnn: {width, dropout}), output {max_steering_rad}, and whatever the trainer adds (training data,
+provenance, validation_loss).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from sps_driving.core.backbones.pixels import CHANNELS, NAME as PIXELS_BACKBONE, pooled_side
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 
@@ -40,6 +47,34 @@ POLICY_FORMAT = "sps_driving.policy/1"
 WEIGHTS_FILE = "policy.safetensors"
 CONFIG_FILE = "config.json"
 POLICY_KEYS = ("width", "depth", "heads", "mlp_ratio", "dropout")  # values: config/train.yaml
+CNN_POLICY_KEYS = ("width", "dropout")
+# config "architecture" -> its policy settings; checkpoints without the key are transformers
+ARCHITECTURES = {"transformer": POLICY_KEYS, "cnn": CNN_POLICY_KEYS}
+DEFAULT_ARCHITECTURE = "transformer"
+# PilotNet's convolutions (Bojarski et al. 2016): (out channels, kernel px, stride)
+PILOTNET_CONVS = ((24, 5, 2), (36, 5, 2), (48, 5, 2), (64, 3, 1), (64, 3, 1))
+
+
+class BoundedHead(nn.Linear):
+    """features [B, F] -> [B, 2]: steering rad in +-max_steering_rad and throttle in [-1, 1], by tanh."""
+
+    def __init__(self, features: int, max_steering_rad: float):
+        super().__init__(features, 2)
+        if not max_steering_rad > 0:
+            raise ValueError(f"max_steering_rad must be positive, got {max_steering_rad}")
+        self.max_steering_rad = float(max_steering_rad)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        raw = super().forward(features)
+        return torch.stack([self.max_steering_rad * torch.tanh(raw[:, 0]), torch.tanh(raw[:, 1])], dim=1)
+
+
+class _DenseGridInput:
+    """Policies that read the whole grid, zeros at dropped patches (SPS eq. 4)."""
+
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Dense grids [B, N, D] and keep masks [B, N]: zero the dropped patches."""
+        return self(grids * keep.unsqueeze(-1).to(grids.dtype))
 
 
 class _TransformerPolicy(nn.Module):
@@ -47,9 +82,6 @@ class _TransformerPolicy(nn.Module):
 
     def __init__(self, width: int, depth: int, heads: int, mlp_ratio: float, dropout: float, max_steering_rad: float):
         super().__init__()
-        if not max_steering_rad > 0:
-            raise ValueError(f"max_steering_rad must be positive, got {max_steering_rad}")
-        self.max_steering_rad = float(max_steering_rad)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
         layer = nn.TransformerEncoderLayer(
             width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
@@ -57,7 +89,7 @@ class _TransformerPolicy(nn.Module):
         # No nested-tensor fast path: padded batches and single frames must take the same arithmetic.
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, 2)
+        self.head = BoundedHead(width, max_steering_rad)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
 
     def _encode(self, tokens: torch.Tensor, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -66,13 +98,10 @@ class _TransformerPolicy(nn.Module):
         if padding is not None:
             padding = torch.cat([torch.zeros_like(padding[:, :1]), padding], dim=1)
         encoded = self.encoder(tokens, src_key_padding_mask=padding)
-        raw = self.head(self.norm(encoded[:, 0]))
-        steering = self.max_steering_rad * torch.tanh(raw[:, 0])
-        throttle = torch.tanh(raw[:, 1])
-        return torch.stack([steering, throttle], dim=1)
+        return self.head(self.norm(encoded[:, 0]))
 
 
-class GridPolicy(_TransformerPolicy):
+class GridPolicy(_DenseGridInput, _TransformerPolicy):
     kind = "grid"
 
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, depth: int, heads: int,
@@ -85,10 +114,6 @@ class GridPolicy(_TransformerPolicy):
     def forward(self, grids: torch.Tensor) -> torch.Tensor:
         """grids [B, N, D] with zeros at dropped patches -> [B, 2] (steering rad, throttle)."""
         return self._encode(self.input_proj(grids) + self.position_embedding)
-
-    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Dense grids [B, N, D] and keep masks [B, N]: zero the dropped patches (SPS eq. 4)."""
-        return self(grids * keep.unsqueeze(-1).to(grids.dtype))
 
 
 class SequencePolicy(_TransformerPolicy):
@@ -110,6 +135,48 @@ class SequencePolicy(_TransformerPolicy):
     def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Dense grids [B, N, D] and keep masks [B, N]: drop the rest, keep original positions (v2)."""
         return self(*pack_kept(grids, keep))
+
+
+class CnnPolicy(_DenseGridInput, nn.Module):
+    """The No-FM baseline: a PilotNet-like CNN on the image the `pixels` backbone's grid folds into.
+
+    Each descriptor is its patch's pooled pixels, channel-major [3, p, p] (D = 3 p^2), so the
+    [B, rows * cols, D] grid is the image [B, 3, rows p, cols p]; dropped patches are zeros (the
+    mean pixel after normalization). PilotNet's five convolutions (ReLU, padded so any grid
+    works) and a two-layer MLP of `width` units feed the shared bounded head.
+    """
+
+    kind = "grid"
+
+    def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, dropout: float, max_steering_rad: float):
+        super().__init__()
+        side = pooled_side(descriptor_dim)
+        if side is None:
+            raise ValueError(
+                f"a cnn policy reads the pixels backbone's pooled patches (D = 3 p^2, e.g. 147 at pixel_pool 2); "
+                f"descriptor_dim {descriptor_dim} is not one"
+            )
+        self.grid, self.side = grid, side
+        layers, channels, height, width_px = [], CHANNELS, grid.rows * side, grid.cols * side
+        for out_channels, kernel, stride in PILOTNET_CONVS:
+            layers += [nn.Conv2d(channels, out_channels, kernel, stride, padding=kernel // 2), nn.ReLU()]
+            channels, height, width_px = out_channels, -(-height // stride), -(-width_px // stride)
+        self.convs = nn.Sequential(*layers)
+        self.mlp = nn.Sequential(
+            nn.Flatten(), nn.Dropout(dropout), nn.Linear(channels * height * width_px, width), nn.ReLU(),
+            nn.Linear(width, width), nn.ReLU(),
+        )
+        self.head = BoundedHead(width, max_steering_rad)
+
+    def grid_image(self, grids: torch.Tensor) -> torch.Tensor:
+        """[B, rows * cols, 3 p^2] -> [B, 3, rows p, cols p]: every patch's pixels back in place."""
+        rows, cols, side = self.grid.rows, self.grid.cols, self.side
+        patches = grids.reshape(grids.shape[0], rows, cols, CHANNELS, side, side)
+        return patches.permute(0, 3, 1, 4, 2, 5).reshape(grids.shape[0], CHANNELS, rows * side, cols * side)
+
+    def forward(self, grids: torch.Tensor) -> torch.Tensor:
+        """grids [B, N, D] with zeros at dropped patches -> [B, 2] (steering rad, throttle)."""
+        return self.head(self.mlp(self.convs(self.grid_image(grids))))
 
 
 def pack_kept(grids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,12 +210,25 @@ def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> n
     grid = PatchGrid(int(grid_cfg["rows"]), int(grid_cfg["cols"]))
     descriptor_dim = int(_require(config, "descriptor_dim"))
     selection = SelectionConfig.from_dict(_require(config, "selection"))
+    architecture = config.get("architecture", DEFAULT_ARCHITECTURE)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown policy architecture {architecture!r}; expected one of {list(ARCHITECTURES)}")
     dims = _require(config, "policy")
-    if set(dims) != set(POLICY_KEYS):
-        raise ValueError(f"policy settings must be exactly {list(POLICY_KEYS)}, got {sorted(dims)}")
+    if set(dims) != set(ARCHITECTURES[architecture]):
+        raise ValueError(f"{architecture} policy settings must be exactly {list(ARCHITECTURES[architecture])}, "
+                         f"got {sorted(dims)}")
     output = _require(config, "output")
     if "max_steering_rad" not in output:
         raise ValueError("policy config output needs max_steering_rad")
+    if architecture == "cnn":
+        if config.get("backbone") != PIXELS_BACKBONE:
+            raise ValueError(f"a cnn policy reads the {PIXELS_BACKBONE!r} backbone's pooled pixels, "
+                             f"not {config.get('backbone')!r} descriptors")
+        if selection.sparse_sequence:
+            raise ValueError(f"a cnn policy reads the whole grid (zeros at dropped patches): use variant sps or "
+                             f"threshold, not {selection.variant}")
+        return CnnPolicy(grid, descriptor_dim, width=int(dims["width"]), dropout=float(dims["dropout"]),
+                         max_steering_rad=float(output["max_steering_rad"]))
     common = dict(
         descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
         mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]),

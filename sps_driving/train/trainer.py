@@ -45,7 +45,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from sps_driving.core.policy import load_policy, read_policy_config, build_policy, save_policy
+from sps_driving.core.policy import (
+    ARCHITECTURES, DEFAULT_ARCHITECTURE, build_policy, load_policy, read_policy_config, save_policy,
+)
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
@@ -68,6 +70,7 @@ class TrainConfig:
     rate: float = 0.5
     seed: int = 0
     keep_probability: Optional[list] = None
+    architecture: str = DEFAULT_ARCHITECTURE
     width: int = 128
     depth: int = 2
     heads: int = 4
@@ -89,11 +92,16 @@ class TrainConfig:
     resume: bool = False
 
     def __post_init__(self) -> None:
-        self.selection()  # raises on a bad variant, rate, seed or keep_probability
+        selection = self.selection()  # raises on a bad variant, rate, seed or keep_probability
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.architecture!r}; expected one of {list(ARCHITECTURES)}")
+        if self.architecture == "cnn" and selection.sparse_sequence:
+            raise ValueError(f"architecture cnn reads the whole grid (zeros at dropped patches): use variant sps "
+                             f"or threshold, not {self.variant}")
         for name in ("width", "depth", "heads", "epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.width % self.heads:
+        if self.architecture == "transformer" and self.width % self.heads:
             raise ValueError(f"width {self.width} must be a multiple of heads {self.heads}")
         if not (self.lr >= 0 and self.weight_decay >= 0 and self.min_lr >= 0 and 0 < self.plateau_factor < 1):
             raise ValueError("need lr, weight_decay, min_lr >= 0 and 0 < plateau_factor < 1")
@@ -115,6 +123,10 @@ class TrainConfig:
 
     def selection(self) -> SelectionConfig:
         return SelectionConfig(self.variant, self.rate, self.seed, self.keep_probability)
+
+    def policy_settings(self) -> dict:
+        """The settings of this architecture's policy (the checkpoint's "policy")."""
+        return {key: getattr(self, key) for key in ARCHITECTURES[self.architecture]}
 
 
 # ---- data split and loss ----------------------------------------------------------------------
@@ -290,8 +302,8 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
         "grid": {"rows": cache.grid.rows, "cols": cache.grid.cols},
         "descriptor_dim": cache.descriptor_dim,
         "selection": cfg.selection().to_dict(),
-        "policy": {"width": cfg.width, "depth": cfg.depth, "heads": cfg.heads, "mlp_ratio": cfg.mlp_ratio,
-                   "dropout": cfg.dropout},
+        "architecture": cfg.architecture,
+        "policy": cfg.policy_settings(),
         "output": {"max_steering_rad": cfg.max_steering_rad},
         "units": {"steering": "front road-wheel angle, rad, left positive", "throttle": "[-1, 1], negative = brake"},
         "training": {
@@ -360,6 +372,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         last_config = read_policy_config(last_dir)
         policy = load_policy(last_dir).module
         config["policy"], config["output"] = last_config["policy"], last_config["output"]
+        config["architecture"] = last_config.get("architecture", DEFAULT_ARCHITECTURE)
         if "init_checkpoint" in last_config["training"]:
             config["training"]["init_checkpoint"] = last_config["training"]["init_checkpoint"]
     elif init_checkpoint is not None:
@@ -367,6 +380,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         check_init_checkpoint(init_config, cache, selection, init_checkpoint)
         policy = load_policy(init_checkpoint).module
         config["policy"], config["output"] = init_config["policy"], init_config["output"]
+        config["architecture"] = init_config.get("architecture", DEFAULT_ARCHITECTURE)
         config["training"]["init_checkpoint"] = str(Path(init_checkpoint).resolve())
     else:
         policy = build_policy(config, cache.position_table())
@@ -473,6 +487,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(TRAIN_CONFIG), help="YAML with a `train:` section")
     parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
     parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
+    parser.add_argument("--architecture", choices=list(ARCHITECTURES),
+                        help="transformer, or cnn (the No-FM baseline, on a pixels-backbone cache)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int)
@@ -489,7 +505,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
-        "variant", "rate", "seed", "epochs", "batch_size", "lr", "width", "depth", "heads",
+        "variant", "rate", "architecture", "seed", "epochs", "batch_size", "lr", "width", "depth", "heads",
         "early_stop_patience", "validation_fraction", "num_workers", "device")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
@@ -498,7 +514,7 @@ def run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
-        print(f"trained {cfg.variant} rate {cfg.rate} on {summary['train_frames']} frames "
+        print(f"trained {cfg.variant} rate {cfg.rate} {cfg.architecture} on {summary['train_frames']} frames "
               f"({summary['validation_frames']} for validation) in {summary['epochs_run']} epochs"
               f"{' (stopped early)' if summary['stopped_early'] else ''} on {summary['world_size']} process(es); "
               f"best validation loss {summary['best_validation_loss']:.6f} at epoch {summary['best_epoch']}; "
