@@ -80,6 +80,8 @@ def test_training_learns_and_the_checkpoint_reproduces_its_validation_loss(cache
     recorded = json.loads((tmp_path / "m" / "config.json").read_text())
     assert recorded["validation_loss"] == pytest.approx(summary["best_validation_loss"], abs=0)
     assert recorded["selection"]["variant"] == variant and recorded["backbone"] == "test-random"
+    assert recorded["architecture"] == "transformer"
+    assert recorded["policy"] == {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0}
     assert recorded["grid"] == {"rows": ROWS, "cols": COLS} and recorded["descriptor_dim"] == D
     assert recorded["training"]["split"]["validation_sources"] == ["drive_d"]
     # the trainer's own evaluation path and the car's per-frame inference path both reproduce it
