@@ -99,3 +99,24 @@ def test_damaged_caches_give_clear_errors(tmp_path):
 
     with pytest.raises(ValueError, match="meta needs"):
         FeatureCacheWriter(tmp_path / "e", {"backbone": "x"})
+
+
+def test_several_caches_read_as_one_with_distinct_sources(tmp_path):
+    first, second = frames(7, seed=0), frames(5, seed=1)
+    write(tmp_path / "day1", first)
+    write(tmp_path / "day2", second, shard_size=2)
+    cache = FeatureCache([tmp_path / "day1", tmp_path / "day2"])
+    assert len(cache) == 12 and cache.meta["frames"] == 12
+    # equal bag names in two caches stay two sources each (the validation split goes by source)
+    assert cache.sources == ["day1/episode_a", "day1/episode_b", "day2/episode_a", "day2/episode_b"]
+    for i, (desc, steering, _, stamp, source) in enumerate(first + second):
+        frame = cache[i]
+        np.testing.assert_array_equal(frame.descriptors, desc.astype(np.float16))
+        assert frame.stamp_ns == stamp and frame.source == ("day1/" if i < 7 else "day2/") + source
+    np.testing.assert_array_equal(cache.descriptors([8, 2]), np.stack([second[1][0], first[2][0]]).astype(np.float16))
+    # caches of different extractors cannot be mixed
+    other = dict(META, descriptor_dim=5)
+    with FeatureCacheWriter(tmp_path / "other", other, None) as writer:
+        writer.add(np.zeros((6, 5), np.float32), 0.0, 0.0, 1, "episode_a")
+    with pytest.raises(ValueError, match="differ in"):
+        FeatureCache([tmp_path / "day1", tmp_path / "other"])

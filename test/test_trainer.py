@@ -189,3 +189,15 @@ def test_torchrun_two_cpu_processes_train_with_ddp(cache_dir, tmp_path):
     assert state["epoch"] == 2 and len(state["history"]) == 2
     # the two processes' validation shards add up to the loss a single process computes
     assert abs(evaluate_checkpoint(out) - recorded["validation_loss"]) <= 1e-6
+
+
+def test_training_on_several_caches_records_them_and_splits_by_prefixed_source(tmp_path):
+    first = make_cache(tmp_path / "day1", sources=("drive_a", "drive_b"), frames_per_source=12, seed=1)
+    second = make_cache(tmp_path / "day2", sources=("drive_a", "drive_b"), frames_per_source=12, seed=2)
+    summary = train(TrainConfig(cache=[str(first), str(second)], out=str(tmp_path / "m"), **TINY, epochs=1,
+                                validation_fraction=0.25))
+    recorded = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert recorded["training"]["cache"] == [str(first.resolve()), str(second.resolve())]
+    assert recorded["training"]["split"]["validation_sources"] == ["day2/drive_b"]
+    assert summary["train_frames"] == 36 and summary["validation_frames"] == 12
+    assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6

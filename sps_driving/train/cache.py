@@ -164,60 +164,93 @@ class FeatureCacheWriter:
             self.close()
 
 
+def _read_cache(directory: Path) -> dict:
+    """meta, memory-mapped descriptor shards and the in-memory arrays of one cache directory."""
+    meta_path = directory / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"no feature cache at {directory} ({META_FILE} missing): "
+            f"create one with `sps-driving extract --out {directory} INPUT...`"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{meta_path} is not valid JSON: {err}") from err
+    if meta.get("format") != CACHE_FORMAT:
+        raise ValueError(f"{meta_path} is not a feature cache of format {CACHE_FORMAT!r}")
+    grid_n = int(meta["grid"]["rows"]) * int(meta["grid"]["cols"])
+    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": []}
+    for shard in meta["shards"]:
+        path = directory / shard["path"]
+        n = int(shard["frames"])
+        arrays = {}
+        for name, shape, dtype in (
+            ("descriptors", (n, grid_n, int(meta["descriptor_dim"])), np.float16),
+            ("targets", (n, 2), np.float32),
+            ("stamps", (n,), np.int64),
+            ("sources", (n,), np.int32),
+        ):
+            file = path / f"{name}.npy"
+            try:
+                arrays[name] = np.load(file, mmap_mode="r" if name == "descriptors" else None)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"feature cache file {file} cannot be read: {err}") from err
+            if arrays[name].shape != shape or arrays[name].dtype != dtype:
+                raise ValueError(
+                    f"feature cache file {file} is {arrays[name].dtype} {arrays[name].shape}, "
+                    f"meta.json says {np.dtype(dtype)} {shape}"
+                )
+        part["descriptors"].append(arrays["descriptors"])
+        for key, name in (("targets", "targets"), ("stamps", "stamps"), ("source_ids", "sources")):
+            part[key].append(arrays[name])
+    empty = {"targets": np.zeros((0, 2), np.float32), "stamps": np.zeros(0, np.int64), "source_ids": np.zeros(0, np.int32)}
+    for key, default in empty.items():
+        part[key] = np.concatenate(part[key]) if part[key] else default
+    if len(part["targets"]) != int(meta["frames"]):
+        raise ValueError(f"{meta_path} says {meta['frames']} frames, its shards hold {len(part['targets'])}")
+    ids = part["source_ids"]
+    if len(ids) and (ids.min() < 0 or ids.max() >= len(meta["sources"])):
+        raise ValueError(f"feature cache {directory} has source ids outside meta.json's sources")
+    return part
+
+
 class FeatureCache:
-    """Read a cache directory: descriptors memory-mapped, labels, stamps and sources in memory."""
+    """Read one cache directory, or several as one (e.g. drives extracted on different days):
+    descriptors memory-mapped, labels, stamps and sources in memory.
+
+    Several caches must come from the same extractor (backbone, settings, grid, D). Their source
+    names are prefixed with the cache folder's name ("drives_0412/episode_00003"), so equal bag
+    names in different caches stay different sources for the validation split.
+    """
 
     def __init__(self, directory):
-        self.directory = Path(directory)
-        meta_path = self.directory / META_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(
-                f"no feature cache at {self.directory} ({META_FILE} missing): "
-                f"create one with `sps-driving extract --out {self.directory} INPUT...`"
-            )
-        try:
-            self.meta = json.loads(meta_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{meta_path} is not valid JSON: {err}") from err
-        if self.meta.get("format") != CACHE_FORMAT:
-            raise ValueError(f"{meta_path} is not a feature cache of format {CACHE_FORMAT!r}")
+        paths = [directory] if isinstance(directory, (str, os.PathLike)) else list(directory)
+        if not paths:
+            raise ValueError("no feature cache given")
+        self.directories = [Path(p) for p in paths]
+        self.directory = self.directories[0]
+        self.name = ", ".join(str(d) for d in self.directories)
+        parts = [_read_cache(d) for d in self.directories]
+        self.meta = dict(parts[0]["meta"])
+        for d, part in zip(self.directories[1:], parts[1:]):
+            mismatched = [k for k in ("backbone", "extractor", "grid", "descriptor_dim") if part["meta"].get(k) != self.meta.get(k)]
+            if mismatched:
+                raise ValueError(f"feature caches {self.directory} and {d} differ in {mismatched}: they cannot train one policy")
         self.grid = PatchGrid(int(self.meta["grid"]["rows"]), int(self.meta["grid"]["cols"]))
         self.descriptor_dim = int(self.meta["descriptor_dim"])
         self.backbone = self.meta["backbone"]
-        self.sources: list[str] = list(self.meta["sources"])
-        self._shards: list[np.ndarray] = []
-        targets, stamps, source_ids = [], [], []
-        for shard in self.meta["shards"]:
-            path = self.directory / shard["path"]
-            n = int(shard["frames"])
-            arrays = {}
-            for name, shape, dtype in (
-                ("descriptors", (n, self.grid.n, self.descriptor_dim), np.float16),
-                ("targets", (n, 2), np.float32),
-                ("stamps", (n,), np.int64),
-                ("sources", (n,), np.int32),
-            ):
-                file = path / f"{name}.npy"
-                try:
-                    arrays[name] = np.load(file, mmap_mode="r" if name == "descriptors" else None)
-                except (OSError, ValueError) as err:
-                    raise ValueError(f"feature cache file {file} cannot be read: {err}") from err
-                if arrays[name].shape != shape or arrays[name].dtype != dtype:
-                    raise ValueError(
-                        f"feature cache file {file} is {arrays[name].dtype} {arrays[name].shape}, "
-                        f"meta.json says {np.dtype(dtype)} {shape}"
-                    )
-            self._shards.append(arrays["descriptors"])
-            targets.append(arrays["targets"])
-            stamps.append(arrays["stamps"])
-            source_ids.append(arrays["sources"])
-        self.targets = np.concatenate(targets) if targets else np.zeros((0, 2), np.float32)
-        self.stamps = np.concatenate(stamps) if stamps else np.zeros(0, np.int64)
-        self.source_ids = np.concatenate(source_ids) if source_ids else np.zeros(0, np.int32)
-        if len(self.targets) != int(self.meta["frames"]):
-            raise ValueError(f"{meta_path} says {self.meta['frames']} frames, its shards hold {len(self.targets)}")
-        if len(self.source_ids) and (self.source_ids.min() < 0 or self.source_ids.max() >= len(self.sources)):
-            raise ValueError(f"feature cache {self.directory} has source ids outside meta.json's sources")
+        if len(parts) == 1:
+            self.sources = list(self.meta["sources"])
+        else:
+            self.sources = [f"{d.resolve().name}/{name}" for d, part in zip(self.directories, parts) for name in part["meta"]["sources"]]
+            if len(set(self.sources)) != len(self.sources):
+                raise ValueError(f"feature caches {self.name} repeat a folder name: their sources would be confused")
+            self.meta.update(frames=sum(int(part["meta"]["frames"]) for part in parts), sources=self.sources)
+        offsets = np.cumsum([0] + [len(part["meta"]["sources"]) for part in parts])[:-1]
+        self._shards = [shard for part in parts for shard in part["descriptors"]]
+        self.targets = np.concatenate([part["targets"] for part in parts])
+        self.stamps = np.concatenate([part["stamps"] for part in parts])
+        self.source_ids = np.concatenate([part["source_ids"] + offset for part, offset in zip(parts, offsets)]).astype(np.int32)
         sizes = [len(s) for s in self._shards]
         self._starts = np.cumsum([0] + sizes)[:-1]
 

@@ -64,7 +64,7 @@ DescriptorTransform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 @dataclass
 class TrainConfig:
-    cache: str
+    cache: str | list  # one feature cache directory, or several trained on as one
     out: str
     variant: str = "sps"
     rate: float = 0.5
@@ -148,7 +148,7 @@ def split_frames(cache: FeatureCache, validation_fraction: float) -> tuple[np.nd
         rule = {"by": "source", "validation_fraction": validation_fraction, "validation_sources": held_out}
     else:
         if len(cache) < 2:
-            raise ValueError(f"feature cache {cache.directory} has {len(cache)} frame(s); training needs at least 2")
+            raise ValueError(f"feature cache {cache.name} has {len(cache)} frame(s); training needs at least 2")
         count = min(len(cache) - 1, max(1, math.ceil(validation_fraction * len(cache))))
         by_time = np.argsort(cache.stamps, kind="stable")
         is_val = np.zeros(len(cache), dtype=bool)
@@ -217,7 +217,7 @@ def evaluate_checkpoint(policy_dir, cache_dir=None, batch_size: int = 64) -> flo
     cache = FeatureCache(cache_dir or training["cache"])
     _, val_idx, rule = split_frames(cache, training["split"]["validation_fraction"])
     if rule["validation_sources"] != training["split"]["validation_sources"]:
-        raise ValueError(f"cache {cache.directory} splits differently from the one {policy_dir} was trained on")
+        raise ValueError(f"cache {cache.name} splits differently from the one {policy_dir} was trained on")
     weights = loss_scale(training["loss_weights"], training["target_std"])
     total, count = validation_sums(policy.module, cache, val_idx, policy.selector, weights, batch_size, policy.device)
     return total / count
@@ -295,6 +295,12 @@ def load_training_state(directory: Path, optimizer, scheduler) -> dict:
     return record
 
 
+def _resolved_caches(cache: str | list) -> str | list:
+    if isinstance(cache, (str, os.PathLike)):
+        return str(Path(cache).resolve())
+    return [str(Path(c).resolve()) for c in cache] if len(cache) > 1 else str(Path(cache[0]).resolve())
+
+
 def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx: np.ndarray) -> dict:
     return {
         "backbone": cache.backbone,
@@ -307,7 +313,7 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
         "output": {"max_steering_rad": cfg.max_steering_rad},
         "units": {"steering": "front road-wheel angle, rad, left positive", "throttle": "[-1, 1], negative = brake"},
         "training": {
-            "cache": str(Path(cfg.cache).resolve()),
+            "cache": _resolved_caches(cfg.cache),
             "cache_frames": len(cache),
             "sources": cache.sources,
             "split": split,
@@ -332,7 +338,7 @@ def check_init_checkpoint(init_config: dict, cache: FeatureCache, selection: Sel
     if SelectionConfig.from_dict(init_config["selection"]).sparse_sequence != selection.sparse_sequence:
         mismatches.append(f"policy kind ({init_config['selection']['variant']}) vs variant {selection.variant}")
     if mismatches:
-        raise ValueError(f"cannot fine-tune {path} on {cache.directory}: " + "; ".join(mismatches))
+        raise ValueError(f"cannot fine-tune {path} on {cache.name}: " + "; ".join(mismatches))
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -361,7 +367,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     cache = FeatureCache(cfg.cache)
     selection = cfg.selection()
     if selection.sparse_sequence and cache.position_table() is None:
-        raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.directory} has none")
+        raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
     selector = PatchSelector(selection, cache.grid)
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
     config = policy_config(cfg, cache, split, train_idx)
@@ -482,7 +488,8 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache", required=True, help="feature cache directory (sps-driving extract)")
+    parser.add_argument("--cache", required=True, nargs="+", metavar="CACHE",
+                        help="feature cache directory (sps-driving extract); several are trained on as one")
     parser.add_argument("--out", required=True, help="checkpoint directory, e.g. models/sps50")
     parser.add_argument("--config", default=str(TRAIN_CONFIG), help="YAML with a `train:` section")
     parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
