@@ -8,7 +8,9 @@ state on topics.REFERENCE_COMMAND. Consumes the vehicle interface's limited comm
 sps_driving.sim.live.
 
 Until the first command arrives the start state is published every tick and the world waits
-(`wait_for_command`; otherwise it coasts with a zero command). `real_time_factor` < 1 runs the
+(`wait_for_command`; otherwise it coasts with a zero command). `start_topic` makes the world wait
+for a message there instead: the policy's output, when the vehicle interface sends stop
+commands until the stack has warmed up. `real_time_factor` < 1 runs the
 world slower than real time, for stacks that cannot keep up on the machine at hand. Each
 finished episode is logged, published on ~/status, and appended to `results_path` (JSONL) when
 set; after the last episode the node keeps publishing its final status.
@@ -38,6 +40,7 @@ PARAMETERS = {
     "sim_config": "",  # YAML; "" = config/sim.yaml
     "real_time_factor": 1.0,  # world seconds per wall second
     "wait_for_command": True,  # hold the world still until the stack sends its first command
+    "start_topic": "",  # JointState topic whose first message starts the world; "" = the command topic itself
     "frame_id": "camera",
     "results_path": "",
 }
@@ -61,6 +64,7 @@ class SimWorldNode(Node):
         self.results_path = Path(p["results_path"]) if p["results_path"] else None
         self.wait_for_command = bool(p["wait_for_command"])
         self.command = None
+        self.started = not self.wait_for_command
         self.dropped_commands = 0
         self.image_pub = self.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
         self.info_pub = self.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor"))
@@ -70,6 +74,9 @@ class SimWorldNode(Node):
         self.reference_pub = self.create_publisher(JointState, topics.REFERENCE_COMMAND, msgs.qos("stream"))
         self.status_pub = self.create_publisher(DiagnosticArray, "~/status", msgs.qos("status"))
         self.create_subscription(JointState, topics.ACTUATION, self._on_command, msgs.qos("control"))
+        self.start_topic = p["start_topic"] or topics.ACTUATION
+        if self.start_topic != topics.ACTUATION:
+            self.create_subscription(JointState, self.start_topic, self._on_start, msgs.qos("stream"))
         self.create_timer(1.0 / (float(config["control_rate_hz"]) * factor), self._tick)
         self.get_logger().info(
             f"{p['scenario']}: {p['episodes']} episode(s) of {config['episode_s']:g} s from seed {p['first_episode']}, "
@@ -82,19 +89,23 @@ class SimWorldNode(Node):
         except msgs.MessageError as exc:
             self.dropped_commands += 1
             self.get_logger().warning(f"dropped command: {exc}", throttle_duration_sec=1.0)
+            return
+        if self.start_topic == topics.ACTUATION:
+            self.started = True
+
+    def _on_start(self, _msg: JointState) -> None:
+        self.started = True
 
     def _tick(self) -> None:
         if self.sim.done:
             self._publish_status("finished")
             return
-        command = self.command
-        if command is None:
-            if self.wait_for_command:
-                # The stack needs frames to produce its first command: show it the start state.
-                self._publish_status("waiting for the first command on " + topics.ACTUATION)
-                self._publish_observation()
-                return
-            command = (0.0, 0.0)
+        if not self.started:
+            # The stack needs frames to produce its first command: show it the start state.
+            self._publish_status("waiting for the first message on " + self.start_topic)
+            self._publish_observation()
+            return
+        command = self.command if self.command is not None else (0.0, 0.0)
         result = self.sim.advance(*command)
         if result is not None:
             self._finish_episode(result)

@@ -184,28 +184,47 @@ def read_results(path: Path) -> list[dict]:
     return rows
 
 
-def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu") -> list[dict]:
-    """Run the missing episodes of `scenarios`, appending each to out/results.jsonl."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / RESULTS_FILE
+def _missing_tasks(settings: EvalSettings, scenarios: list[str], path: Path) -> list[tuple[str, int]]:
     done = {_row_key(r) for r in read_results(path)}
     tasks = [(s, e) for s in scenarios for e in range(settings.episodes) if settings.key(s, e) not in done]
-    new_rows = []
     if not tasks:
         print(f"all {len(scenarios) * settings.episodes} episodes of {settings.method} already in {path}")
-        return new_rows
+    return tasks
+
+
+class _Recorder:
+    """Appends finished episodes to results.jsonl (flushed: a killed run resumes from there)."""
+
+    def __init__(self, settings: EvalSettings, path: Path, total: int, **extra):
+        self.extra = {"method": settings.method, "profile": settings.profile, "episode_s": settings.episode_s,
+                      "width": settings.width, "height": settings.height, "policy": settings.policy_dir, **extra}
+        self.sink = path.open("a")
+        self.bar = tqdm(total=total, desc=f"eval {settings.method}", unit="episode")
+        self.rows: list[dict] = []
+
+    def __call__(self, row: dict) -> None:
+        row = {**self.extra, **row}
+        self.sink.write(json.dumps(row) + "\n")
+        self.sink.flush()
+        self.rows.append(row)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.sink.close()
+
+
+def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu") -> list[dict]:
+    """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS_FILE
+    tasks = _missing_tasks(settings, scenarios, path)
+    if not tasks:
+        return []
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
     init = (config, settings.policy_dir, device, threads)
-    extra = {"method": settings.method, "profile": settings.profile, "episode_s": settings.episode_s,
-             "width": settings.width, "height": settings.height, "policy": settings.policy_dir}
-    with path.open("a") as sink, tqdm(total=len(tasks), desc=f"eval {settings.method}", unit="episode") as bar:
-        def record(row: dict) -> None:
-            row = {**extra, **row}
-            sink.write(json.dumps(row) + "\n")
-            sink.flush()
-            new_rows.append(row)
-            bar.update(1)
-
+    record = _Recorder(settings, path, len(tasks))
+    try:
         if workers <= 1:
             _init_worker(*init)
             for task in tasks:
@@ -214,7 +233,39 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
             with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init) as pool:
                 for row in pool.imap_unordered(_run_task, tasks):
                     record(row)
-    return new_rows
+    finally:
+        record.close()
+    return record.rows
+
+
+def evaluate_graph(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, real_time_factor: float,
+                   device: str = "cpu") -> list[dict]:
+    """Run the missing episodes of `scenarios` through the live ROS 2 graph (one graph per
+    scenario; sps_driving.sim.graph_eval), appending each to out/results.jsonl."""
+    from sps_driving.sim.graph_eval import run_scenario
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS_FILE
+    tasks = _missing_tasks(settings, scenarios, path)
+    if not tasks:
+        return []
+    record = _Recorder(settings, path, len(tasks), via="graph", real_time_factor=real_time_factor)
+    try:
+        for scenario in dict.fromkeys(s for s, _ in tasks):
+            missing = [e for s, e in tasks if s == scenario]
+            # sim_world runs consecutive episode indices: one graph per run of them.
+            runs = [[missing[0]]]
+            for episode in missing[1:]:
+                if episode == runs[-1][-1] + 1:
+                    runs[-1].append(episode)
+                else:
+                    runs.append([episode])
+            for episodes in runs:
+                for row in run_scenario(config, Path(settings.policy_dir), scenario, episodes, out / "graph", real_time_factor, device):
+                    record(row)
+    finally:
+        record.close()
+    return record.rows
 
 
 # ------------------------------------------------------------------------------ tables
@@ -409,6 +460,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
+    parser.add_argument("--graph", action="store_true",
+                        help="drive through the live ROS 2 graph (sim_world node + the on-car nodes) instead of in process; "
+                             "the method is named with ' (graph)' appended")
+    parser.add_argument("--real-time-factor", type=float, default=0.25,
+                        help="--graph: world seconds per wall second (default 0.25 for a CPU; 1.0 on the car's GPU)")
 
 
 def run(args) -> int:
@@ -435,12 +491,25 @@ def run(args) -> int:
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"eval: {exc}") from None
         method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
+    if args.graph:
+        if args.expert:
+            raise SystemExit("eval: --graph drives with a policy; the expert runs in process")
+        if not (math.isfinite(args.real_time_factor) and args.real_time_factor > 0):
+            raise SystemExit(f"eval: --real-time-factor must be positive, got {args.real_time_factor}")
+        from sps_driving.sim.graph_eval import GRAPH_SUFFIX
+
+        method += GRAPH_SUFFIX
     cam = config["camera"]
     settings = EvalSettings(method, policy_dir, args.profile, episodes, float(config["episode_s"]), int(cam["render_width"]), int(cam["render_height"]))
     out = Path(args.out)
+    how = (f"through the live graph at real-time factor {args.real_time_factor:g} (node logs in {out / 'graph'})"
+           if args.graph else f"{args.workers} worker(s)")
     print(f"{method}: profile {args.profile}, {episodes} episode(s) of {settings.episode_s:g} s per scenario, "
-          f"{settings.width}x{settings.height} px, {len(args.scenarios)} scenario(s), {args.workers} worker(s)")
-    evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device)
+          f"{settings.width}x{settings.height} px, {len(args.scenarios)} scenario(s), {how}")
+    if args.graph:
+        evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
+    else:
+        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device)
     # Tables compare methods under the same settings: rows of other profiles stay in the file only.
     same = (settings.episode_s, settings.width, settings.height)
     rows = [r for r in read_results(out / RESULTS_FILE) if (r["episode_s"], r["width"], r["height"]) == same]
