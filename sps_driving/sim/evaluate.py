@@ -1,7 +1,10 @@
 """`sps-driving eval`: closed-loop out-of-distribution evaluation in the driving world (SPS
-section 4.2, Table 1), in-process: renderer -> extractor -> patch selection -> policy -> vehicle.
+section 4.2, Table 1), in process (renderer -> extractor -> patch selection -> policy -> vehicle)
+or through the live ROS 2 graph (`--graph`: the sim_world node and the on-car nodes, with the
+vehicle interface's limits and watchdogs; sps_driving.sim.graph_eval).
 
     sps-driving eval --policy models/sps50 --profile quick --out runs/eval
+    sps-driving eval --policy models/sps50 --graph --episodes 1 --out runs/eval   # the exact on-car stack
     sps-driving eval --expert --profile quick --out runs/eval      # checks the world itself
 
 Episodes run in worker processes (spawn); every finished episode is appended to
