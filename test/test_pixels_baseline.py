@@ -23,7 +23,7 @@ from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, train
 MEAN = np.array([0.485, 0.456, 0.406])
 STD = np.array([0.229, 0.224, 0.225])
 SIZE = 56  # px: a 4x4 grid of 14 px patches
-TINY_CNN = dict(architecture="cnn", width=16, batch_size=16)
+TINY_CNN = dict(architecture="cnn", width=16, dropout=0.0, batch_size=16)
 
 
 def noise(shape, seed):
@@ -165,16 +165,16 @@ def test_the_cnn_refuses_what_it_cannot_read():
         (cnn_config(variant="spps"), "variant sps or threshold"),
         ({**cnn_config(), "policy": {"width": 16, "depth": 2, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.0}},
          "cnn policy settings must be exactly"),
-        ({**cnn_config(), "architecture": "mlp"}, "unknown policy architecture"),
+        ({**cnn_config(), "architecture": "rnn"}, "unknown policy architecture"),
     ]:
         with pytest.raises(ValueError, match=match):
             build_policy(config)
     with pytest.raises(ValueError, match="architecture cnn reads the whole grid"):
         TrainConfig(cache="c", out="o", architecture="cnn", variant="mspps")
     with pytest.raises(ValueError, match="unknown architecture"):
-        TrainConfig(cache="c", out="o", architecture="mlp")
+        TrainConfig(cache="c", out="o", architecture="rnn")
     # heads belong to the transformer: a cnn width need not divide by them
-    assert TrainConfig(cache="c", out="o", architecture="cnn", width=30).policy_settings() == {"width": 30, "dropout": 0.0}
+    assert TrainConfig(cache="c", out="o", architecture="cnn", width=30, dropout=0.2).policy_settings() == {"width": 30, "dropout": 0.2}
 
 
 def test_outputs_have_the_transformers_bounds_and_dropped_patches_are_zeros():

@@ -14,7 +14,7 @@ from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
 from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, l2_loss, loss_scale, split_frames, target_std, train
 
 ROWS, COLS, D = 3, 4, 8
-TINY = dict(width=16, depth=1, heads=2, batch_size=16)
+TINY = dict(architecture="transformer", width=16, depth=1, heads=2, dropout=0.0, batch_size=16)
 
 
 def make_cache(directory, sources=("drive_a", "drive_b", "drive_c", "drive_d"), frames_per_source=24, seed=0,
@@ -47,7 +47,7 @@ def test_python_defaults_match_config_train_yaml(tmp_path):
     assert TrainConfig.from_yaml(cache="c", out="o") == TrainConfig(cache="c", out="o")
     with pytest.raises(ValueError, match="unknown training settings \\['learning_rate'\\]"):
         TrainConfig.from_yaml(cache="c", out="o", learning_rate=0.1)
-    for bad, match in [(dict(rate=0.0), "rate"), (dict(width=30, heads=4), "multiple of heads"),
+    for bad, match in [(dict(rate=0.0), "rate"), (dict(architecture="transformer", width=30, heads=4), "multiple of heads"),
                        (dict(loss_weights=[1.0]), "loss_weights"), (dict(batch_size=0), "batch_size"),
                        (dict(plateau_factor=1.0), "plateau_factor")]:
         with pytest.raises(ValueError, match=match):
@@ -114,17 +114,37 @@ def test_loss_standardizes_each_output_so_small_steering_errors_count():
     assert all(np.isfinite(loss_scale([1.0, 1.0], target_std(np.zeros((10, 2))))))
 
 
+def test_mlp_policy_standardizes_with_training_statistics_and_learns(tmp_path):
+    from sps_driving.train.trainer import descriptor_statistics
+
+    cache_dir = make_cache(tmp_path / "cache", frames_per_source=120)
+    cfg = TrainConfig(cache=str(cache_dir), out=str(tmp_path / "m"), width=32, reduce=4, batch_size=32, epochs=12, lr=3e-3)
+    assert cfg.architecture == "mlp"  # the default
+    summary = train(cfg)
+    history = [h["validation_loss"] for h in summary["history"]]
+    assert min(history) < 0.7 * history[0], f"validation loss should fall: {history}"
+    policy = load_policy(tmp_path / "m")
+    cache = FeatureCache(cache_dir)
+    train_idx, _, _ = split_frames(cache, 0.1)
+    mean, std = descriptor_statistics(cache, train_idx)
+    np.testing.assert_allclose(mean, cache.descriptors(train_idx).mean(axis=(0, 1)), atol=1e-5)
+    np.testing.assert_allclose(policy.module.input_mean.numpy(), mean, atol=1e-6)
+    np.testing.assert_allclose(policy.module.input_std.numpy(), std, atol=1e-6)
+    assert abs(evaluate_checkpoint(tmp_path / "m") - json.loads((tmp_path / "m" / "config.json").read_text())["validation_loss"]) <= 1e-6
+
+
 def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path):
-    straight = train(config(cache_dir, tmp_path / "straight", epochs=4))
-    train(config(cache_dir, tmp_path / "resumed", epochs=2))
-    resumed = train(config(cache_dir, tmp_path / "resumed", epochs=4, resume=True))
+    # dropout on: a resumed run must draw the same dropout masks as an uninterrupted one
+    straight = train(config(cache_dir, tmp_path / "straight", epochs=4, dropout=0.1))
+    train(config(cache_dir, tmp_path / "resumed", epochs=2, dropout=0.1))
+    resumed = train(config(cache_dir, tmp_path / "resumed", epochs=4, dropout=0.1, resume=True))
     assert resumed["epochs_run"] == 4
     assert [h["validation_loss"] for h in resumed["history"]] == [h["validation_loss"] for h in straight["history"]]
     a, b = load_policy(tmp_path / "straight" / "last"), load_policy(tmp_path / "resumed" / "last")
     for name, tensor in a.module.state_dict().items():
         assert torch.equal(tensor, b.module.state_dict()[name]), name
     with pytest.raises(ValueError, match="changed settings.*rate"):
-        train(config(cache_dir, tmp_path / "resumed", epochs=5, rate=0.3, resume=True))
+        train(config(cache_dir, tmp_path / "resumed", epochs=5, dropout=0.1, rate=0.3, resume=True))
     with pytest.raises(FileNotFoundError, match="last"):
         train(config(cache_dir, tmp_path / "never_started", epochs=5, resume=True))
     with pytest.raises(FileExistsError, match="--resume"):

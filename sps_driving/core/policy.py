@@ -10,6 +10,10 @@ to (steering, throttle):
   [N, P], a frozen buffer saved in the checkpoint) projected to the model width; a batch of
   different lengths is padded and masked.
 
+A grid MLP (architecture "mlp", the trainer's default): `GridMlpPolicy` standardizes each
+descriptor channel with training-set statistics, reduces every patch to a few channels, flattens
+the grid in patch order (zeros at dropped patches) and reads it with a two-layer MLP.
+
 And a CNN (architecture "cnn", the No-FM baseline): `CnnPolicy` folds the grid of the `pixels`
 backbone (each descriptor its patch's pooled pixels) back into an image, zeros at dropped
 patches, and runs a PilotNet-like convolution stack and MLP on it.
@@ -22,7 +26,7 @@ A checkpoint is a directory with `policy.safetensors` (the module's state dict) 
 `config.json`. The config records: format, architecture ("transformer" when absent), backbone,
 grid {rows, cols}, descriptor_dim D, position_dim P (sequence policies), selection {variant,
 rate, seed, keep_probability}, policy (transformer: {width, depth, heads, mlp_ratio, dropout};
-cnn: {width, dropout}), output {max_steering_rad}, and whatever the trainer adds (training data,
+mlp: {width, reduce, dropout}; cnn: {width, dropout}), output {max_steering_rad}, and whatever the trainer adds (training data,
 provenance, validation_loss).
 """
 
@@ -48,8 +52,9 @@ WEIGHTS_FILE = "policy.safetensors"
 CONFIG_FILE = "config.json"
 POLICY_KEYS = ("width", "depth", "heads", "mlp_ratio", "dropout")  # values: config/train.yaml
 CNN_POLICY_KEYS = ("width", "dropout")
+MLP_POLICY_KEYS = ("width", "reduce", "dropout")
 # config "architecture" -> its policy settings; checkpoints without the key are transformers
-ARCHITECTURES = {"transformer": POLICY_KEYS, "cnn": CNN_POLICY_KEYS}
+ARCHITECTURES = {"transformer": POLICY_KEYS, "cnn": CNN_POLICY_KEYS, "mlp": MLP_POLICY_KEYS}
 DEFAULT_ARCHITECTURE = "transformer"
 # PilotNet's convolutions (Bojarski et al. 2016): (out channels, kernel px, stride)
 PILOTNET_CONVS = ((24, 5, 2), (36, 5, 2), (48, 5, 2), (64, 3, 1), (64, 3, 1))
@@ -179,6 +184,41 @@ class CnnPolicy(_DenseGridInput, nn.Module):
         return self.head(self.mlp(self.convs(self.grid_image(grids))))
 
 
+class GridMlpPolicy(_DenseGridInput, nn.Module):
+    """Every patch's descriptor standardized and reduced to `reduce` channels, the grid flattened
+    in patch order (so each weight knows its patch's place), then a two-layer MLP.
+
+    Dropped patches are zeros (SPS eq. 4), as in GridPolicy. The per-channel descriptor mean and
+    spread are buffers the trainer sets from the training frames (`set_input_statistics`): a few
+    channels carry most of the variance of foundation-model descriptors, and the road geometry
+    lives in the small ones. Works with every selection variant (positions are never lost).
+    """
+
+    kind = "grid"
+
+    def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, reduce: int, dropout: float,
+                 max_steering_rad: float):
+        super().__init__()
+        self.register_buffer("input_mean", torch.zeros(descriptor_dim))
+        self.register_buffer("input_std", torch.ones(descriptor_dim))
+        self.reduce = nn.Linear(descriptor_dim, reduce)
+        self.mlp = nn.Sequential(
+            nn.Flatten(), nn.Linear(grid.n * reduce, width), nn.GELU(), nn.Dropout(dropout),
+            nn.Linear(width, width // 2), nn.GELU(),
+        )
+        self.head = BoundedHead(width // 2, max_steering_rad)
+
+    @torch.no_grad()
+    def set_input_statistics(self, mean: np.ndarray, std: np.ndarray) -> None:
+        std = np.maximum(np.asarray(std, dtype=np.float32), 1e-6)
+        self.input_mean.copy_(torch.as_tensor(np.asarray(mean, dtype=np.float32)))
+        self.input_std.copy_(torch.as_tensor(std))
+
+    def forward(self, grids: torch.Tensor) -> torch.Tensor:
+        """grids [B, N, D] with zeros at dropped patches -> [B, 2] (steering rad, throttle)."""
+        return self.head(self.mlp(self.reduce((grids - self.input_mean) / self.input_std)))
+
+
 def pack_kept(grids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gather each row's kept patches, in index order, into a padded batch.
 
@@ -229,6 +269,11 @@ def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> n
                              f"threshold, not {selection.variant}")
         return CnnPolicy(grid, descriptor_dim, width=int(dims["width"]), dropout=float(dims["dropout"]),
                          max_steering_rad=float(output["max_steering_rad"]))
+    if architecture == "mlp":
+        if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
+            raise ValueError(f"mlp policy needs width >= 2 and reduce >= 1, got {dims}")
+        return GridMlpPolicy(grid, descriptor_dim, width=int(dims["width"]), reduce=int(dims["reduce"]),
+                             dropout=float(dims["dropout"]), max_steering_rad=float(output["max_steering_rad"]))
     common = dict(
         descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
         mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]),

@@ -70,12 +70,13 @@ class TrainConfig:
     rate: float = 0.5
     seed: int = 0
     keep_probability: Optional[list] = None
-    architecture: str = DEFAULT_ARCHITECTURE
-    width: int = 128
+    architecture: str = "mlp"
+    width: int = 256
+    reduce: int = 16
     depth: int = 2
     heads: int = 4
     mlp_ratio: float = 2.0
-    dropout: float = 0.0
+    dropout: float = 0.1
     max_steering_rad: float = 0.5
     epochs: int = 100
     batch_size: int = 64
@@ -98,7 +99,7 @@ class TrainConfig:
         if self.architecture == "cnn" and selection.sparse_sequence:
             raise ValueError(f"architecture cnn reads the whole grid (zeros at dropped patches): use variant sps "
                              f"or threshold, not {self.variant}")
-        for name in ("width", "depth", "heads", "epochs", "batch_size"):
+        for name in ("width", "reduce", "depth", "heads", "epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.architecture == "transformer" and self.width % self.heads:
@@ -295,6 +296,24 @@ def load_training_state(directory: Path, optimizer, scheduler) -> dict:
     return record
 
 
+# Frames sampled (evenly over the training set) for the per-channel descriptor statistics.
+STATISTICS_FRAMES = 2048
+
+
+def descriptor_statistics(cache: FeatureCache, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and standard deviation [D] of the descriptors of (a sample of) `frames`."""
+    sample = np.sort(frames)[np.linspace(0, len(frames) - 1, min(len(frames), STATISTICS_FRAMES)).astype(int)]
+    total = np.zeros(cache.descriptor_dim)
+    squares = np.zeros(cache.descriptor_dim)
+    for start in range(0, len(sample), 256):
+        grids = cache.descriptors(sample[start:start + 256]).astype(np.float64)
+        total += grids.sum(axis=(0, 1))
+        squares += (grids ** 2).sum(axis=(0, 1))
+    count = len(sample) * cache.grid.n
+    mean = total / count
+    return mean, np.sqrt(np.maximum(squares / count - mean ** 2, 0.0))
+
+
 def _resolved_caches(cache: str | list) -> str | list:
     if isinstance(cache, (str, os.PathLike)):
         return str(Path(cache).resolve())
@@ -366,7 +385,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         raise FileExistsError(f"{out} already holds a training run: continue it with --resume or choose another --out")
     cache = FeatureCache(cfg.cache)
     selection = cfg.selection()
-    if selection.sparse_sequence and cache.position_table() is None:
+    if cfg.architecture == "transformer" and selection.sparse_sequence and cache.position_table() is None:
         raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
     selector = PatchSelector(selection, cache.grid)
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
@@ -390,6 +409,8 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         config["training"]["init_checkpoint"] = str(Path(init_checkpoint).resolve())
     else:
         policy = build_policy(config, cache.position_table())
+        if hasattr(policy, "set_input_statistics"):
+            policy.set_input_statistics(*descriptor_statistics(cache, train_idx))
     policy = policy.to(procs.device)
     model = SelectedPolicy(policy)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -426,6 +447,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     for epoch in epochs:
         sampler.set_epoch(epoch)
         generator = torch.Generator(device=procs.device).manual_seed(draw_seed(cfg.seed, epoch, procs.rank))
+        torch.manual_seed(draw_seed(cfg.seed, epoch, procs.rank, 1))  # dropout: a resumed run draws the same
         model.train()
         loss_sum, frames_seen = 0.0, 0
         for grids, target, _, _ in tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
@@ -495,12 +517,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
     parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
     parser.add_argument("--architecture", choices=list(ARCHITECTURES),
-                        help="transformer, or cnn (the No-FM baseline, on a pixels-backbone cache)")
+                        help="mlp (default), transformer, or cnn (the No-FM baseline, on a pixels-backbone cache)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float)
     parser.add_argument("--width", type=int)
+    parser.add_argument("--reduce", type=int, help="mlp: channels each patch's descriptor is reduced to")
     parser.add_argument("--depth", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--early-stop-patience", type=int)
@@ -512,7 +535,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
-        "variant", "rate", "architecture", "seed", "epochs", "batch_size", "lr", "width", "depth", "heads",
+        "variant", "rate", "architecture", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
         "early_stop_patience", "validation_fraction", "num_workers", "device")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
