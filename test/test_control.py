@@ -127,7 +127,7 @@ def test_limits_validation():
 def test_engagement_handshake_override_and_timeout():
     e = Engagement(report_timeout_s=0.5)
     assert not e.enable and e.on_report(True, False, False, 0.0) is None
-    e.request(True)
+    e.request(True, 0.0)
     assert e.state is EngageState.ENGAGING and e.enable and e.clear_override
     assert e.on_report(False, False, False, 0.1) is None  # not yet enabled by the car
     assert e.on_report(True, False, False, 0.2) == "engaged"
@@ -136,16 +136,29 @@ def test_engagement_handshake_override_and_timeout():
     assert e.state is EngageState.DISENGAGED and e.interventions == 1
     # No automatic re-engage after an override.
     assert e.on_report(True, False, False, 0.4) is None and not e.engaged
-    e.request(True)
+    e.request(True, 0.5)
     e.on_report(True, False, False, 0.5)
     assert e.on_report(False, False, False, 0.6) == "disabled_by_vehicle" and e.interventions == 2
-    e.request(True)
+    e.request(True, 0.7)
     e.on_report(True, False, False, 0.7)
     assert e.check(1.0) is None
     assert e.check(1.3) == "report_timeout" and e.interventions == 2
-    e.request(True)
+    e.request(True, 1.4)
     e.on_report(True, False, False, 1.4)
     assert e.on_report(True, False, True, 1.5) == "fault" and e.interventions == 2
+
+
+def test_an_engage_the_car_never_completes_is_dropped():
+    e = Engagement(report_timeout_s=0.5, engage_timeout_s=2.0)
+    e.request(True, 10.0)  # no report ever arrives
+    assert e.check(11.9) is None and e.enable
+    assert e.check(12.1) == "engage_timeout" and not e.enable and e.interventions == 0
+    e.request(True, 20.0)  # reports arrive, but the car keeps an override active
+    for t in (20.1, 20.6, 21.1, 21.6):
+        assert e.on_report(False, True, False, t) is None and e.check(t) is None
+    assert e.on_report(False, True, False, 22.1) is None and e.check(22.1) == "engage_timeout"
+    with pytest.raises(ValueError, match="engage_timeout_s"):
+        Engagement(0.5, engage_timeout_s=0.0)
 
 
 def test_pacmod_mapping():

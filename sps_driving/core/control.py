@@ -182,15 +182,19 @@ class Engagement:
     """Engagement with the drive-by-wire system, driven by its reports.
 
     Engaging: commands go out with enable=True and clear_override=True until the car reports
-    enabled without override. Engaged: an override or a disable reported by the car disengages
-    and counts as a safety-driver intervention; a fault or stale reports disengage without
-    counting one. Re-engaging always needs a new request.
+    enabled without override, or gives up after engage_timeout_s (a car that never answers, or
+    never enables, must not be left with enable requests going out). Engaged: an override or a
+    disable reported by the car disengages and counts as a safety-driver intervention; a fault or
+    stale reports disengage without counting one. Re-engaging always needs a new request.
     """
 
-    def __init__(self, report_timeout_s: float):
-        if not (math.isfinite(report_timeout_s) and report_timeout_s > 0):
-            raise ValueError(f"report_timeout_s must be positive, got {report_timeout_s}")
+    def __init__(self, report_timeout_s: float, engage_timeout_s: float = 2.0):
+        for name, value in (("report_timeout_s", report_timeout_s), ("engage_timeout_s", engage_timeout_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive, got {value}")
         self.report_timeout_s = report_timeout_s
+        self.engage_timeout_s = engage_timeout_s
+        self._engage_requested_s = 0.0
         self.state = EngageState.DISENGAGED
         self.interventions = 0
         self.last_event = ""
@@ -208,8 +212,9 @@ class Engagement:
     def clear_override(self) -> bool:
         return self.state is EngageState.ENGAGING
 
-    def request(self, engage: bool) -> None:
+    def request(self, engage: bool, now_s: float) -> None:
         if engage and self.state is EngageState.DISENGAGED:
+            self._engage_requested_s = now_s
             self._set(EngageState.ENGAGING, "engage_requested")
         elif not engage and self.state is not EngageState.DISENGAGED:
             self._set(EngageState.DISENGAGED, "disengage_requested")
@@ -229,9 +234,11 @@ class Engagement:
         return None
 
     def check(self, now_s: float) -> str | None:
-        """Stale reports disengage: the car's state is unknown."""
+        """Stale reports disengage (the car's state is unknown); so does an engage that takes too long."""
         if self.state is EngageState.DISENGAGED:
             return None
+        if self.state is EngageState.ENGAGING and now_s - self._engage_requested_s > self.engage_timeout_s:
+            return self._set(EngageState.DISENGAGED, "engage_timeout")
         if self._report_time_s is not None and now_s - self._report_time_s > self.report_timeout_s:
             return self._set(EngageState.DISENGAGED, "report_timeout")
         return None

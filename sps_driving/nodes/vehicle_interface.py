@@ -27,6 +27,7 @@ PARAMETERS = {
     "auto_engage": False,
     "require_safety_monitor": True,
     "report_timeout_s": 0.5,
+    "engage_timeout_s": 2.0,
     "status_rate_hz": 5.0,
     "steering_ratio": PacmodLimits().steering_ratio,
     "max_steering_wheel_angle_rad": PacmodLimits().max_steering_wheel_angle_rad,
@@ -106,7 +107,7 @@ class VehicleInterface(Node):
         self.limits = ControlLimits.from_dict({k: p[k] for k in DEFAULT_LIMITS.__dataclass_fields__})
         pacmod = PacmodLimits(float(p["steering_ratio"]), float(p["max_steering_wheel_angle_rad"]))
         self.controller = VehicleController(self.limits, require_safety_monitor=bool(p["require_safety_monitor"]))
-        self.engagement = Engagement(float(p["report_timeout_s"]))
+        self.engagement = Engagement(float(p["report_timeout_s"]), float(p["engage_timeout_s"]))
         self.backend = TopicsBackend(self) if p["backend"] == "topics" else Pacmod3Backend(self, self.limits, pacmod)
         self.dropped_messages = 0
         self._last_reasons = None
@@ -118,7 +119,7 @@ class VehicleInterface(Node):
         self.create_subscription(Bool, topics.SAFETY_STOP, self._on_safety, msgs.qos("control"))
         self.create_subscription(Bool, topics.ENGAGE_REQUEST, self._on_engage, msgs.qos("control"))
         if p["auto_engage"]:
-            self.engagement.request(True)
+            self.engagement.request(True, time.monotonic())
         self.create_timer(self.limits.control_period_s, self._tick)
         self.get_logger().info(f"backend {p['backend']}, limits {self.limits}")
 
@@ -143,7 +144,7 @@ class VehicleInterface(Node):
         self.controller.on_safety_status(bool(msg.data), time.monotonic())
 
     def _on_engage(self, msg: Bool) -> None:
-        self.engagement.request(bool(msg.data))
+        self.engagement.request(bool(msg.data), time.monotonic())
         self.get_logger().info(f"engage request {bool(msg.data)} -> {self.engagement.state.value}")
 
     def _tick(self) -> None:
