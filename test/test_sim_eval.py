@@ -5,11 +5,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from sps_driving.cli import main
 from sps_driving.sim.evaluate import interval95, method_name, rate_curves, summarize, table_rows, write_tables
 from sps_driving.sim.scenarios import SCENARIO_NAMES
+from samples import tiny_dinov2_policy
 
 
 def test_expert_eval_is_resumable_and_writes_tables(tmp_path):
@@ -108,14 +108,7 @@ def test_interval_and_method_names():
 def test_policy_eval_with_the_dinov2_extractor(tmp_path):
     """The whole in-process loop (renderer -> DINOv2 -> SPS selection -> policy -> vehicle) with a
     tiny random GridPolicy (real architecture, random weights) over a short episode."""
-    from sps_driving.core.policy import build_policy, save_policy
-
-    policy_config = {"backbone": "dinov2_vits14", "grid": {"rows": 16, "cols": 16}, "descriptor_dim": 384,
-                     "selection": {"variant": "sps", "rate": 0.5, "seed": 0},
-                     "policy": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 1.0, "dropout": 0.0},
-                     "output": {"max_steering_rad": 0.5}}
-    torch.manual_seed(0)
-    save_policy(build_policy(policy_config), policy_config, tmp_path / "policy")
+    tiny_dinov2_policy(tmp_path / "policy")
     out = tmp_path / "eval"
     assert main(["eval", "--policy", str(tmp_path / "policy"), "--episodes", "1", "--episode-s", "0.5", "--workers", "1",
                  "--out", str(out), "--scenarios", SCENARIO_NAMES[2]]) == 0
@@ -125,15 +118,9 @@ def test_policy_eval_with_the_dinov2_extractor(tmp_path):
 
 
 def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path):
-    from sps_driving.core.policy import build_policy, save_policy
     from sps_driving.sim.evaluate import PolicyDriver
 
-    policy_config = {"backbone": "dinov2_vits14", "grid": {"rows": 16, "cols": 16}, "descriptor_dim": 384,
-                     "selection": {"variant": "spps", "rate": 0.3, "seed": 0}, "position_dim": 384,
-                     "policy": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 1.0, "dropout": 0.0},
-                     "output": {"max_steering_rad": 0.5}}
-    torch.manual_seed(0)
-    save_policy(build_policy(policy_config), policy_config, tmp_path / "policy")
+    tiny_dinov2_policy(tmp_path / "policy", variant="spps", rate=0.3)
     driver = PolicyDriver(str(tmp_path / "policy"))
     assert method_name(driver.policy.config) == "SPPS-30"
     frame = np.random.default_rng(0).integers(0, 255, (140, 224, 3), dtype=np.uint8)

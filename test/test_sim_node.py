@@ -85,17 +85,10 @@ def test_graph_eval_scales_the_stacks_wall_clock_settings():
 def test_eval_through_the_live_graph(tmp_path):
     """`sps-driving eval --graph`: sim_world and the on-car nodes drive a tiny random GridPolicy (real
     architecture, random weights) over the embedded DINOv2; the episode lands in results.jsonl."""
-    import torch
-
+    from samples import tiny_dinov2_policy
     from sps_driving.cli import main
-    from sps_driving.core.policy import build_policy, save_policy
 
-    policy_config = {"backbone": "dinov2_vits14", "grid": {"rows": 16, "cols": 16}, "descriptor_dim": 384,
-                     "selection": {"variant": "sps", "rate": 0.5, "seed": 0},
-                     "policy": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 1.0, "dropout": 0.0},
-                     "output": {"max_steering_rad": 0.5}}
-    torch.manual_seed(0)
-    save_policy(build_policy(policy_config), policy_config, tmp_path / "policy")
+    tiny_dinov2_policy(tmp_path / "policy")
     out = tmp_path / "eval"
     args = ["eval", "--policy", str(tmp_path / "policy"), "--graph", "--real-time-factor", "0.5", "--episodes", "1",
             "--episode-s", "1", "--scenarios", "rural-fall-dry-day-animal", "--out", str(out)]
