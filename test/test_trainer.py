@@ -120,6 +120,8 @@ def test_mlp_policy_standardizes_with_training_statistics_and_learns(tmp_path):
     cache_dir = make_cache(tmp_path / "cache", frames_per_source=120)
     cfg = TrainConfig(cache=str(cache_dir), out=str(tmp_path / "m"), width=32, reduce=4, batch_size=32, epochs=12, lr=3e-3)
     assert cfg.architecture == "mlp"  # the default
+    with pytest.raises(ValueError, match="architecture mlp reads the whole grid.*as a sequence"):
+        TrainConfig(cache="c", out="o", variant="spps")  # on a zero-filled grid spps would be sps
     summary = train(cfg)
     history = [h["validation_loss"] for h in summary["history"]]
     assert min(history) < 0.7 * history[0], f"validation loss should fall: {history}"

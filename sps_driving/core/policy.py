@@ -191,7 +191,8 @@ class GridMlpPolicy(_DenseGridInput, nn.Module):
     Dropped patches are zeros (SPS eq. 4), as in GridPolicy. The per-channel descriptor mean and
     spread are buffers the trainer sets from the training frames (`set_input_statistics`): a few
     channels carry most of the variance of foundation-model descriptors, and the road geometry
-    lives in the small ones. Works with every selection variant (positions are never lost).
+    lives in the small ones. For sps and threshold; spps and mspps, which feed the kept tokens
+    as a sequence, need the transformer (on a zero-filled grid spps would equal sps).
     """
 
     kind = "grid"
@@ -260,13 +261,13 @@ def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> n
     output = _require(config, "output")
     if "max_steering_rad" not in output:
         raise ValueError("policy config output needs max_steering_rad")
+    if architecture != "transformer" and selection.sparse_sequence:
+        raise ValueError(f"a {architecture} policy reads the whole grid (zeros at dropped patches): use variant sps or "
+                         f"threshold, not {selection.variant}, which feeds the kept tokens as a sequence (transformer)")
     if architecture == "cnn":
         if config.get("backbone") != PIXELS_BACKBONE:
             raise ValueError(f"a cnn policy reads the {PIXELS_BACKBONE!r} backbone's pooled pixels, "
                              f"not {config.get('backbone')!r} descriptors")
-        if selection.sparse_sequence:
-            raise ValueError(f"a cnn policy reads the whole grid (zeros at dropped patches): use variant sps or "
-                             f"threshold, not {selection.variant}")
         return CnnPolicy(grid, descriptor_dim, width=int(dims["width"]), dropout=float(dims["dropout"]),
                          max_steering_rad=float(output["max_steering_rad"]))
     if architecture == "mlp":

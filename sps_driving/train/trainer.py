@@ -96,9 +96,10 @@ class TrainConfig:
         selection = self.selection()  # raises on a bad variant, rate, seed or keep_probability
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.architecture!r}; expected one of {list(ARCHITECTURES)}")
-        if self.architecture == "cnn" and selection.sparse_sequence:
-            raise ValueError(f"architecture cnn reads the whole grid (zeros at dropped patches): use variant sps "
-                             f"or threshold, not {self.variant}")
+        if self.architecture != "transformer" and selection.sparse_sequence:
+            raise ValueError(f"architecture {self.architecture} reads the whole grid (zeros at dropped patches): use "
+                             f"variant sps or threshold, not {self.variant}, which feeds the kept tokens as a "
+                             f"sequence (--architecture transformer)")
         for name in ("width", "reduce", "depth", "heads", "epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
