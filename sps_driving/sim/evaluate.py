@@ -417,11 +417,10 @@ def rate_curves(summary: dict) -> dict:
     curves = {}
     for family in SELECTION_FAMILIES:
         points = []
-        for method in [f"{family}-{r}" for r in RATES_PERCENT] + ["DA"]:
-            if method in summary and ood_average(summary[method]) is not None:
-                rate = 1.0 if method == "DA" else int(method.rpartition("-")[2]) / 100
-                in_dist = summary[method].get(SCENARIO_NAMES[0], {}).get("mean", math.nan)
-                points.append((rate, ood_average(summary[method]), in_dist))
+        for rate, method in [(r / 100, f"{family}-{r}") for r in RATES_PERCENT] + [(1.0, "DA")]:
+            ood = ood_average(summary[method]) if method in summary else None
+            if ood is not None:
+                points.append((rate, ood, summary[method].get(SCENARIO_NAMES[0], {}).get("mean", math.nan)))
         if any(rate < 1.0 for rate, _, _ in points):
             curves[family] = sorted(points)
     return curves
