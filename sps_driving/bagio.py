@@ -36,18 +36,33 @@ float64 manual_input
 float64 command
 float64 output
 """,
+    "pacmod3_msgs/msg/SystemRptInt": """
+std_msgs/Header header
+bool enabled
+bool override_active
+bool command_output_fault
+bool input_output_fault
+bool output_reported_fault
+bool pacmod_fault
+bool vehicle_fault
+bool command_timeout
+uint16 manual_input
+uint16 command
+uint16 output
+""",
     "pacmod3_msgs/msg/GlobalRpt": """
 std_msgs/Header header
 bool enabled
 bool override_active
-bool fault_active
-bool config_fault_active
 bool user_can_timeout
-bool brake_can_timeout
 bool steering_can_timeout
-bool vehicle_can_timeout
+bool brake_can_timeout
 bool subsystem_can_timeout
-bool user_can_read_errors
+bool vehicle_can_timeout
+bool pacmod_sys_fault_active
+bool supervisory_enable_required
+bool config_fault_active
+uint16 user_can_read_errors
 """,
     "pacmod3_msgs/msg/VehicleSpeedRpt": """
 std_msgs/Header header

@@ -14,9 +14,9 @@ T0 = 1_700_000_000 * S
 
 def global_rpt(t, enabled, override):
     return TYPESTORE.types["pacmod3_msgs/msg/GlobalRpt"](
-        header=header(t), enabled=enabled, override_active=override, fault_active=False, config_fault_active=False,
-        user_can_timeout=False, brake_can_timeout=False, steering_can_timeout=False, vehicle_can_timeout=False,
-        subsystem_can_timeout=False, user_can_read_errors=False,
+        header=header(t), enabled=enabled, override_active=override, user_can_timeout=False, steering_can_timeout=False,
+        brake_can_timeout=False, subsystem_can_timeout=False, vehicle_can_timeout=False, pacmod_sys_fault_active=False,
+        supervisory_enable_required=False, config_fault_active=False, user_can_read_errors=0,
     )
 
 
