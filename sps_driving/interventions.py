@@ -1,11 +1,16 @@
 """`sps-driving interventions BAG`: safety-driver interventions in a recorded field test.
 
-Reads the drive-by-wire state from a rosbag2 (sqlite3 or mcap) without ROS: PACMod 3 reports
-(`pacmod3_msgs/GlobalRpt` enabled + override, every `SystemRptFloat` report's override flag, the
+Reads the drive-by-wire state from a rosbag2 (sqlite3 or mcap) without ROS: PACMod 3 reports in the
+ROS 2 `pacmod3_msgs` layout (`GlobalRpt`, every `SystemRptFloat` / `SystemRptInt` report, the
 `std_msgs/Bool` on /pacmod/enabled) or, on cars run with the `topics` backend, the vehicle
-interface's status. Prints every engage / override / disable with its time, the time and distance
-in autonomy, and interventions per hour and per km (distance from /vehicle/twist or the PACMod
-vehicle speed report, when recorded). Times are the bag's log times.
+interface's status (its `vehicle_interface` status on /diagnostics, or /vehicle_interface/status in
+older bags). Only a safety-driver override (pedal or wheel) is an intervention; the other ends of
+autonomy are disengagements by cause: a fault, a timeout, or a disable (the operator's button or
+the stack) with none of those (core.monitor.AutonomyLog decides, from the reports within
+CAUSE_WINDOW_S of each). Prints every engagement and disengagement with its time, cause and the
+report fields that show it, the time and distance in autonomy, and interventions per hour and per
+km (distance from /vehicle/twist or the PACMod vehicle speed report, when recorded). Times are the
+bag's log times.
 """
 
 from __future__ import annotations
@@ -20,11 +25,27 @@ from sps_driving import topics
 from sps_driving.core.monitor import AutonomyLog
 
 GLOBAL_RPT = "pacmod3_msgs/msg/GlobalRpt"
-SYSTEM_RPT = "pacmod3_msgs/msg/SystemRptFloat"
+SYSTEM_RPTS = ("pacmod3_msgs/msg/SystemRptFloat", "pacmod3_msgs/msg/SystemRptInt")
 SPEED_RPT = "pacmod3_msgs/msg/VehicleSpeedRpt"
 BOOL = "std_msgs/msg/Bool"
 TWIST = "geometry_msgs/msg/TwistStamped"
 DIAGNOSTICS = "diagnostic_msgs/msg/DiagnosticArray"
+VEHICLE_INTERFACE = "vehicle_interface"  # its status name on /diagnostics
+
+# The report flags that show a fault or a timeout, per report type (pacmod3_msgs, ROS 2).
+GLOBAL_FAULTS = ("pacmod_sys_fault_active", "config_fault_active")
+GLOBAL_TIMEOUTS = ("user_can_timeout", "steering_can_timeout", "brake_can_timeout", "subsystem_can_timeout", "vehicle_can_timeout")
+SYSTEM_FAULTS = ("command_output_fault", "input_output_fault", "output_reported_fault", "pacmod_fault", "vehicle_fault")
+SYSTEM_TIMEOUTS = ("command_timeout",)
+# The vehicle interface's `last_event` values by the cause they show; any other is a disable.
+EVENT_CAUSES = {
+    "override": "override",
+    "fault": "fault",
+    "can_timeout": "timeout",
+    "report_timeout": "timeout",
+    "speed_report_timeout": "timeout",
+    "engage_timeout": "timeout",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +59,7 @@ def selected_topics(types: dict[str, str]) -> dict[str, str]:
     for topic, msgtype in types.items():
         if msgtype == GLOBAL_RPT:
             roles[topic] = "global"
-        elif msgtype == SYSTEM_RPT:
+        elif msgtype in SYSTEM_RPTS:
             roles[topic] = "system"
         elif msgtype == SPEED_RPT:
             roles[topic] = "speed_rpt"
@@ -46,23 +67,47 @@ def selected_topics(types: dict[str, str]) -> dict[str, str]:
             roles[topic] = "enabled"
         elif msgtype == TWIST and topic == topics.VEHICLE_TWIST:
             roles[topic] = "twist"
-    if not any(r in ("global", "system", "enabled") for r in roles.values()) and types.get(topics.VEHICLE_STATUS) == DIAGNOSTICS:
-        roles[topics.VEHICLE_STATUS] = "vehicle_interface"
+    if not any(r in ("global", "system", "enabled") for r in roles.values()):
+        for topic in (topics.DIAGNOSTICS, topics.VEHICLE_STATUS):
+            if types.get(topic) == DIAGNOSTICS:
+                roles[topic] = "vehicle_interface"
     # One speed source: the twist when both are recorded.
     if "twist" in roles.values():
         roles = {t: r for t, r in roles.items() if r != "speed_rpt"}
     return roles
 
 
+def _set_flags(msg, names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in names if getattr(msg, name))
+
+
+def _on_vehicle_interface_status(log: AutonomyLog, time_ns: int, topic: str, msg) -> None:
+    """The vehicle interface's own view: `engagement` and the `last_event` that led to it. On
+    /diagnostics its status is found by name; its old topic carries nothing else."""
+    from sps_driving.msgs import diagnostic_values
+
+    for name, _, _, values in diagnostic_values(msg):
+        if "engagement" not in values or (topic == topics.DIAGNOSTICS and name != VEHICLE_INTERFACE):
+            continue
+        engaged = values["engagement"] == "engaged"
+        event = values.get("last_event", "")
+        cause = "" if engaged else EVENT_CAUSES.get(event, "")
+        label = f"last_event={event}"
+        log.on_report(
+            time_ns, f"{topic} {name}", engaged, cause == "override",
+            faults=(label,) if cause == "fault" else (), timeouts=(label,) if cause == "timeout" else (),
+            override_field=label, disabled_field=f"engagement={values['engagement']}, {label}",
+        )
+
+
 def analyze(bag: Path) -> dict:
     from sps_driving.bagio import read_messages, topic_types
-    from sps_driving.msgs import diagnostic_values
 
     roles = selected_topics(topic_types(bag))
     if not any(r in ("global", "system", "enabled", "vehicle_interface") for r in roles.values()):
         raise ValueError(
-            f"{bag} has no engagement reports: expected {GLOBAL_RPT}, {SYSTEM_RPT}, {BOOL} on {topics.PACMOD_ENABLED} "
-            f"or the vehicle interface status on {topics.VEHICLE_STATUS}"
+            f"{bag} has no engagement reports: expected {GLOBAL_RPT}, {' or '.join(SYSTEM_RPTS)}, {BOOL} on "
+            f"{topics.PACMOD_ENABLED} or the vehicle interface status on {topics.DIAGNOSTICS} or {topics.VEHICLE_STATUS}"
         )
     from tqdm import tqdm
 
@@ -70,17 +115,19 @@ def analyze(bag: Path) -> dict:
     for item in tqdm(read_messages(bag, topics=list(roles)), desc="reading reports", unit="msg", disable=None):
         role, msg, t = roles[item.topic], item.msg, item.log_time_ns
         if role == "global":
-            log.on_report(t, item.topic, bool(msg.enabled), bool(msg.override_active))
-        elif role == "system":
-            log.on_report(t, item.topic, None, bool(msg.override_active))
+            log.on_report(
+                t, item.topic, bool(msg.enabled), bool(msg.override_active),
+                _set_flags(msg, GLOBAL_FAULTS), _set_flags(msg, GLOBAL_TIMEOUTS),
+            )
+        elif role == "system":  # a system's own `enabled` is not the car's: GlobalRpt says any system
+            log.on_report(
+                t, item.topic, None, bool(msg.override_active),
+                _set_flags(msg, SYSTEM_FAULTS), _set_flags(msg, SYSTEM_TIMEOUTS),
+            )
         elif role == "enabled":
-            log.on_report(t, item.topic, bool(msg.data), None)
+            log.on_report(t, item.topic, bool(msg.data), None, disabled_field="data=false")
         elif role == "vehicle_interface":
-            for name, _, _, values in diagnostic_values(msg):
-                if "engagement" in values:
-                    engaged = values["engagement"] == "engaged"
-                    overridden = not engaged and values.get("last_event") == "override"
-                    log.on_report(t, item.topic, engaged or overridden, overridden)
+            _on_vehicle_interface_status(log, t, item.topic, msg)
         elif role == "twist":
             log.on_speed(t, float(msg.twist.linear.x))
         elif role == "speed_rpt" and msg.vehicle_speed_valid:
@@ -103,14 +150,20 @@ def format_summary(s: dict) -> str:
     lines = [f"bag: {s['bag']}", "sources: " + ", ".join(f"{t} ({r})" for t, r in sorted(s["sources"].items()))]
     start = s["transitions"][0]["time_ns"] if s["transitions"] else None
     for t in s["transitions"]:
-        lines.append(f"  {_clock(t['time_ns'])}  +{(t['time_ns'] - start) / 1e9:9.2f} s  {t['event']}")
+        what = t["event"] if t["event"] == "engaged" else f"disengaged: {t['cause']} ({', '.join(t['fields'])})"
+        if t.get("other_fields"):
+            what += f", also seen: {', '.join(t['other_fields'])}"
+        lines.append(f"  {_clock(t['time_ns'])}  +{(t['time_ns'] - start) / 1e9:9.2f} s  {what}")
+    d = s["disengagements"]
     lines += [
         f"recording:       {s['recording_s']:.1f} s",
         f"in autonomy:     {s['autonomy_s']:.1f} s, {num(s['autonomy_km'], '.3f')} km (of {num(s['total_km'], '.3f')} km driven)",
-        f"interventions:   {s['interventions']} ({s['overrides']} overrides, {s['disables']} disables), "
-        f"{s['engagements']} engagements",
-        f"per hour:        {num(s['interventions_per_hour'], '.2f')}",
-        f"per km:          {num(s['interventions_per_km'], '.3f')}",
+        f"engagements:     {s['engagements']}",
+        f"interventions:   {s['interventions']} (safety-driver overrides)",
+        f"disengagements:  fault {d['fault']}, timeout {d['timeout']}, disable {d['disable']} (not interventions;"
+        f" cause from the reports within {s['cause_window_s']:.2f} s)",
+        f"per hour:        {num(s['interventions_per_hour'], '.2f')} interventions",
+        f"per km:          {num(s['interventions_per_km'], '.3f')} interventions",
     ]
     return "\n".join(lines)
 

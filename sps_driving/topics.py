@@ -23,6 +23,7 @@ REFERENCE_COMMAND = "/vehicle/command"  # sensor_msgs/JointState: the command th
 VEHICLE_TWIST = "/vehicle/twist"  # geometry_msgs/TwistStamped, linear.x = speed m/s
 LANE_POSE = "/lane/pose"  # geometry_msgs/PoseStamped in the lane frame
 OBSTACLE_RANGE = "/obstacles/nearest"  # sensor_msgs/Range
+DIAGNOSTICS = "/diagnostics"  # diagnostic_msgs/DiagnosticArray: node statuses, told apart by status name
 SAFETY_STATUS = "/safety/status"  # diagnostic_msgs/DiagnosticArray
 SAFETY_STOP = "/safety/stop_request"  # std_msgs/Bool, true while the monitor requests a stop
 VEHICLE_STATUS = "/vehicle_interface/status"  # diagnostic_msgs/DiagnosticArray: engaged, stop reason, counts

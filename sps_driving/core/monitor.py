@@ -3,12 +3,14 @@
 `SafetyMonitor` runs live (safety_monitor node): it flags the three failures of SPS section 4.2,
 treats missing or stale required inputs as unsafe, requests a stop while either holds, and counts
 one intervention per failure episode (no failure -> at least one failure). `AutonomyLog` counts
-safety-driver interventions in a recorded field test from the drive-by-wire reports.
+safety-driver interventions (overrides) in a recorded field test from the drive-by-wire reports,
+and the other disengagements by cause (fault, timeout, disable).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from sps_driving.core.failures import Failure, FailureThresholds, check_failures
@@ -101,27 +103,74 @@ class SafetyMonitor:
         )
 
 
+# A disengagement's causes, highest precedence first: when the reports around one disengagement
+# show several, the safety driver's takeover counts first, then a fault, then a timeout.
+CAUSES = ("override", "fault", "timeout", "disable")
+# Reports within this of the end of autonomy (before and after, s) decide its cause. The PACMod
+# reports arrive at about 30 Hz (33 ms) on several topics; the driver clears enable on the report
+# after a fault, so a fault or timeout flag shows up to about two periods before enable goes off,
+# and the flags of the same CAN cycle can arrive on other topics a period after it. 0.2 s covers
+# that with recording jitter to spare while staying far shorter than a re-engagement takes.
+CAUSE_WINDOW_S = 0.2
+
+
 @dataclass(frozen=True)
 class Transition:
     time_ns: int
-    event: str  # "engaged", "override" or "disabled"
+    event: str  # "engaged" or "disengaged"
+    cause: str = ""  # of a disengagement: one of CAUSES
+    fields: tuple[str, ...] = ()  # "source: field" of the reports that show the cause
+    other_fields: tuple[str, ...] = ()  # signs of lower-precedence causes in the same window
+
+    def as_dict(self) -> dict:
+        if self.event == "engaged":
+            return {"time_ns": self.time_ns, "event": self.event}
+        return {
+            "time_ns": self.time_ns, "event": self.event, "cause": self.cause,
+            "fields": list(self.fields), "other_fields": list(self.other_fields),
+        }
+
+
+@dataclass
+class _Pending:
+    """A disengagement whose cause waits for the reports that follow it within the window."""
+
+    index: int  # its place in AutonomyLog.transitions
+    time_ns: int
+    episode_start_ns: int  # when the autonomy episode it ends began
+    trigger: str  # the report field that ended autonomy
+    signs: dict = field(default_factory=dict)  # cause -> labels, in the order seen
+
+    def add(self, cause: str, label: str) -> None:
+        labels = self.signs.setdefault(cause, [])
+        if label not in labels:
+            labels.append(label)
 
 
 class AutonomyLog:
     """Engagement history of a field test from drive-by-wire reports, fed in time order.
 
-    Autonomous = the latest `enabled` says enabled and no report source shows an override. Each
-    end of an autonomy episode is one safety-driver intervention ("override": a pedal or the wheel
-    was used; "disabled": the disengage button). Several report sources going off for one takeover
-    are one transition, since only the combined state is tracked.
+    Autonomous = the latest `enabled` says enabled and no report source shows an override. Several
+    report sources going off for one takeover are one transition, since only the combined state is
+    tracked. Each end of autonomy is a disengagement whose cause comes from every report within
+    CAUSE_WINDOW_S of it, by the precedence of CAUSES: "override" (a pedal or the wheel: the only
+    safety-driver intervention), "fault", "timeout", else "disable" (the operator's button or the
+    stack). A flag already set when the autonomy episode began did not end it and is not a sign.
+    Causes are final once the window after a disengagement has passed, or at `finish()`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cause_window_s: float = CAUSE_WINDOW_S) -> None:
+        if not (math.isfinite(cause_window_s) and cause_window_s >= 0):
+            raise ValueError(f"cause_window_s must be finite and not negative, got {cause_window_s}")
+        self.cause_window_ns = int(round(cause_window_s * 1e9))
         self.transitions: list[Transition] = []
         self._enabled = False
-        self._overrides: dict[str, bool] = {}
+        self._overrides: dict[str, str] = {}  # source -> its override label, while it shows one
         self._autonomous = False
         self._since_ns: int | None = None
+        self._set_since: dict[str, dict[str, int]] = {}  # source -> {label: time set without a break}
+        self._recent: deque = deque()  # (time_ns, cause, label, set_since_ns) of signs within the window
+        self._pending: list[_Pending] = []
         self.autonomy_ns = 0
         self.autonomy_distance_m = 0.0
         self.total_distance_m = 0.0
@@ -132,29 +181,75 @@ class AutonomyLog:
 
     @property
     def interventions(self) -> list[Transition]:
-        return [t for t in self.transitions if t.event != "engaged"]
+        """Safety-driver overrides."""
+        return [t for t in self.transitions if t.cause == "override"]
 
     def _touch(self, time_ns: int) -> None:
         if self.first_ns is None:
             self.first_ns = time_ns
         self.last_ns = time_ns if self.last_ns is None else max(self.last_ns, time_ns)
 
-    def on_report(self, time_ns: int, source: str, enabled: bool | None, override_active: bool | None) -> None:
-        """One report; None leaves that flag of the state unchanged (e.g. a Bool `enabled` topic)."""
+    def on_report(
+        self,
+        time_ns: int,
+        source: str,
+        enabled: bool | None,
+        override_active: bool | None,
+        faults: tuple[str, ...] = (),
+        timeouts: tuple[str, ...] = (),
+        override_field: str = "override_active",
+        disabled_field: str = "enabled=false",
+    ) -> None:
+        """One report. None leaves that part of the state unchanged (e.g. a Bool `enabled` topic has no
+        override flag). faults, timeouts: names of this report's flags that are set; override_field,
+        disabled_field: how this report shows an override and not being enabled, for the record."""
         self._touch(time_ns)
+        self._settle(time_ns)
+        signs = [("fault", name) for name in faults] + [("timeout", name) for name in timeouts]
+        if override_active:
+            signs.insert(0, ("override", override_field))
+        was_set = self._set_since.get(source, {})
+        now_set = {f"{source}: {name}": was_set.get(f"{source}: {name}", time_ns) for _, name in signs}
+        self._set_since[source] = now_set
+        for cause, name in signs:
+            label = f"{source}: {name}"
+            self._recent.append((time_ns, cause, label, now_set[label]))
+            for pending in self._pending:
+                if now_set[label] >= pending.episode_start_ns:
+                    pending.add(cause, label)
+        while self._recent and self._recent[0][0] < time_ns - self.cause_window_ns:
+            self._recent.popleft()
+
         if enabled is not None:
             self._enabled = bool(enabled)
         if override_active is not None:
-            self._overrides[source] = bool(override_active)
-        overridden = any(self._overrides.values())
-        autonomous = self._enabled and not overridden
+            if override_active:
+                self._overrides[source] = f"{source}: {override_field}"
+            else:
+                self._overrides.pop(source, None)
+        autonomous = self._enabled and not self._overrides
         if autonomous and not self._autonomous:
             self._since_ns = time_ns
             self.transitions.append(Transition(time_ns, "engaged"))
         elif self._autonomous and not autonomous:
             self.autonomy_ns += time_ns - self._since_ns
-            self.transitions.append(Transition(time_ns, "override" if overridden else "disabled"))
+            trigger = next(iter(self._overrides.values())) if self._overrides else f"{source}: {disabled_field}"
+            pending = _Pending(len(self.transitions), time_ns, self._since_ns, trigger)
+            for _, cause, label, set_since in self._recent:
+                if set_since >= self._since_ns:
+                    pending.add(cause, label)
+            self.transitions.append(Transition(time_ns, "disengaged"))
+            self._pending.append(pending)
         self._autonomous = autonomous
+
+    def _settle(self, now_ns: float) -> None:
+        """Decide the cause of every disengagement whose window has passed by now_ns."""
+        while self._pending and self._pending[0].time_ns + self.cause_window_ns < now_ns:
+            p = self._pending.pop(0)
+            cause = next((c for c in CAUSES[:-1] if p.signs.get(c)), "disable")
+            fields = tuple(p.signs[cause]) if cause != "disable" else (p.trigger,)
+            others = tuple(label for c in CAUSES if c != cause for label in p.signs.get(c, ()))
+            self.transitions[p.index] = Transition(p.time_ns, "disengaged", cause, fields, others)
 
     def on_speed(self, time_ns: int, speed_mps: float) -> None:
         if not math.isfinite(speed_mps):
@@ -170,19 +265,22 @@ class AutonomyLog:
         self._speed = (time_ns, float(speed_mps))
 
     def finish(self) -> None:
-        """Close an autonomy episode still open at the end of the recording (not an intervention)."""
+        """Decide the causes still open and close an autonomy episode still open at the end of the
+        recording (not a disengagement)."""
+        self._settle(math.inf)
         if self._autonomous and self.last_ns is not None:
             self.autonomy_ns += self.last_ns - self._since_ns
             self._since_ns = self.last_ns
 
     def summary(self) -> dict:
+        """Counts and rates after `finish()`: interventions are safety-driver overrides only; the
+        other disengagements are counted by cause."""
         count = len(self.interventions)
         hours = self.autonomy_ns / 3.6e12
         km = self.autonomy_distance_m / 1000.0
         return {
             "interventions": count,
-            "overrides": sum(t.event == "override" for t in self.transitions),
-            "disables": sum(t.event == "disabled" for t in self.transitions),
+            "disengagements": {c: sum(t.cause == c for t in self.transitions) for c in CAUSES[1:]},
             "engagements": sum(t.event == "engaged" for t in self.transitions),
             "recording_s": 0.0 if self.first_ns is None else (self.last_ns - self.first_ns) * 1e-9,
             "autonomy_s": self.autonomy_ns * 1e-9,
@@ -190,5 +288,6 @@ class AutonomyLog:
             "total_km": self.total_distance_m / 1000.0 if self.has_speed else None,
             "interventions_per_hour": count / hours if hours > 0 else None,
             "interventions_per_km": count / km if self.has_speed and km > 0 else None,
-            "transitions": [{"time_ns": t.time_ns, "event": t.event} for t in self.transitions],
+            "cause_window_s": self.cause_window_ns * 1e-9,
+            "transitions": [t.as_dict() for t in self.transitions],
         }
