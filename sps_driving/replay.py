@@ -11,9 +11,12 @@ recorded stamps, so the selection is the one the car made and results are reprod
 - real time: messages go out at their recorded pace; stages that cannot keep up drop frames.
 
 Everything the graph publishes is recorded into an output bag (log time = when it was received
-here), together with the CameraInfo of each frame as it entered the graph. The report (frames,
-command error against the bag's reference commands, failures, interventions, per-stage latency,
-compute and graph overhead) is computed from those records by `build_report`, which needs no ROS.
+here; by default out/replay/<bag name>_<time> under the current folder), together with the
+CameraInfo of each frame as it entered the graph. An image whose stamp was already played is not
+published (the graph keys every frame by its stamp) and is counted as dropped. The report (every
+image of the bag accounted for as a command or a drop with its reason, command error against the
+bag's reference commands, failures, interventions, time stopping, per-stage latency, compute and
+graph overhead) is computed from those records by `build_report`, which needs no ROS.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ RECORDED = {
     topics.DESCRIPTORS: "sensor_msgs/msg/PointCloud2",
     topics.POLICY_COMMAND: "sensor_msgs/msg/JointState",
     topics.ACTUATION: "sensor_msgs/msg/JointState",
+    topics.DIAGNOSTICS: "diagnostic_msgs/msg/DiagnosticArray",
+    # The nodes' statuses before they moved to /diagnostics: recorded until no node publishes there.
     topics.VEHICLE_STATUS: "diagnostic_msgs/msg/DiagnosticArray",
     topics.SAFETY_STATUS: "diagnostic_msgs/msg/DiagnosticArray",
     topics.SAFETY_EVENTS: "diagnostic_msgs/msg/DiagnosticArray",
@@ -47,6 +52,10 @@ PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)  # besi
 PLAYED_QOS = {topics.IMAGE: "image", topics.CAMERA_INFO: "sensor"}  # as the camera driver publishes them
 GRAPH_NODES = ("selection", "extractor", "policy", "vehicle_interface", "safety_monitor")
 REFERENCE_MATCH_S = 0.05  # a reference command within this of a frame's stamp is its reference
+STATUS_TOPICS = (topics.DIAGNOSTICS, topics.VEHICLE_STATUS, topics.SAFETY_STATUS)  # statuses, told apart by name
+VEHICLE_INTERFACE, SAFETY_MONITOR = "vehicle_interface", "safety_monitor"  # their status names
+REPEATED_STAMP = "repeated stamp"  # drop reason: an image whose stamp was already played
+NO_OUTCOME = "no outcome"  # drop reason: neither a command nor a stage's drop report came
 
 
 @dataclass(frozen=True)
@@ -99,21 +108,42 @@ def match_reference(stamps, reference: dict, tolerance_ns: int) -> dict:
     return out
 
 
-def build_report(frames: dict, records: list, reference: dict, wall_s: float) -> dict:
+def stopping_fraction(states, start_ns: int | None, end_ns: int | None) -> float | None:
+    """Fraction of [start_ns, end_ns] during which the latest of `states` [(time ns, stopping)] said
+    stopping; time before the first state is not stopping. None for an empty span."""
+    if start_ns is None or end_ns is None or end_ns <= start_ns:
+        return None
+    states = sorted(states)
+    stopped = 0
+    for (t, stopping), (t_next, _) in zip(states, states[1:] + [(end_ns, False)]):
+        if stopping:
+            stopped += max(0, min(t_next, end_ns) - max(t, start_ns))
+    return stopped / (end_ns - start_ns)
+
+
+def build_report(frames: dict, records: list, reference: dict, wall_s: float, repeated_stamps: int = 0) -> dict:
     """The replay report.
 
-    frames: {camera stamp ns: time it entered the graph, ns}; records: graph outputs as `Record`s;
-    reference: {stamp ns: (steering, throttle)} from the bag; wall_s: duration of the playback.
+    frames: {camera stamp ns: time the frame entered the graph, ns}, one per image played;
+    records: graph outputs as `Record`s; reference: {stamp ns: (steering, throttle)} from the bag;
+    wall_s: duration of the playback; repeated_stamps: images of the bag not played because their
+    stamp already was. Every image has one outcome: its command (frames_out) or a drop, by reason
+    (the first drop a stage reported for it, "repeated stamp", or "no outcome" when neither came),
+    so frames_in = frames_out + frames_dropped. Statuses (from /diagnostics or the nodes' old status
+    topics, by status name) count from the moment the first frame entered the graph, so start-up
+    stops are left out; the counters they carry are the nodes' totals.
     """
+    start_ns = min(frames.values(), default=None)
+    end_ns = max(frames.values(), default=None)
     first_seen: dict = {topic: {} for topic in STAGES.values()}
     commands = {}
     compute: dict = {}
-    drops: dict = {}
+    reported_drops: dict = {}  # stamp -> the first drop reported for it
     failure_counts: dict = {}
     safety_interventions = 0
     vehicle_interventions = 0
     stop_reasons: dict = {}
-    status_count = stopping_count = 0
+    vehicle_states = []  # (time ns, stopping) of each vehicle-interface status
     for rec in records:
         if rec.topic in first_seen:
             stamp = msgs.stamp_ns(rec.msg.header)
@@ -126,22 +156,20 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float) ->
                     compute.setdefault(name, {})[msgs.stamp_ns(rec.msg.header)] = float(values["compute_ms"])
                 elif message.startswith("dropped"):
                     reason = message.split(":", 1)[-1].strip()
-                    key = f"{name}: {reason[:80]}"
-                    drops[key] = drops.get(key, 0) + 1
+                    reported_drops.setdefault(msgs.stamp_ns(rec.msg.header), f"{name}: {reason[:80]}")
         elif rec.topic == topics.SAFETY_EVENTS:
             for _, _, _, values in msgs.diagnostic_values(rec.msg):
                 failure = values.get("failure", "unknown")
                 failure_counts[failure] = failure_counts.get(failure, 0) + 1
-        elif rec.topic == topics.SAFETY_STATUS:
-            for _, _, _, values in msgs.diagnostic_values(rec.msg):
-                safety_interventions = max(safety_interventions, int(values.get("interventions", 0)))
-        elif rec.topic == topics.VEHICLE_STATUS:
-            for _, level, _, values in msgs.diagnostic_values(rec.msg):
-                status_count += 1
-                vehicle_interventions = max(vehicle_interventions, int(values.get("interventions", 0)))
-                if values.get("stop_reasons"):
-                    stopping_count += 1
-                    for reason in values["stop_reasons"].split(","):
+        elif rec.topic in STATUS_TOPICS and start_ns is not None and rec.log_time_ns >= start_ns:
+            for name, _, _, values in msgs.diagnostic_values(rec.msg):
+                if name == SAFETY_MONITOR:
+                    safety_interventions = max(safety_interventions, int(values.get("interventions", 0)))
+                elif name == VEHICLE_INTERFACE:
+                    vehicle_interventions = max(vehicle_interventions, int(values.get("interventions", 0)))
+                    reasons = [r for r in values.get("stop_reasons", "").split(",") if r]
+                    vehicle_states.append((rec.log_time_ns, bool(reasons)))
+                    for reason in reasons:
                         stop_reasons[reason] = stop_reasons.get(reason, 0) + 1
 
     def latencies(topic):
@@ -159,13 +187,18 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float) ->
     compute_ms["graph_overhead"] = percentiles(v for v in overhead if math.isfinite(v))
 
     out_stamps = [s for s in commands if s in frames]
+    drops = {REPEATED_STAMP: repeated_stamps} if repeated_stamps else {}
+    for stamp in frames:
+        if stamp not in commands:
+            reason = reported_drops.get(stamp, NO_OUTCOME)
+            drops[reason] = drops.get(reason, 0) + 1
     matched = match_reference(out_stamps, reference, int(REFERENCE_MATCH_S * 1e9))
     steering = errors((commands[s][0], ref[0]) for s, ref in matched.items())
     throttle = errors((commands[s][1], ref[1]) for s, ref in matched.items())
     return {
-        "frames_in": len(frames),
+        "frames_in": len(frames) + repeated_stamps,
         "frames_out": len(out_stamps),
-        "frames_dropped": len(frames) - len(out_stamps),
+        "frames_dropped": sum(drops.values()),
         "drops": drops,
         "wall_s": wall_s,
         "throughput_fps": len(out_stamps) / wall_s if wall_s > 0 else None,
@@ -180,7 +213,7 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float) ->
         "interventions": safety_interventions + vehicle_interventions,
         "interventions_safety": safety_interventions,
         "interventions_override": vehicle_interventions,
-        "vehicle_stopping_fraction": stopping_count / status_count if status_count else None,
+        "vehicle_stopping_fraction": stopping_fraction(vehicle_states, start_ns, end_ns),
         "vehicle_stop_reasons": stop_reasons,
         "latency_ms": latency_ms,
         "compute_ms": compute_ms,
@@ -196,7 +229,7 @@ def format_report(r: dict) -> str:
         f" ({num(r['throughput_fps'], '.2f')} frames/s over {r['wall_s']:.1f} s)",
     ]
     for reason, count in sorted(r["drops"].items()):
-        lines.append(f"  dropped by {reason}: {count}")
+        lines.append(f"  dropped, {reason}: {count}")
     lines.append(f"reference commands matched: {r['reference_commands']}")
     for name in ("steering", "throttle"):
         lines.append(
@@ -209,7 +242,10 @@ def format_report(r: dict) -> str:
         f"{r['interventions_override']} overrides)"
     )
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["vehicle_stop_reasons"].items())) or "none"
-    lines.append(f"vehicle stopping {num(r['vehicle_stopping_fraction'], '.0%')} of status reports ({reasons})")
+    lines.append(
+        f"vehicle stopping {num(r['vehicle_stopping_fraction'], '.0%')} of the time from first to last frame"
+        f" (stop reasons in status reports: {reasons})"
+    )
     lines.append("latency ms (from the frame entering the graph)   p50      p99      n")
     for stage, stats in r["latency_ms"].items():
         lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")
@@ -247,7 +283,11 @@ class Player:
         self.executor = SingleThreadedExecutor(context=node.context)
         self.executor.add_node(node)
         self.records: list[Record] = []
+        # Camera stamp -> when the frame entered the graph: when the later of its image and its
+        # CameraInfo was published, ns. One per image played.
         self.frames: dict[int, int] = {}
+        self.repeated_stamps = 0  # images not played: their stamp already was
+        self._info_published: dict[int, int] = {}  # camera stamp -> when its CameraInfo was published, ns
         self.done: set[int] = set()  # frames with a command or a reported drop
         self.unreadable = 0  # recorded messages that could not be decoded (left out of the bag)
         self.publishers = {
@@ -275,14 +315,28 @@ class Player:
 
         return store
 
-    def publish(self, topic: str, msg) -> None:
+    def publish(self, topic: str, msg) -> bool:
+        """Publish one bag message into the graph. An image or CameraInfo whose stamp was already
+        played is held back (returns False): the graph keys each frame by its stamp."""
         publisher = self.publishers[topic]
         ros_msg = msgs.from_bag(msg, publisher.msg_type)
-        if topic == topics.CAMERA_INFO:
+        now = time.time_ns()
+        if topic == topics.IMAGE:
             stamp = msgs.stamp_ns(msg.header)
-            self.frames.setdefault(stamp, time.time_ns())
-            self.records.append(Record(topic, self.frames[stamp], msg))
+            if stamp in self.frames:
+                self.repeated_stamps += 1
+                return False
+            self.frames[stamp] = now
+        elif topic == topics.CAMERA_INFO:
+            stamp = msgs.stamp_ns(msg.header)
+            if stamp in self._info_published:
+                return False
+            self._info_published[stamp] = now
+            if stamp in self.frames:
+                self.frames[stamp] = now
+            self.records.append(Record(topic, now, msg))
         publisher.publish(ros_msg)
+        return True
 
     def spin(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -318,16 +372,17 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
         if not lockstep:
             first_log = item.log_time_ns if first_log is None else first_log
             player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
-        player.publish(topic, item.msg)
+        published = player.publish(topic, item.msg)
         if topic == topics.IMAGE:
-            stamp = msgs.stamp_ns(item.msg.header)
-            image_stamps.add(stamp)
-            if not has_info:
-                info = camera_info_message(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id)
-                player.publish(topics.CAMERA_INFO, info)
-                info_stamps.add(stamp)
             bar.update(1)
-        elif topic == topics.CAMERA_INFO:
+            stamp = msgs.stamp_ns(item.msg.header)
+            if published:
+                image_stamps.add(stamp)
+                if not has_info:
+                    info = camera_info_message(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id)
+                    player.publish(topics.CAMERA_INFO, info)
+                    info_stamps.add(stamp)
+        elif topic == topics.CAMERA_INFO and published:
             info_stamps.add(msgs.stamp_ns(item.msg.header))
         if lockstep:
             # A frame is in once both its image and its camera info are: wait for its command.
@@ -347,7 +402,10 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bag", type=Path, help="rosbag2 folder (sqlite3 or mcap) with camera frames on " + topics.IMAGE)
-    parser.add_argument("--out", type=Path, help="output bag of everything the graph published (default: BAG_replay_<time>)")
+    parser.add_argument(
+        "--out", type=Path,
+        help="output bag of everything the graph published (default: out/replay/<bag name>_<time> under the current folder)",
+    )
     parser.add_argument("--storage", choices=("sqlite3", "mcap"), default="sqlite3", help="output bag storage")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--lockstep", dest="lockstep", action="store_true", default=True, help="one frame at a time (default)")
@@ -475,19 +533,26 @@ def replay_bag(
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with BagWriter(out, storage) as writer:
         for rec in sorted(player.records, key=lambda r: r.log_time_ns):
             writer.write(rec.topic, rec.msg, rec.log_time_ns)
     reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
-    report = build_report(player.frames, player.records, reference_commands(bag, reference_topic), wall_s)
+    report = build_report(player.frames, player.records, reference_commands(bag, reference_topic), wall_s, player.repeated_stamps)
     report["mode"] = "lockstep" if lockstep else "realtime"
     report["unreadable_messages"] = player.unreadable
     report["output_bag"] = str(out)
     return report
 
 
+def default_output(bag: Path) -> Path:
+    """out/replay/<bag name>_<time> under the current folder: never inside the bag's own tree (the
+    bundled bags live in the package)."""
+    return Path("out") / "replay" / f"{Path(bag).resolve().name}_{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
 def run(args: argparse.Namespace) -> int:
-    out = args.out or args.bag.with_name(f"{args.bag.name}_replay_{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or default_output(args.bag)
     try:
         report = replay_bag(
             args.bag, out, lockstep=args.lockstep, checkpoint=args.checkpoint, backbone_config=args.backbone_config,

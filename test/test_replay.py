@@ -3,6 +3,7 @@ real rosbag2 through the live graph with the real embedded DINOv2."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from rclpy.serialization import serialize_message
 
 from sps_driving import msgs, topics
 from sps_driving.bagio import TYPESTORE, BagWriter, command_message, image_message, lane_pose_message, read_messages
-from sps_driving.replay import Record, build_report, match_reference
+from sps_driving.replay import Record, build_report, default_output, format_report, match_reference
 
 MS = 1_000_000
 
@@ -72,9 +73,53 @@ def test_report_counts_errors_latency_and_overhead():
     json.dumps(r)  # the --json output is plain JSON
 
 
+def status(name, values):
+    return as_bag(msgs.diagnostics(0, name, 0, "", values), "diagnostic_msgs/msg/DiagnosticArray")
+
+
+def test_report_accounts_for_every_image_and_weighs_stopping_by_time():
+    """Five frames played 1 s apart and two images held back for a repeated stamp; statuses on
+    /diagnostics and on the old status topics, told apart by name."""
+    s = 1_000 * MS
+    t0 = 50 * s
+    stamps = [7 * s + i * 33 * MS for i in range(5)]
+    frames = {stamp: t0 + i * s for i, stamp in enumerate(stamps)}
+    records = [Record(topics.POLICY_COMMAND, frames[stamps[i]] + 100 * MS, command_message(0.0, 0.0, stamps[i])) for i in (0, 1, 4)]
+    # Frame 2: the extractor drops it and a later stage reports it too: one drop, the first reason.
+    records.append(Record(topics.STAGE_TIMING, frames[stamps[2]] + 10 * MS, timing(stamps[2], "extractor", dropped="stale")))
+    records.append(Record(topics.STAGE_TIMING, frames[stamps[2]] + 20 * MS, timing(stamps[2], "policy", dropped="late")))
+    records.append(Record(topics.STAGE_TIMING, t0, timing(3 * s, "extractor", dropped="stale")))  # not a frame played
+    # Frame 3: nothing came.
+    vehicle_statuses = [  # (time from t0 ms, topic, stop reasons)
+        (-1000, topics.VEHICLE_STATUS, "no_command"),  # start-up, before the first frame: not counted
+        (500, topics.DIAGNOSTICS, ""),
+        (1000, topics.DIAGNOSTICS, "safety_stop"),
+        (2000, topics.VEHICLE_STATUS, ""),
+        (3000, topics.DIAGNOSTICS, "command_timeout,safety_stop"),
+        (5000, topics.DIAGNOSTICS, "camera_timeout"),  # after the last frame
+    ]
+    for ms, topic, reasons in vehicle_statuses:
+        records.append(Record(topic, t0 + ms * MS, status("vehicle_interface", {"stop_reasons": reasons, "interventions": 1})))
+    records.append(Record(topics.DIAGNOSTICS, t0 + 1500 * MS, status("extractor", {"stop_reasons": "other", "interventions": 9})))
+    records.append(Record(topics.SAFETY_STATUS, t0 + 100 * MS, status("safety_monitor", {"interventions": 1})))
+    records.append(Record(topics.DIAGNOSTICS, t0 + 200 * MS, status("safety_monitor", {"interventions": 2})))
+    r = build_report(frames, records, {}, wall_s=4.0, repeated_stamps=2)
+    assert (r["frames_in"], r["frames_out"], r["frames_dropped"]) == (7, 3, 4)
+    assert r["drops"] == {"repeated stamp": 2, "extractor: stale": 1, "no outcome": 1}
+    assert r["frames_out"] + sum(r["drops"].values()) == r["frames_in"]
+    # Stopping from 1 to 2 s and from 3 s to the last frame at 4 s, of 4 s.
+    assert r["vehicle_stopping_fraction"] == pytest.approx(0.5)
+    assert r["vehicle_stop_reasons"] == {"safety_stop": 2, "command_timeout": 1, "camera_timeout": 1}
+    assert r["interventions_safety"] == 2 and r["interventions_override"] == 1
+    text = format_report(r)
+    assert "dropped, repeated stamp: 2" in text and "dropped, no outcome: 1" in text
+    assert "vehicle stopping 50% of the time from first to last frame" in text
+
+
 def test_report_of_nothing_is_well_formed():
     r = build_report({5: 1}, [], {}, wall_s=0.0)
-    assert r["frames_dropped"] == 1 and r["steering_mae"] is None and r["throughput_fps"] is None
+    assert r["frames_dropped"] == 1 and r["drops"] == {"no outcome": 1}
+    assert r["steering_mae"] is None and r["throughput_fps"] is None and r["vehicle_stopping_fraction"] is None
     assert r["latency_ms"]["camera_to_command"] == {"p50": None, "p99": None, "mean": None, "max": None, "count": 0}
 
 
@@ -87,7 +132,8 @@ def test_match_reference_takes_the_nearest_within_tolerance():
 @pytest.mark.ros
 def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     """Frames of an mcap bag through the five node processes (real DINOv2 at 112 px, a tiny random
-    policy); every frame gets a command that equals the core run in-process on the same frames."""
+    policy); every frame gets a command that equals the core run in-process on the same frames. A
+    second image with an already played stamp is held back and counted as a drop."""
     from ros_helpers import tiny_checkpoint
 
     from sps_driving import cli
@@ -107,6 +153,8 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
             bag.write(topics.IMAGE, image_message(images[t], t, encoding="bgr8"), t)
             bag.write(topics.REFERENCE_COMMAND, command_message(0.0, 0.1, t), t)
             bag.write(topics.LANE_POSE, lane_pose_message(0.2, 0.0, t), t)
+            if i == 1:  # another image with the same stamp, other pixels
+                bag.write(topics.IMAGE, image_message(255 - images[t], t, encoding="bgr8"), t + 1)
     out = tmp_path / "out"
     code = cli.main([
         "replay", str(tmp_path / "drive"), "--out", str(out), "--json", "--checkpoint", str(ckpt),
@@ -114,7 +162,10 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     ])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert (report["frames_in"], report["frames_out"], report["frames_dropped"]) == (4, 4, 0)
+    assert (report["frames_in"], report["frames_out"], report["frames_dropped"]) == (5, 4, 1)
+    assert report["drops"] == {"repeated stamp": 1}
+    assert report["frames_out"] + sum(report["drops"].values()) == report["frames_in"]
+    assert 0.0 <= report["vehicle_stopping_fraction"] <= 1.0
     assert report["reference_commands"] == 4 and report["steering_mae"] is not None
     assert report["failures"] == {} and report["interventions"] == 0
     for stage in ("selection", "extractor", "policy", "camera_to_command"):
@@ -131,9 +182,10 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
 
 
 @pytest.mark.ros
-def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys):
+def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys, monkeypatch):
     """12 frames at 30 fps, far faster than CPU extraction: the extractor skips to the newest frame.
-    The bag was recorded with a vendor camera driver's topic name, mapped to the graph's."""
+    The bag was recorded with a vendor camera driver's topic name, mapped to the graph's. Without
+    --out the output bag goes to out/replay/ under the current folder."""
     from ros_helpers import tiny_checkpoint
 
     from sps_driving import cli
@@ -146,19 +198,30 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys):
         for i in range(12):
             t = t0 + i * 33_333_333
             bag.write("/flir_camera/image_raw", image_message(rng.integers(0, 256, (600, 960, 3), dtype=np.uint8), t), t)
-    out = tmp_path / "out"
+    # The node processes import the package this test imported, wherever the current folder is.
+    import sps_driving
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(sps_driving.__file__).resolve().parent.parent))
+    monkeypatch.chdir(tmp_path)
     code = cli.main([
-        "replay", str(tmp_path / "drive"), "--realtime", "--out", str(out), "--json", "--checkpoint", str(ckpt),
+        "replay", str(tmp_path / "drive"), "--realtime", "--json", "--checkpoint", str(ckpt),
         "--backbone-config", str(tmp_path / "extraction.yaml"), "--topic", "/flir_camera/image_raw:=/camera/image_raw",
     ])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["mode"] == "realtime"
     assert report["frames_in"] == 12 and 1 <= report["frames_out"] < 12
     assert report["drops"].get("extractor: stale", 0) >= 1
-    assert report["frames_out"] + sum(report["drops"].values()) <= 12
+    assert report["frames_out"] + sum(report["drops"].values()) == report["frames_dropped"] + report["frames_out"] == 12
+    out = tmp_path / report["output_bag"]
+    assert report["output_bag"].startswith("out/replay/drive_") and out.is_dir()
     assert report["reference_commands"] == 0 and report["steering_mae"] is None
     commands = list(read_messages(out, [topics.POLICY_COMMAND]))
     assert len(commands) == report["frames_out"]
+
+
+def test_default_output_is_outside_the_bag_tree():
+    out = default_output(Path("data/demo_drive/"))
+    assert out.parent == Path("out/replay") and out.name.startswith("demo_drive_")
 
 
 def test_replay_refuses_bad_inputs_with_clear_errors(tmp_path, capsys):
