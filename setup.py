@@ -13,7 +13,9 @@ NODES = [
     "policy",
     "vehicle_interface",
     "safety_monitor",
+    "failsafe",
     "sim_world",
+    "pacmod3_standin",
 ]
 
 setup(
@@ -24,7 +26,7 @@ setup(
         ("share/ament_index/resource_index/packages", ["resource/" + package_name]),
         ("share/" + package_name, ["package.xml"]),
         ("share/" + package_name + "/launch", glob("launch/*.xml")),
-        ("share/" + package_name + "/config", glob("config/*.yaml")),
+        ("share/" + package_name + "/config", glob("config/*.yaml") + glob("config/*.xml")),
     ]
     # Shipped policies and the bundled drive keep their folder layout under share/.
     + [

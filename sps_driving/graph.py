@@ -21,8 +21,17 @@ import yaml
 from sps_driving.resources import config_path
 
 # Every node executable of the package (setup.py); sim_world stands in for the car in simulation.
-NODES = ("camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "sim_world")
+NODES = (
+    "camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "failsafe", "sim_world",
+    "pacmod3_standin",
+)
 PACKAGE = "sps_driving"
+# The vehicle interface in a graph without the car (replays, the simulator, tests): standard
+# messages, engaged as soon as the inputs are ready, no failsafe (it guards the PACMod driver), no
+# speed report needed, and stops that do not latch (a replay reports whether the stack resumes).
+VEHICLE_WITHOUT_CAR = {
+    "backend": "topics", "auto_engage": True, "require_failsafe": False, "require_speed": False, "latch_stops": False,
+}
 
 
 def default_params_file() -> Path:
@@ -96,13 +105,14 @@ class Graph:
             process.send_signal(sig)
             process.wait(timeout=10)
 
-    def stop(self, timeout_s: float = 5.0) -> dict:
-        """Ctrl-C every node, then kill what is left; returns {node: exit status}."""
-        for process in self.processes.values():
+    def stop(self, nodes=None, timeout_s: float = 5.0) -> dict:
+        """Ctrl-C every node (or those named), then kill what is left; returns {node: exit status}."""
+        chosen = [self.processes[n] for n in nodes if n in self.processes] if nodes is not None else list(self.processes.values())
+        for process in chosen:
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
         deadline = time.monotonic() + timeout_s
-        for process in self.processes.values():
+        for process in chosen:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

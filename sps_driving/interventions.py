@@ -42,10 +42,10 @@ EVENT_CAUSES = {
     "override": "override",
     "fault": "fault",
     "can_timeout": "timeout",
-    "report_timeout": "timeout",
-    "speed_report_timeout": "timeout",
     "engage_timeout": "timeout",
 }
+# Recordings from before the vehicle interface's status moved to /diagnostics.
+OLD_VEHICLE_STATUS = "/vehicle_interface/status"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def selected_topics(types: dict[str, str]) -> dict[str, str]:
         elif msgtype == TWIST and topic == topics.VEHICLE_TWIST:
             roles[topic] = "twist"
     if not any(r in ("global", "system", "enabled") for r in roles.values()):
-        for topic in (topics.DIAGNOSTICS, topics.VEHICLE_STATUS):
+        for topic in (topics.DIAGNOSTICS, OLD_VEHICLE_STATUS):
             if types.get(topic) == DIAGNOSTICS:
                 roles[topic] = "vehicle_interface"
     # One speed source: the twist when both are recorded.
@@ -107,7 +107,7 @@ def analyze(bag: Path) -> dict:
     if not any(r in ("global", "system", "enabled", "vehicle_interface") for r in roles.values()):
         raise ValueError(
             f"{bag} has no engagement reports: expected {GLOBAL_RPT}, {' or '.join(SYSTEM_RPTS)}, {BOOL} on "
-            f"{topics.PACMOD_ENABLED} or the vehicle interface status on {topics.DIAGNOSTICS} or {topics.VEHICLE_STATUS}"
+            f"{topics.PACMOD_ENABLED} or the vehicle interface status on {topics.DIAGNOSTICS} or {OLD_VEHICLE_STATUS}"
         )
     from tqdm import tqdm
 

@@ -18,12 +18,18 @@ QoS, per topic kind:
   effort loses whole frames to one lost fragment under load (seen on loopback here); keep-last
   never blocks the writer, and 3 lets the extractor's callback see (and count) each frame it
   skips rather than DDS dropping them silently. image_transport publishers are reliable by default.
-- "sensor": camera info, lane state and obstacle range in. Best effort, keep last 1: a late sample
-  is useless, and a best-effort reader accepts reliable and best-effort writers.
+- "sensor": readers of camera info, lane state, obstacle range, speed and drive-by-wire reports.
+  REP 2003's sensor-data profile: best effort, keep last 5; a best-effort reader accepts reliable
+  and best-effort writers.
+- "sensor_out": writers of those (drivers, the simulator). REP 2003: reliable, keep last 5.
 - "selection": reliable, keep last 30 (1 s at 30 fps): the extractor matches decisions to frames
   by stamp and must not lose one that belongs to a frame it still holds.
-- "stream": descriptors and commands. Reliable, keep last 1: a consumer only ever wants the newest.
-- "control": vehicle output, stop requests, engage requests. Reliable, keep last 10.
+- "stream": descriptors and policy commands. Reliable, keep last 1: a consumer only ever wants the
+  newest.
+- "control": vehicle commands, stop requests, the failsafe's status. Reliable, keep last 1: only
+  the newest command may ever act.
+- "driver": the PACMod 3 driver's own profile for its command and report topics (reliable, keep
+  last 20), used by the stand-in driver.
 - "status": diagnostics and timing. Reliable, keep last 100, so a recorder loses nothing.
 """
 
@@ -32,6 +38,9 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import socket
+from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -70,7 +79,9 @@ def header(stamp: int, frame_id: str):
 
 # ---------------------------------------------------------------- QoS
 
-QOS_DEPTHS = {"image": 3, "sensor": 1, "selection": 30, "stream": 1, "control": 10, "status": 100}
+QOS_DEPTHS = {
+    "image": 3, "sensor": 5, "sensor_out": 5, "selection": 30, "stream": 1, "control": 1, "driver": 20, "status": 100,
+}
 
 
 def qos(kind: str):
@@ -272,12 +283,22 @@ def lane_from_message(msg) -> tuple[float, float]:
 # ---------------------------------------------------------------- diagnostics
 
 
-def diagnostics(stamp: int, name: str, level: int, message: str, values: dict, hardware_id: str = ""):
-    """A DiagnosticArray with one status; level: 0 OK, 1 WARN, 2 ERROR, 3 STALE."""
+class Level(IntEnum):
+    """diagnostic_msgs/DiagnosticStatus levels."""
+
+    OK = 0
+    WARN = 1
+    ERROR = 2
+    STALE = 3
+
+
+def diagnostics(stamp: int, name: str, level: int, message: str, values: dict, hardware_id: str | None = None):
+    """A DiagnosticArray with one status (`level` a Level); `hardware_id` defaults to this machine's
+    host name (the computer a software node runs on)."""
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
     status = DiagnosticStatus(
-        level=bytes([level]), name=name, message=message, hardware_id=hardware_id,
+        level=bytes([int(level)]), name=name, message=message, hardware_id=hardware_id or socket.gethostname(),
         values=[KeyValue(key=str(k), value=str(v)) for k, v in values.items()],
     )
     return DiagnosticArray(header=header(stamp, ""), status=[status])
@@ -291,3 +312,78 @@ def diagnostic_values(msg) -> list[tuple[str, int, str, dict]]:
         level = level[0] if isinstance(level, (bytes, bytearray)) else int(level)
         out.append((status.name, level, status.message, {kv.key: kv.value for kv in status.values}))
     return out
+
+
+def status_named(msg, name: str) -> tuple[int, str, dict] | None:
+    """(level, message, values) of the status called `name` in a DiagnosticArray, or None."""
+    for status_name, level, message, values in diagnostic_values(msg):
+        if status_name == name:
+            return level, message, values
+    return None
+
+
+# ---------------------------------------------------------------- stop requests
+# A stop request is a DiagnosticArray with one status: `name` says who asks (only the expected
+# source is obeyed), the header stamps it, level ERROR means "stop", OK means "no stop needed";
+# the message says why. The safety monitor and the failsafe send them.
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    source: str
+    stop: bool
+    reason: str
+    stamp_ns: int
+
+
+def stop_request_message(stamp: int, source: str, stop: bool, reason: str = ""):
+    return diagnostics(stamp, source, Level.ERROR if stop else Level.OK, reason, {"stop": stop}, hardware_id=source)
+
+
+def stop_request_from_message(msg) -> StopRequest:
+    if len(msg.status) != 1:
+        raise MessageError(f"a stop request has exactly one status, got {len(msg.status)}")
+    name, level, message, _ = diagnostic_values(msg)[0]
+    if level not in (Level.OK, Level.ERROR):
+        raise MessageError(f"a stop request's level is OK or ERROR, got {level}")
+    return StopRequest(name, level == Level.ERROR, message, stamp_ns(msg.header))
+
+
+# ---------------------------------------------------------------- PACMod 3 (pacmod3_msgs, ROS 2 layout)
+
+
+def system_status(report):
+    """core.control.SystemStatus from a SystemRptFloat (steering, accel, brake reports)."""
+    from sps_driving.core.control import SystemStatus
+
+    fault = any(
+        bool(getattr(report, flag))
+        for flag in ("command_output_fault", "input_output_fault", "output_reported_fault", "pacmod_fault", "vehicle_fault")
+    )
+    return SystemStatus(bool(report.enabled), bool(report.override_active), fault, bool(report.command_timeout), float(report.output))
+
+
+def global_status(report):
+    """core.control.GlobalStatus from a GlobalRpt (`enabled` = any system enabled)."""
+    from sps_driving.core.control import GlobalStatus
+
+    timeout = any(
+        bool(getattr(report, flag))
+        for flag in ("user_can_timeout", "steering_can_timeout", "brake_can_timeout", "subsystem_can_timeout", "vehicle_can_timeout")
+    )
+    fault = bool(report.pacmod_sys_fault_active) or bool(report.config_fault_active)
+    return GlobalStatus(bool(report.enabled), bool(report.override_active), fault, timeout)
+
+
+def pacmod_commands(command, stamp: int) -> dict:
+    """{system: message} for one core.control.PacmodCommand: steering_cmd, accel_cmd, brake_cmd, turn_cmd."""
+    from pacmod3_msgs.msg import SteeringCmd, SystemCmdFloat, SystemCmdInt
+
+    flags = dict(header=header(stamp, "base_link"), enable=command.enable, ignore_overrides=False,
+                 clear_override=command.clear_override)
+    return {
+        "steering": SteeringCmd(command=command.steering_wheel_rad, rotation_rate=command.rotation_rate_rad_s, **flags),
+        "accel": SystemCmdFloat(command=command.accel, **flags),
+        "brake": SystemCmdFloat(command=command.brake, **flags),
+        "turn": SystemCmdInt(command=SystemCmdInt.TURN_HAZARDS if command.hazards else SystemCmdInt.TURN_NONE, **flags),
+    }

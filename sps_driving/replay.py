@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving import msgs, topics
+from sps_driving.graph import VEHICLE_WITHOUT_CAR
 
 # Stage outputs whose receive time minus the frame's entry time is that stage's latency.
 STAGES = {"selection": topics.SELECTION, "extractor": topics.DESCRIPTORS, "policy": topics.POLICY_COMMAND}
@@ -41,18 +42,14 @@ RECORDED = {
     topics.POLICY_COMMAND: "sensor_msgs/msg/JointState",
     topics.ACTUATION: "sensor_msgs/msg/JointState",
     topics.DIAGNOSTICS: "diagnostic_msgs/msg/DiagnosticArray",
-    # The nodes' statuses before they moved to /diagnostics: recorded until no node publishes there.
-    topics.VEHICLE_STATUS: "diagnostic_msgs/msg/DiagnosticArray",
-    topics.SAFETY_STATUS: "diagnostic_msgs/msg/DiagnosticArray",
     topics.SAFETY_EVENTS: "diagnostic_msgs/msg/DiagnosticArray",
-    topics.SAFETY_STOP: "std_msgs/msg/Bool",
+    topics.SAFETY_STOP: "diagnostic_msgs/msg/DiagnosticArray",
     topics.STAGE_TIMING: "diagnostic_msgs/msg/DiagnosticArray",
 }
 PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)  # besides the camera
 PLAYED_QOS = {topics.IMAGE: "image", topics.CAMERA_INFO: "sensor"}  # as the camera driver publishes them
 GRAPH_NODES = ("selection", "extractor", "policy", "vehicle_interface", "safety_monitor")
 REFERENCE_MATCH_S = 0.05  # a reference command within this of a frame's stamp is its reference
-STATUS_TOPICS = (topics.DIAGNOSTICS, topics.VEHICLE_STATUS, topics.SAFETY_STATUS)  # statuses, told apart by name
 VEHICLE_INTERFACE, SAFETY_MONITOR = "vehicle_interface", "safety_monitor"  # their status names
 REPEATED_STAMP = "repeated stamp"  # drop reason: an image whose stamp was already played
 NO_OUTCOME = "no outcome"  # drop reason: neither a command nor a stage's drop report came
@@ -161,7 +158,7 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
             for _, _, _, values in msgs.diagnostic_values(rec.msg):
                 failure = values.get("failure", "unknown")
                 failure_counts[failure] = failure_counts.get(failure, 0) + 1
-        elif rec.topic in STATUS_TOPICS and start_ns is not None and rec.log_time_ns >= start_ns:
+        elif rec.topic == topics.DIAGNOSTICS and start_ns is not None and rec.log_time_ns >= start_ns:
             for name, _, _, values in msgs.diagnostic_values(rec.msg):
                 if name == SAFETY_MONITOR:
                     safety_interventions = max(safety_interventions, int(values.get("interventions", 0)))
@@ -446,7 +443,7 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
         "policy": {"checkpoint": str(checkpoint)},
         # Nothing real is driven: engage at once so the vehicle interface's decisions are recorded.
         # The bag's stamps are old, so the camera-to-command latency check is off.
-        "vehicle_interface": {"backend": "topics", "auto_engage": True, "max_command_latency_s": 0.0},
+        "vehicle_interface": {**VEHICLE_WITHOUT_CAR, "max_command_latency_s": 0.0},
         "safety_monitor": {},
     }
     if backbone_config:

@@ -23,22 +23,31 @@ REFERENCE_COMMAND = "/vehicle/command"  # sensor_msgs/JointState: the command th
 VEHICLE_TWIST = "/vehicle/twist"  # geometry_msgs/TwistStamped, linear.x = speed m/s
 LANE_POSE = "/lane/pose"  # geometry_msgs/PoseStamped in the lane frame
 OBSTACLE_RANGE = "/obstacles/nearest"  # sensor_msgs/Range
-DIAGNOSTICS = "/diagnostics"  # diagnostic_msgs/DiagnosticArray: node statuses, told apart by status name
-SAFETY_STATUS = "/safety/status"  # diagnostic_msgs/DiagnosticArray
-SAFETY_STOP = "/safety/stop_request"  # std_msgs/Bool, true while the monitor requests a stop
-VEHICLE_STATUS = "/vehicle_interface/status"  # diagnostic_msgs/DiagnosticArray: engaged, stop reason, counts
-ACTUATION = "/vehicle_interface/command"  # sensor_msgs/JointState: limited command sent to the car ("topics" backend)
-ENGAGE_REQUEST = "/vehicle_interface/engage"  # std_msgs/Bool: true engages drive-by-wire, false disengages
+DIAGNOSTICS = "/diagnostics"  # diagnostic_msgs/DiagnosticArray: every node's status (rqt_robot_monitor, aggregator)
+SAFETY_STOP = "/safety/stop_request"  # stop request (msgs.stop_request_message) from the safety monitor
+FAILSAFE_STATUS = "/failsafe/status"  # stop request (msgs.stop_request_message) from the failsafe: stop = it took over
+ACTUATION = "/vehicle_interface/command"  # sensor_msgs/JointState every control period: the limited command to the car
+ENGAGE_SERVICE = "/vehicle_interface/engage"  # std_srvs/SetBool: true engages drive-by-wire, false disengages
+REARM_SERVICE = "/vehicle_interface/rearm"  # std_srvs/Trigger: clears the lockout after an override
 VEHICLE_OVERRIDE = "/vehicle/override"  # std_msgs/Bool: driver override on a car without PACMod ("topics" backend)
 SAFETY_EVENTS = "/safety/events"  # diagnostic_msgs/DiagnosticArray: one message per failure onset
 STAGE_TIMING = "/sps/timing"  # diagnostic_msgs/DiagnosticArray per frame and stage: compute time, frame's stamp
 
-# PACMod 3 drive-by-wire (astuff/pacmod3, namespace "pacmod"): commands we send, reports we read.
-PACMOD_STEERING_CMD = "/pacmod/steering_cmd"  # pacmod3_msgs/SteeringCmd: steering-wheel angle rad, rotation_rate
-PACMOD_ACCEL_CMD = "/pacmod/accel_cmd"  # pacmod3_msgs/SystemCmdFloat: accelerator pedal 0..1
-PACMOD_BRAKE_CMD = "/pacmod/brake_cmd"  # pacmod3_msgs/SystemCmdFloat: brake pedal 0..1
-PACMOD_GLOBAL_RPT = "/pacmod/global_rpt"  # pacmod3_msgs/GlobalRpt: enabled, override_active, fault_active
+# PACMod 3 drive-by-wire (astuff/pacmod3 driver in namespace "pacmod"; pacmod3_msgs, ROS 2 layout).
+PACMOD_STEERING_CMD = "/pacmod/steering_cmd"  # SteeringCmd: steering-wheel angle rad, rotation_rate rad/s
+PACMOD_ACCEL_CMD = "/pacmod/accel_cmd"  # SystemCmdFloat: accelerator pedal 0..1
+PACMOD_BRAKE_CMD = "/pacmod/brake_cmd"  # SystemCmdFloat: brake pedal 0..1
+PACMOD_TURN_CMD = "/pacmod/turn_cmd"  # SystemCmdInt: TURN_HAZARDS during a controlled stop
+PACMOD_GLOBAL_RPT = "/pacmod/global_rpt"  # GlobalRpt: enabled (any system), override, faults, CAN timeouts
+PACMOD_STEERING_RPT = "/pacmod/steering_rpt"  # SystemRptFloat: output = measured steering-wheel angle rad
+PACMOD_ACCEL_RPT = "/pacmod/accel_rpt"  # SystemRptFloat: output = accelerator pedal 0..1
+PACMOD_BRAKE_RPT = "/pacmod/brake_rpt"  # SystemRptFloat: output = brake pedal 0..1
+PACMOD_TURN_RPT = "/pacmod/turn_rpt"  # SystemRptInt
+PACMOD_SPEED_RPT = "/pacmod/vehicle_speed_rpt"  # VehicleSpeedRpt: vehicle_speed m/s, vehicle_speed_valid
 PACMOD_ENABLED = "/pacmod/enabled"  # std_msgs/Bool
-PACMOD_SPEED_RPT = "/pacmod/vehicle_speed_rpt"  # pacmod3_msgs/VehicleSpeedRpt: vehicle_speed m/s
+PACMOD_COMMANDS = {
+    "steering": PACMOD_STEERING_CMD, "accel": PACMOD_ACCEL_CMD, "brake": PACMOD_BRAKE_CMD, "turn": PACMOD_TURN_CMD,
+}
+PACMOD_SYSTEM_REPORTS = {"steering": PACMOD_STEERING_RPT, "accel": PACMOD_ACCEL_RPT, "brake": PACMOD_BRAKE_RPT}
 
 COMMAND_NAMES = ("steering", "throttle")

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -6,6 +7,8 @@ import pytest
 # runs on one machine never hear each other (ROS_DOMAIN_ID 1..101 are safe on every OS).
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 os.environ.setdefault("ROS_DOMAIN_ID", str(1 + os.getpid() % 101))
+# A killed node's endpoints are forgotten after 2 s, as on the car (config/fastdds.xml).
+os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(Path(__file__).resolve().parent.parent / "config" / "fastdds.xml"))
 # Node processes and the test process share two cores: busy-waiting OpenMP threads would make
 # every torch process several times slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -10,7 +10,7 @@ import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
-from sps_driving import msgs
+from sps_driving import msgs, topics
 
 
 class Probe:
@@ -52,6 +52,27 @@ class Probe:
 
     def messages(self, topic: str) -> list:
         return [m for _, m in self.received[topic]]
+
+    def status(self, name: str):
+        """(level, message, values) of the newest status called `name` recorded on /diagnostics,
+        or (-1, "", {}) before any (record topics.DIAGNOSTICS first)."""
+        for msg in reversed(self.messages(topics.DIAGNOSTICS)):
+            found = msgs.status_named(msg, name)
+            if found is not None:
+                return found
+        return -1, "", {}
+
+    def call(self, service_type, name: str, request, timeout_s: float = 10.0):
+        """A real service call; the response, or None if there was no answer in time."""
+        client = self.node.create_client(service_type, name)
+        try:
+            if not client.wait_for_service(timeout_sec=timeout_s):
+                return None
+            future = client.call_async(request)
+            self.spin_until(future.done, timeout_s)
+            return future.result() if future.done() else None
+        finally:
+            self.node.destroy_client(client)
 
     def close(self) -> None:
         self.executor.shutdown()

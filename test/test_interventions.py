@@ -7,7 +7,7 @@ import pytest
 
 from sps_driving import cli, topics
 from sps_driving.bagio import TYPESTORE, BagWriter, header, twist_message
-from sps_driving.interventions import analyze
+from sps_driving.interventions import OLD_VEHICLE_STATUS, analyze
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -138,7 +138,7 @@ def diagnostics(name, values):
     return t["diagnostic_msgs/msg/DiagnosticArray"](header=header(0), status=[status])
 
 
-@pytest.mark.parametrize("topic", [topics.DIAGNOSTICS, topics.VEHICLE_STATUS])
+@pytest.mark.parametrize("topic", [topics.DIAGNOSTICS, OLD_VEHICLE_STATUS])
 def test_vehicle_interface_status_without_pacmod_reports(tmp_path, topic):
     """The vehicle interface's status at 10 Hz: its `last_event` gives the cause. On /diagnostics
     other nodes' statuses (here the safety monitor's) are told apart by name."""
@@ -146,7 +146,7 @@ def test_vehicle_interface_status_without_pacmod_reports(tmp_path, topic):
         (0, "disengaged", ""), (1, "engaged", "engaged"), (5, "disengaged", "override"), (7, "engaged", "engaged"),
         (9, "disengaged", "fault"), (11, "engaged", "engaged"), (13, "disengaged", "can_timeout"),
         (15, "engaged", "engaged"), (17, "disengaged", "disengage_requested"), (19, "engaged", "engaged"),
-        (21, "disengaged", "speed_report_timeout"),
+        (21, "disengaged", "disabled_by_vehicle"),
     ]
     with BagWriter(tmp_path / "drive", "mcap") as bag:
         for i in range(230):
@@ -163,9 +163,9 @@ def test_vehicle_interface_status_without_pacmod_reports(tmp_path, topic):
         ("fault", 9.0, [f"{source}: last_event=fault"]),
         ("timeout", 13.0, [f"{source}: last_event=can_timeout"]),
         ("disable", 17.0, [f"{source}: engagement=disengaged, last_event=disengage_requested"]),
-        ("timeout", 21.0, [f"{source}: last_event=speed_report_timeout"]),
+        ("disable", 21.0, [f"{source}: engagement=disengaged, last_event=disabled_by_vehicle"]),
     ]
-    assert s["interventions"] == 1 and s["disengagements"] == {"fault": 1, "timeout": 2, "disable": 1}
+    assert s["interventions"] == 1 and s["disengagements"] == {"fault": 1, "timeout": 1, "disable": 2}
     assert s["autonomy_s"] == pytest.approx(4 + 2 + 2 + 2 + 2)
 
 

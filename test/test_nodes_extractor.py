@@ -13,7 +13,7 @@ from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
 from ros_helpers import Probe, tiny_checkpoint
 from sps_driving import msgs, topics
-from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
+from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
 pytestmark = pytest.mark.ros
 MAX_AGE = 0.5
@@ -31,7 +31,7 @@ def rig(tmp_path_factory):
             "extractor": {"backbone_config": str(tmp / "extraction.yaml"), "selection_timeout_s": 5.0},
             "policy": {"checkpoint": str(ckpt)},
             "vehicle_interface": {
-                "auto_engage": True, "require_safety_monitor": False, "max_command_age_s": MAX_AGE, "max_camera_age_s": 5.0,
+                **VEHICLE_WITHOUT_CAR, "require_safety_monitor": False, "max_command_age_s": MAX_AGE, "max_camera_age_s": 5.0,
                 "max_command_latency_s": 0.0,  # the frames carry made-up stamps
             },
         },
@@ -40,8 +40,8 @@ def rig(tmp_path_factory):
     probe = Probe()
     for topic, kind, msg_type in (
         (topics.DESCRIPTORS, "status", PointCloud2), (topics.POLICY_COMMAND, "status", JointState),
-        (topics.STAGE_TIMING, "status", DiagnosticArray), (topics.VEHICLE_STATUS, "status", DiagnosticArray),
-        (topics.ACTUATION, "control", JointState),
+        (topics.STAGE_TIMING, "status", DiagnosticArray), (topics.DIAGNOSTICS, "status", DiagnosticArray),
+        (topics.ACTUATION, "status", JointState),
     ):
         probe.record(topic, msg_type, kind)
     image = probe.publisher(topics.IMAGE, Image, "image")
@@ -129,14 +129,14 @@ def test_killing_the_extractor_stops_the_car(rig):
     graph, probe, image, info = rig
 
     def status():
-        return msgs.diagnostic_values(probe.messages(topics.VEHICLE_STATUS)[-1])[0]
+        return ("vehicle_interface", *probe.status("vehicle_interface"))
 
     stamp = send(image, info)
     assert probe.spin_until(lambda: outcome(probe, stamp) == "command", 60)
     assert probe.spin_until(lambda: status()[2] == "driving", 2)
     graph.kill("extractor")
     killed = time.monotonic()
-    assert probe.spin_until(lambda: "command_timeout" in status()[3]["stop_reasons"], 5)
+    assert probe.spin_until(lambda: "command_timeout" in status()[3].get("stop_reasons", ""), 5)
     assert time.monotonic() - killed < MAX_AGE + 1 / 30 + 0.3
     probe.spin(0.3)
     assert all(t == pytest.approx(-0.5) for _, t in map(msgs.command_from_message, probe.messages(topics.ACTUATION)[-5:]))

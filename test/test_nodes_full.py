@@ -14,7 +14,7 @@ from sensor_msgs.msg import CameraInfo, JointState
 from ros_helpers import Probe, Rate, tiny_checkpoint
 from sps_driving import msgs, topics
 from sps_driving.bagio import lane_pose_message
-from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
+from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
 pytestmark = pytest.mark.ros
 
@@ -35,21 +35,20 @@ def test_camera_to_car_drives_and_stops_on_failure(tmp_path):
             "extractor": {"backbone_config": str(tmp_path / "extraction.yaml")},
             "policy": {"checkpoint": str(ckpt)},
             # CPU extraction on shared cores is far slower than the car's GPU: wider age limits.
-            "vehicle_interface": {"auto_engage": True, "max_command_age_s": 3.0, "max_command_latency_s": 3.0},
+            "vehicle_interface": {**VEHICLE_WITHOUT_CAR, "max_command_age_s": 3.0, "max_command_latency_s": 3.0},
         },
         log_dir=tmp_path / "logs",
     )
     probe = Probe()
     probe.record(topics.CAMERA_INFO, CameraInfo, "sensor")
-    probe.record(topics.ACTUATION, JointState, "control")
-    probe.record(topics.VEHICLE_STATUS, DiagnosticArray, "status")
+    probe.record(topics.ACTUATION, JointState, "status")
+    probe.record(topics.DIAGNOSTICS, DiagnosticArray, "status")
     lane = probe.publisher(topics.LANE_POSE, PoseStamped, "sensor")
     lateral = [0.0]
     feed = Rate(0.05, lambda: lane.publish(msgs.from_bag(lane_pose_message(lateral[0], 0.0, 0), PoseStamped)))
 
     def status():
-        arrays = probe.messages(topics.VEHICLE_STATUS)
-        return msgs.diagnostic_values(arrays[-1])[0] if arrays else ("", -1, "", {})
+        return ("vehicle_interface", *probe.status("vehicle_interface"))
 
     try:
         with graph:

@@ -47,9 +47,9 @@ def test_report_counts_errors_latency_and_overhead():
     event = msgs.diagnostics(0, "safety_monitor", 2, "lane_boundary", {"failure": "lane_boundary", "interventions": 1})
     records.append(Record(topics.SAFETY_EVENTS, t0, as_bag(event, "diagnostic_msgs/msg/DiagnosticArray")))
     status = msgs.diagnostics(0, "safety_monitor", 2, "", {"interventions": 1})
-    records.append(Record(topics.SAFETY_STATUS, t0, as_bag(status, "diagnostic_msgs/msg/DiagnosticArray")))
+    records.append(Record(topics.DIAGNOSTICS, t0, as_bag(status, "diagnostic_msgs/msg/DiagnosticArray")))
     vehicle = msgs.diagnostics(0, "vehicle_interface", 1, "", {"interventions": 2, "stop_reasons": "safety_stop,camera_timeout"})
-    records.append(Record(topics.VEHICLE_STATUS, t0, as_bag(vehicle, "diagnostic_msgs/msg/DiagnosticArray")))
+    records.append(Record(topics.DIAGNOSTICS, t0, as_bag(vehicle, "diagnostic_msgs/msg/DiagnosticArray")))
     # References: exact stamp for frames 0 and 1, 10 ms off for frame 2 (matched), none for 3.
     reference = {stamps[0]: (0.0, 0.2), stamps[1]: (0.3, 0.0), stamps[2] + 10 * MS: (0.0, 0.0)}
     r = build_report(frames, records, reference, wall_s=2.0)
@@ -91,17 +91,17 @@ def test_report_accounts_for_every_image_and_weighs_stopping_by_time():
     records.append(Record(topics.STAGE_TIMING, t0, timing(3 * s, "extractor", dropped="stale")))  # not a frame played
     # Frame 3: nothing came.
     vehicle_statuses = [  # (time from t0 ms, topic, stop reasons)
-        (-1000, topics.VEHICLE_STATUS, "no_command"),  # start-up, before the first frame: not counted
+        (-1000, topics.DIAGNOSTICS, "no_command"),  # start-up, before the first frame: not counted
         (500, topics.DIAGNOSTICS, ""),
         (1000, topics.DIAGNOSTICS, "safety_stop"),
-        (2000, topics.VEHICLE_STATUS, ""),
+        (2000, topics.DIAGNOSTICS, ""),
         (3000, topics.DIAGNOSTICS, "command_timeout,safety_stop"),
         (5000, topics.DIAGNOSTICS, "camera_timeout"),  # after the last frame
     ]
     for ms, topic, reasons in vehicle_statuses:
         records.append(Record(topic, t0 + ms * MS, status("vehicle_interface", {"stop_reasons": reasons, "interventions": 1})))
     records.append(Record(topics.DIAGNOSTICS, t0 + 1500 * MS, status("extractor", {"stop_reasons": "other", "interventions": 9})))
-    records.append(Record(topics.SAFETY_STATUS, t0 + 100 * MS, status("safety_monitor", {"interventions": 1})))
+    records.append(Record(topics.DIAGNOSTICS, t0 + 100 * MS, status("safety_monitor", {"interventions": 1})))
     records.append(Record(topics.DIAGNOSTICS, t0 + 200 * MS, status("safety_monitor", {"interventions": 2})))
     r = build_report(frames, records, {}, wall_s=4.0, repeated_stamps=2)
     assert (r["frames_in"], r["frames_out"], r["frames_dropped"]) == (7, 3, 4)

@@ -66,11 +66,12 @@ class SafetyMonitor:
         return True
 
     def on_obstacle(self, gap_m: float, now_s: float) -> bool:
-        """+inf means no obstacle in range (REP 117); NaN or a negative gap is invalid."""
-        if math.isnan(gap_m) or gap_m < 0:
+        """REP 117: +inf means nothing in range, -inf an obstacle too close to measure (a gap of
+        0 m); NaN or another negative gap is invalid."""
+        if math.isnan(gap_m) or (gap_m < 0 and gap_m != -math.inf):
             self.invalid_inputs += 1
             return False
-        self._gap = float(gap_m)
+        self._gap = max(float(gap_m), 0.0)
         self._gap_time_s = now_s
         return True
 

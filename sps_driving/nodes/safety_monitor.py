@@ -1,9 +1,11 @@
 """safety_monitor: flags lane, collision and heading failures (SPS section 4.2) and requests stops.
 
 Inputs: lane state (geometry_msgs/PoseStamped in the lane frame) and the nearest-obstacle gap
-(sensor_msgs/Range), on remappable topics. Outputs, at `rate_hz`: the stop request (std_msgs/Bool,
-true while a failure or a stale required input holds) and a DiagnosticArray status; on each failure
-onset, one DiagnosticArray event on topics.SAFETY_EVENTS. Logic: sps_driving.core.monitor.
+(sensor_msgs/Range, REP 117: +inf nothing in range, -inf too close to measure), on remappable
+topics. Outputs, at `rate_hz` on the steady clock: the stop request (msgs.stop_request_message,
+stamped, source "safety_monitor"; stop while a failure or a stale required input holds) and the
+status on /diagnostics; on each failure onset, one DiagnosticArray event on topics.SAFETY_EVENTS.
+Logic: sps_driving.core.monitor.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import time
 
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped
+from rclpy.clock import Clock, ClockType
 from rclpy.node import Node
 from sensor_msgs.msg import Range
-from std_msgs.msg import Bool
 
 from sps_driving import msgs, topics
 from sps_driving.core.failures import FailureThresholds
@@ -47,13 +49,13 @@ class SafetyMonitorNode(Node):
         required = tuple(name for name in p["required_inputs"] if name)
         self.monitor = SafetyMonitor(MonitorConfig(thresholds, float(p["max_input_age_s"]), required))
         self.dropped_messages = 0
-        self.stop_pub = self.create_publisher(Bool, topics.SAFETY_STOP, msgs.qos("control"))
-        self.status_pub = self.create_publisher(DiagnosticArray, topics.SAFETY_STATUS, msgs.qos("status"))
+        self.stop_pub = self.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control"))
+        self.status_pub = self.create_publisher(DiagnosticArray, topics.DIAGNOSTICS, msgs.qos("status"))
         self.event_pub = self.create_publisher(DiagnosticArray, topics.SAFETY_EVENTS, msgs.qos("status"))
         self.create_subscription(PoseStamped, topics.LANE_POSE, self._on_lane, msgs.qos("sensor"))
         self.create_subscription(Range, topics.OBSTACLE_RANGE, self._on_obstacle, msgs.qos("sensor"))
         self._last_stop = None
-        self.create_timer(1.0 / float(p["rate_hz"]), self._tick)
+        self.create_timer(1.0 / float(p["rate_hz"]), self._tick, clock=Clock(clock_type=ClockType.STEADY_TIME))
 
     def _on_lane(self, msg: PoseStamped) -> None:
         lateral, heading = msgs.lane_from_message(msg)
@@ -67,20 +69,22 @@ class SafetyMonitorNode(Node):
     def _tick(self) -> None:
         status = self.monitor.step(time.monotonic())
         stamp = now_ns(self)
-        self.stop_pub.publish(Bool(data=status.stop_requested))
         failures = ",".join(f.value for f in status.failures)
         stale = ",".join(status.stale_inputs)
+        reason = "; ".join(part for part in (failures, f"stale: {stale}" if stale else "") if part)
+        self.stop_pub.publish(msgs.stop_request_message(stamp, self.NODE_NAME, status.stop_requested, reason))
         for failure in status.new_failures:
             self.get_logger().error(f"failure: {failure.value}")
             self.event_pub.publish(
                 msgs.diagnostics(
-                    stamp, self.NODE_NAME, 2, failure.value, {"failure": failure.value, "interventions": status.interventions}
+                    stamp, self.NODE_NAME, msgs.Level.ERROR, failure.value,
+                    {"failure": failure.value, "interventions": status.interventions},
                 )
             )
         if status.stop_requested != self._last_stop:
             self.get_logger().warning(f"stop request {status.stop_requested} (failures [{failures}], stale [{stale}])")
             self._last_stop = status.stop_requested
-        level = 2 if status.failures else (3 if status.stale_inputs else 0)
+        level = msgs.Level.ERROR if status.failures else (msgs.Level.STALE if status.stale_inputs else msgs.Level.OK)
         message = f"failures: {failures}" if failures else (f"stale: {stale}" if stale else "ok")
         self.status_pub.publish(
             msgs.diagnostics(

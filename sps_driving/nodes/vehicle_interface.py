@@ -1,11 +1,20 @@
-"""vehicle_interface: the only node that talks to the car.
+"""vehicle_interface: the only node that drives the car (a lifecycle node).
 
-Policy commands in (sensor_msgs/JointState); limited actuation out at the control rate, through
-the `pacmod3` backend (PACMod 3 steering/accel/brake commands, engagement from its reports) or the
-`topics` backend (a JointState on topics.ACTUATION, overrides from a std_msgs/Bool). Every
-reason to stop (stale or invalid command, stopped camera, safety stop, silent safety monitor,
-not engaged) gives a controlled stop within one control period; the reasons are published on
-topics.VEHICLE_STATUS. All logic lives in sps_driving.core.control.
+Policy commands in (sensor_msgs/JointState); limited commands out every control period through
+the `pacmod3` backend (PACMod 3 steering, accelerator, brake and turn commands; engagement from
+the steering, accelerator, brake, global and speed reports) or the `topics` backend (standard
+messages for the simulator and replays). Every control period it also publishes the limited
+command on topics.ACTUATION: the heartbeat the failsafe watches.
+
+Engage and disengage are services (topics.ENGAGE_SERVICE, std_srvs/SetBool), and so is the
+re-arm after an override (topics.REARM_SERVICE, std_srvs/Trigger). Watchdogs run on the steady
+clock. Any reason to stop gives a controlled stop within one control period; the state, reasons
+and counts are on /diagnostics. All decisions live in sps_driving.core.control.
+
+Exits: on SIGINT, SIGTERM, SIGHUP, an exception in a callback, or a lifecycle deactivate or
+shutdown, the node brakes for exit_brake_s (when engaged) and then disables every system before it
+stops publishing (sps_driving.nodes.common.run calls `fail_safe_exit`). `kill -9` and a frozen
+process are the failsafe node's job.
 """
 
 from __future__ import annotations
@@ -13,90 +22,117 @@ from __future__ import annotations
 import time
 
 from diagnostic_msgs.msg import DiagnosticArray
-from rclpy.node import Node
+from geometry_msgs.msg import TwistStamped
+from rclpy.clock import Clock, ClockType
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from sensor_msgs.msg import CameraInfo, JointState
 from std_msgs.msg import Bool
+from std_srvs.srv import SetBool, Trigger
 
 from sps_driving import msgs, topics
-from sps_driving.core.control import ControlLimits, Engagement, PacmodLimits, VehicleController, to_pacmod
+from sps_driving.core.control import (
+    STEERING_RATIO,
+    SYSTEMS,
+    ControlLimits,
+    EngageState,
+    GlobalStatus,
+    StopReason,
+    SystemStatus,
+    VehicleLogic,
+    to_pacmod,
+)
 from sps_driving.nodes.common import declare, now_ns, run
 
 DEFAULT_LIMITS = ControlLimits()
 PARAMETERS = {
     "backend": "topics",
+    "autostart": True,
     "auto_engage": False,
     "require_safety_monitor": True,
-    "report_timeout_s": 0.5,
-    "engage_timeout_s": 2.0,
+    "require_failsafe": True,
+    "require_speed": True,
+    "latch_stops": True,
     "status_rate_hz": 5.0,
-    "steering_ratio": PacmodLimits().steering_ratio,
-    "max_steering_wheel_angle_rad": PacmodLimits().max_steering_wheel_angle_rad,
-    **{name: float(getattr(DEFAULT_LIMITS, name)) for name in DEFAULT_LIMITS.__dataclass_fields__},
+    "steering_ratio": STEERING_RATIO,
+    **{name: float(getattr(DEFAULT_LIMITS, name)) for name in ControlLimits.names()},
 }
 BACKENDS = ("topics", "pacmod3")
+PUBLISHER_CHECK_PERIODS = 6  # count the publishers of inputs and outputs every 6 periods (0.2 s)
+SAFETY_SOURCE, FAILSAFE_SOURCE = "safety_monitor", "failsafe"
 
 
 class TopicsBackend:
-    """Standard message types: for tests, the simulator and cars without PACMod."""
+    """Standard messages: for the simulator and replays. The command is the ACTUATION message
+    itself; the car's reports are made up from what was commanded and the override topic."""
 
-    def __init__(self, node: Node):
+    hardware_id = "topics"
+
+    def __init__(self, node: "VehicleInterface"):
         self.node = node
-        self.publisher = node.create_publisher(JointState, topics.ACTUATION, msgs.qos("control"))
         self.override_active = False
         node.create_subscription(Bool, topics.VEHICLE_OVERRIDE, self._on_override, msgs.qos("control"))
 
     def _on_override(self, msg: Bool) -> None:
         self.override_active = bool(msg.data)
 
-    def report(self, engagement: Engagement, now_s: float) -> None:
-        # No drive-by-wire reports here: the car is "enabled" whenever we enable it.
-        engagement.on_report(engagement.enable, self.override_active, False, now_s)
+    def report(self, logic: VehicleLogic, now_s: float) -> None:
+        enabled = logic.state is not EngageState.DISENGAGED and not self.override_active
+        for system in SYSTEMS:
+            logic.on_system_report(system, SystemStatus(enabled, self.override_active), now_s)
+        logic.on_global_report(GlobalStatus(enabled, self.override_active), now_s)
 
-    def send(self, actuation, engagement: Engagement, stamp: int) -> None:
-        self.publisher.publish(msgs.command_message(actuation.steering_rad, actuation.throttle, stamp))
+    def send(self, command, stamp: int) -> None:
+        pass  # the ACTUATION message is the command
+
+    def output_topics(self) -> list[str]:
+        return []
 
 
 class Pacmod3Backend:
-    """PACMod 3 (astuff/pacmod3): enable/engage handshake, clear_override only while engaging."""
+    """PACMod 3 (astuff/pacmod3 driver, pacmod3_msgs ROS 2 layout)."""
 
-    def __init__(self, node: Node, limits: ControlLimits, pacmod: PacmodLimits):
-        try:
-            from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat
-        except ImportError as exc:
-            raise ValueError(
-                "backend 'pacmod3' needs pacmod3_msgs from the ROS distro (apt install ros-$ROS_DISTRO-pacmod3-msgs); "
-                "use backend 'topics' on machines without PACMod"
-            ) from exc
-        self.node, self.limits, self.pacmod = node, limits, pacmod
-        self.SteeringCmd, self.SystemCmdFloat = SteeringCmd, SystemCmdFloat
-        qos = msgs.qos("control")
-        self.steering = node.create_publisher(SteeringCmd, topics.PACMOD_STEERING_CMD, qos)
-        self.accel = node.create_publisher(SystemCmdFloat, topics.PACMOD_ACCEL_CMD, qos)
-        self.brake = node.create_publisher(SystemCmdFloat, topics.PACMOD_BRAKE_CMD, qos)
-        self._report = None
-        node.create_subscription(GlobalRpt, topics.PACMOD_GLOBAL_RPT, self._on_report, qos)
+    hardware_id = "pacmod3"
 
-    def _on_report(self, msg) -> None:
-        self._report = (bool(msg.enabled), bool(msg.override_active), bool(msg.fault_active), time.monotonic())
+    def __init__(self, node: "VehicleInterface", limits: ControlLimits, steering_ratio: float):
+        from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat, VehicleSpeedRpt
 
-    def report(self, engagement: Engagement, now_s: float) -> None:
-        if self._report is not None:
-            enabled, override, fault, received_s = self._report
-            self._report = None
-            engagement.on_report(enabled, override, fault, received_s)
+        self.node, self.limits, self.steering_ratio = node, limits, steering_ratio
+        self.logic = node.logic
+        types = {"steering": SteeringCmd, "accel": SystemCmdFloat, "brake": SystemCmdFloat, "turn": SystemCmdInt}
+        self.publishers = {
+            system: node.create_publisher(types[system], topic, msgs.qos("control"))
+            for system, topic in topics.PACMOD_COMMANDS.items()
+        }
+        sensor = msgs.qos("sensor")
+        for system, topic in topics.PACMOD_SYSTEM_REPORTS.items():
+            node.create_subscription(SystemRptFloat, topic, self._system_callback(system), sensor)
+        node.create_subscription(GlobalRpt, topics.PACMOD_GLOBAL_RPT, self._on_global, sensor)
+        node.create_subscription(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, self._on_speed, sensor)
 
-    def send(self, actuation, engagement: Engagement, stamp: int) -> None:
-        cmd = to_pacmod(actuation, self.limits, self.pacmod)
-        flags = dict(enable=engagement.enable, ignore_overrides=False, clear_override=engagement.clear_override)
-        header = msgs.header(stamp, "base_link")
-        self.steering.publish(
-            self.SteeringCmd(header=header, command=cmd.steering_wheel_rad, rotation_rate=cmd.rotation_rate_rad_s, **flags)
-        )
-        self.accel.publish(self.SystemCmdFloat(header=header, command=cmd.accel, **flags))
-        self.brake.publish(self.SystemCmdFloat(header=header, command=cmd.brake, **flags))
+    def _system_callback(self, system: str):
+        def on_report(msg) -> None:
+            self.logic.on_system_report(system, msgs.system_status(msg), time.monotonic())
+
+        return on_report
+
+    def _on_global(self, msg) -> None:
+        self.logic.on_global_report(msgs.global_status(msg), time.monotonic())
+
+    def _on_speed(self, msg) -> None:
+        self.logic.on_speed(float(msg.vehicle_speed), bool(msg.vehicle_speed_valid), time.monotonic())
+
+    def report(self, logic: VehicleLogic, now_s: float) -> None:
+        pass  # reports arrive on their own subscriptions
+
+    def send(self, command, stamp: int) -> None:
+        for system, message in msgs.pacmod_commands(to_pacmod(command, self.limits, self.steering_ratio), stamp).items():
+            self.publishers[system].publish(message)
+
+    def output_topics(self) -> list[str]:
+        return [publisher.topic_name for publisher in self.publishers.values()]
 
 
-class VehicleInterface(Node):
+class VehicleInterface(LifecycleNode):
     NODE_NAME = "vehicle_interface"
 
     def __init__(self):
@@ -104,24 +140,81 @@ class VehicleInterface(Node):
         p = declare(self, PARAMETERS)
         if p["backend"] not in BACKENDS:
             raise ValueError(f"unknown vehicle backend {p['backend']!r}; expected one of {BACKENDS}")
-        self.limits = ControlLimits.from_dict({k: p[k] for k in DEFAULT_LIMITS.__dataclass_fields__})
-        pacmod = PacmodLimits(float(p["steering_ratio"]), float(p["max_steering_wheel_angle_rad"]))
-        self.controller = VehicleController(self.limits, require_safety_monitor=bool(p["require_safety_monitor"]))
-        self.engagement = Engagement(float(p["report_timeout_s"]), float(p["engage_timeout_s"]))
-        self.backend = TopicsBackend(self) if p["backend"] == "topics" else Pacmod3Backend(self, self.limits, pacmod)
+        if p["backend"] == "pacmod3":
+            try:
+                import pacmod3_msgs.msg  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(
+                    "backend 'pacmod3' needs pacmod3_msgs from the ROS distro (apt install ros-$ROS_DISTRO-pacmod3-msgs); "
+                    "use backend 'topics' on machines without PACMod"
+                ) from exc
+        if not p["status_rate_hz"] > 0:
+            raise ValueError(f"status_rate_hz must be positive, got {p['status_rate_hz']}")
+        self.params = p
+        self.limits = ControlLimits.from_dict({k: p[k] for k in ControlLimits.names()})
+        self.logic = VehicleLogic(
+            self.limits, float(p["steering_ratio"]),
+            require_safety_monitor=bool(p["require_safety_monitor"]), require_failsafe=bool(p["require_failsafe"]),
+            require_speed=bool(p["require_speed"]), latch_stops=bool(p["latch_stops"]),
+        )
+        self.steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self.backend = None
+        self.active = False
+        self.exited = False
         self.dropped_messages = 0
-        self._last_reasons = None
+        self.rejected_stop_requests = 0
+        self._ticks = 0
+        self._last_status = None
         self._last_status_s = 0.0
-        self._status_period_s = 1.0 / float(p["status_rate_hz"])
-        self.status = self.create_publisher(DiagnosticArray, topics.VEHICLE_STATUS, msgs.qos("status"))
-        self.create_subscription(JointState, topics.POLICY_COMMAND, self._on_command, msgs.qos("stream"))
-        self.create_subscription(CameraInfo, topics.CAMERA_INFO, self._on_camera, msgs.qos("sensor"))
-        self.create_subscription(Bool, topics.SAFETY_STOP, self._on_safety, msgs.qos("control"))
-        self.create_subscription(Bool, topics.ENGAGE_REQUEST, self._on_engage, msgs.qos("control"))
-        if p["auto_engage"]:
-            self.engagement.request(True, time.monotonic())
-        self.create_timer(self.limits.control_period_s, self._tick)
+        if p["autostart"]:
+            self.trigger_configure()
+            self.trigger_activate()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def on_configure(self, state) -> TransitionCallbackReturn:
+        p = self.params
+        self.backend = TopicsBackend(self) if p["backend"] == "topics" else Pacmod3Backend(self, self.limits, float(p["steering_ratio"]))
+        self.heartbeat = self.create_publisher(JointState, topics.ACTUATION, msgs.qos("control"))
+        self.diagnostics = self.create_publisher(DiagnosticArray, topics.DIAGNOSTICS, msgs.qos("status"))
+        self.command_sub = self.create_subscription(JointState, topics.POLICY_COMMAND, self._on_command, msgs.qos("stream"))
+        self.camera_sub = self.create_subscription(CameraInfo, topics.CAMERA_INFO, self._on_camera, msgs.qos("sensor"))
+        self.safety_sub = self.create_subscription(DiagnosticArray, topics.SAFETY_STOP, self._on_safety, msgs.qos("control"))
+        self.failsafe_sub = self.create_subscription(DiagnosticArray, topics.FAILSAFE_STATUS, self._on_failsafe, msgs.qos("control"))
+        self.create_subscription(TwistStamped, topics.VEHICLE_TWIST, self._on_twist, msgs.qos("sensor"))
+        self.create_service(SetBool, topics.ENGAGE_SERVICE, self._on_engage)
+        self.create_service(Trigger, topics.REARM_SERVICE, self._on_rearm)
+        self.create_timer(self.limits.control_period_s, self._tick, clock=self.steady)
         self.get_logger().info(f"backend {p['backend']}, limits {self.limits}")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state) -> TransitionCallbackReturn:
+        self.active = True
+        if self.params["auto_engage"]:
+            self.get_logger().info("auto_engage: engaging as soon as the car and the inputs are ready")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state) -> TransitionCallbackReturn:
+        self.fail_safe_exit("lifecycle deactivate")
+        return super().on_deactivate(state)
+
+    def on_shutdown(self, state) -> TransitionCallbackReturn:
+        self.fail_safe_exit("lifecycle shutdown")
+        return TransitionCallbackReturn.SUCCESS
+
+    def fail_safe_exit(self, why: str) -> None:
+        """Brake (when engaged), then disable, one command per control period; then send nothing."""
+        if not self.active or self.backend is None:
+            return
+        self.active = False
+        was = self.logic.state
+        commands = self.logic.exit_commands()
+        self.get_logger().warning(f"{why}: {was.value} -> {len(commands)} exit commands (brake, then disable)")
+        for command in commands:
+            self._send(command)
+            time.sleep(self.limits.control_period_s)
+
+    # ------------------------------------------------------------ inputs
 
     def _on_command(self, msg: JointState) -> None:
         try:
@@ -132,57 +225,139 @@ class VehicleInterface(Node):
             return
         stamp = msgs.stamp_ns(msg.header)
         latency_s = (now_ns(self) - stamp) / 1e9
-        if not self.controller.on_command(steering, throttle, stamp, time.monotonic(), latency_s):
+        if not self.logic.on_command(steering, throttle, stamp, time.monotonic(), latency_s):
             self.get_logger().error(
                 f"refused command ({steering}, {throttle}) from a frame {latency_s:.3f} s old: stopping", throttle_duration_sec=1.0
             )
 
     def _on_camera(self, msg: CameraInfo) -> None:
-        self.controller.on_camera_frame(time.monotonic())
+        self.logic.on_camera(time.monotonic())
 
-    def _on_safety(self, msg: Bool) -> None:
-        self.controller.on_safety_status(bool(msg.data), time.monotonic())
+    def _stop_request(self, msg, source: str):
+        try:
+            request = msgs.stop_request_from_message(msg)
+        except msgs.MessageError as exc:
+            request = None
+            why = str(exc)
+        else:
+            why = f"from {request.source!r}, expected {source!r}"
+        if request is None or request.source != source:
+            self.rejected_stop_requests += 1
+            self.get_logger().error(f"ignored a stop request {why}", throttle_duration_sec=1.0)
+            return None
+        return request
 
-    def _on_engage(self, msg: Bool) -> None:
-        self.engagement.request(bool(msg.data), time.monotonic())
-        self.get_logger().info(f"engage request {bool(msg.data)} -> {self.engagement.state.value}")
+    def _on_safety(self, msg) -> None:
+        request = self._stop_request(msg, SAFETY_SOURCE)
+        if request is not None:
+            self.logic.on_safety(request.stop, time.monotonic())
+
+    def _on_failsafe(self, msg) -> None:
+        request = self._stop_request(msg, FAILSAFE_SOURCE)
+        if request is not None:
+            self.logic.on_failsafe(request.stop, time.monotonic())
+
+    def _on_twist(self, msg) -> None:
+        self.logic.on_speed(float(msg.twist.linear.x), True, time.monotonic())
+
+    def _on_engage(self, request, response):
+        if request.data:
+            response.success, response.message = self.logic.request_engage(time.monotonic())
+        else:
+            response.success, response.message = self.logic.request_disengage()
+        self.get_logger().warning(f"engage request {request.data}: {response.message}")
+        return response
+
+    def _on_rearm(self, request, response):
+        response.success, response.message = self.logic.rearm()
+        self.get_logger().warning(f"re-arm: {response.message}")
+        return response
+
+    # ------------------------------------------------------------ the control period
+
+    def _expected_publishers(self) -> dict:
+        """{resolved topic: publishers the graph has} for every topic whose publishers are checked."""
+        expected = {self.command_sub.topic_name: 1, self.camera_sub.topic_name: 1, self.heartbeat.topic_name: 1}
+        if self.logic.require_safety_monitor:
+            expected[self.safety_sub.topic_name] = 1
+        if self.logic.require_failsafe:
+            expected[self.failsafe_sub.topic_name] = 1
+        for topic in self.backend.output_topics():
+            expected[topic] = 1 + int(self.logic.require_failsafe)  # this node and the failsafe
+        return expected
+
+    def _check_publishers(self) -> None:
+        extra = {}
+        for topic, expected in self._expected_publishers().items():
+            count = self.count_publishers(topic)
+            if count > expected:
+                extra[topic] = count
+        if extra:
+            self.get_logger().error(f"more publishers than the graph has: {extra}", throttle_duration_sec=1.0)
+        self.logic.on_duplicates(extra)
 
     def _tick(self) -> None:
+        if not self.active:
+            return
         now_s = time.monotonic()
-        before = self.engagement.last_event, self.engagement.state
-        self.backend.report(self.engagement, now_s)
-        self.engagement.check(now_s)
-        if (self.engagement.last_event, self.engagement.state) != before:
-            self.get_logger().warning(f"engagement: {self.engagement.last_event} -> {self.engagement.state.value}")
-        act = self.controller.step(now_s, self.engagement.engaged)
-        stamp = act.source_stamp_ns if act.source_stamp_ns is not None else now_ns(self)
-        self.backend.send(act, self.engagement, stamp)
-        if act.reasons != self._last_reasons or now_s - self._last_status_s >= self._status_period_s:
-            if act.reasons != self._last_reasons and act.reasons:
-                self.get_logger().warning(f"controlled stop: {', '.join(r.value for r in act.reasons)}")
-            self._last_reasons = act.reasons
-            self._last_status_s = now_s
-            self._publish_status(act)
+        if self._ticks % PUBLISHER_CHECK_PERIODS == 0:
+            self._check_publishers()
+        self._ticks += 1
+        if self.logic.on_clock(now_ns(self), now_s):
+            self.get_logger().error("the ROS clock stepped against the steady clock: stopping")
+        self.backend.report(self.logic, now_s)
+        before = self.logic.last_event
+        if self.params["auto_engage"] and self.logic.state is EngageState.DISENGAGED and not self.logic.disengagements:
+            if not self.logic.engage_blockers(now_s):
+                self.logic.request_engage(now_s)
+        command = self.logic.tick(now_s)
+        if self.logic.last_event != before:
+            self.get_logger().warning(f"engagement: {self.logic.last_event} -> {self.logic.state.value}")
+        self._send(command)
+        reasons = (command.state, command.reasons)
+        if reasons != self._last_status or now_s - self._last_status_s >= 1.0 / self.params["status_rate_hz"]:
+            if reasons != self._last_status and command.reasons and command.state is EngageState.ENGAGED:
+                self.get_logger().warning(f"controlled stop: {', '.join(r.value for r in command.reasons)}")
+            self._last_status, self._last_status_s = reasons, now_s
+            self._publish_status(command)
 
-    def _publish_status(self, act) -> None:
-        reasons = ",".join(r.value for r in act.reasons)
-        self.status.publish(
+    def _send(self, command) -> None:
+        stamp = command.source_stamp_ns if command.source_stamp_ns is not None else now_ns(self)
+        self.backend.send(command, stamp)
+        self.heartbeat.publish(msgs.command_message(command.steering_rad, command.throttle, stamp))
+
+    def _publish_status(self, command) -> None:
+        reasons = ",".join(r.value for r in command.reasons)
+        if self.logic.last_event in ("fault", "can_timeout") or StopReason.DUPLICATE_PUBLISHER in command.reasons \
+                or StopReason.FAILSAFE_ACTIVE in command.reasons:
+            level = msgs.Level.ERROR
+        elif command.state is EngageState.ENGAGED and command.stopping:
+            level = msgs.Level.WARN
+        else:
+            level = msgs.Level.OK
+        if command.state is EngageState.ENGAGED:
+            message = f"controlled stop: {reasons}" if command.stopping else "driving"
+        else:
+            message = command.state.value + (" (locked out after an override: re-arm)" if self.logic.locked_out else "")
+        self.diagnostics.publish(
             msgs.diagnostics(
-                now_ns(self),
-                self.NODE_NAME,
-                1 if act.stopping else 0,
-                f"stopping: {reasons}" if act.stopping else "driving",
+                now_ns(self), self.NODE_NAME, level, message,
                 {
-                    "engagement": self.engagement.state.value,
+                    "engagement": command.state.value,
                     "stop_reasons": reasons,
-                    "interventions": self.engagement.interventions,
-                    "last_event": self.engagement.last_event,
-                    "invalid_commands": self.controller.invalid_commands,
-                    "late_commands": self.controller.late_commands,
+                    "last_event": self.logic.last_event,
+                    "locked_out": self.logic.locked_out,
+                    "interventions": self.logic.interventions,
+                    "disengagements": ",".join(f"{k}={v}" for k, v in sorted(self.logic.disengagements.items())),
+                    "invalid_commands": self.logic.invalid_commands,
+                    "late_commands": self.logic.late_commands,
                     "dropped_messages": self.dropped_messages,
-                    "steering_rad": f"{act.steering_rad:.5f}",
-                    "throttle": f"{act.throttle:.4f}",
+                    "rejected_stop_requests": self.rejected_stop_requests,
+                    "steering_rad": f"{command.steering_rad:.5f}",
+                    "throttle": f"{command.throttle:.4f}",
+                    "hazards": command.hazards,
                 },
+                hardware_id=self.backend.hardware_id,
             )
         )
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from sps_driving import topics
+from sps_driving.graph import VEHICLE_WITHOUT_CAR
 
 GRAPH_NODES = ("selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "sim_world")
 GRAPH_SUFFIX = " (graph)"
@@ -35,13 +36,15 @@ _RATES = {"vehicle_interface": ("max_steering_rate_rad_s",)}
 
 
 def graph_parameters(base: dict, policy_dir: Path, sim_config: Path, scenario: str, first_episode: int,
-                     episodes: int, results: Path, real_time_factor: float, device: str = "cpu") -> dict:
+                     episodes: int, results: Path, real_time_factor: float, device: str = "cpu",
+                     world_max_speed_mps: float = 20.0) -> dict:
     """Per-node overrides of `base` (the params file's {node: parameters}) for one scenario."""
     params = {
         "selection": {"checkpoint": str(policy_dir)},
         "extractor": {"device": device},
         "policy": {"checkpoint": str(policy_dir), "device": device},
-        "vehicle_interface": {"backend": "topics", "auto_engage": True},
+        # The world's own speed limit, not the car's field-test cap: scenarios cruise at 8-12 m/s.
+        "vehicle_interface": {**VEHICLE_WITHOUT_CAR, "max_speed_mps": float(world_max_speed_mps)},
         "safety_monitor": {"required_inputs": ["lane", "obstacle"]},
         "sim_world": {
             "scenario": scenario, "first_episode": first_episode, "episodes": episodes,
@@ -80,7 +83,8 @@ def run_scenario(config: dict, policy_dir: Path, scenario: str, episodes: list[i
     results = work / f"{scenario}.jsonl"
     results.unlink(missing_ok=True)
     base = {node: section["ros__parameters"] for node, section in yaml.safe_load(default_params_file().read_text()).items()}
-    params = graph_parameters(base, policy_dir, sim_config, scenario, episodes[0], len(episodes), results, real_time_factor, device)
+    params = graph_parameters(base, policy_dir, sim_config, scenario, episodes[0], len(episodes), results, real_time_factor, device,
+                              float(config["vehicle"]["max_speed_mps"]))
     # Generous: start-up, then every episode at the chosen speed, twice over.
     budget_s = startup_timeout_s + 2.0 * len(episodes) * float(config["episode_s"]) / real_time_factor
     deadline = time.monotonic() + budget_s

@@ -1,0 +1,473 @@
+"""`sps-driving faults`: the fault-injection matrix of the drive-by-wire path, against the live graph.
+
+The car is the PACMod 3 stand-in (sps_driving.nodes.pacmod3_standin), run inside this process so
+that every command it re-sends to the car (every 33 ms, as the real driver does) is seen with its
+time. The graph's nodes are real processes over DDS. For each fault: engage through the service,
+drive, inject the fault, watch what reaches the car for `hold_s`, restore, re-arm.
+
+Two graphs:
+- "vehicle": camera_driver (an image folder), vehicle_interface (pacmod3 backend), failsafe,
+  safety_monitor; this process publishes the policy's commands, the lane state and the obstacle
+  range, and the ROS clock of the vehicle interface (use_sim_time) so the clock can be stepped.
+- "perception": this process is the camera (the bundled drive's frames); selection, extractor and
+  policy (the shipped policy) drive, with the same vehicle path.
+
+What is measured, from the commands the driver sends to the car after the fault (t = 0):
+- stopped / time_to_stop_s: the first send in the stop set: no accelerator, and either the brake
+  enabled at stop_brake or more, or steering, accelerator and brake all disabled (the car handed
+  to the safety driver);
+- held: every later send in the window is in the stop set;
+- unsafe_commands: sends with a non-finite value or a value over the configured limits (at any
+  time in the window), plus sends outside the stop set after the stop was first commanded. The
+  sends between the fault and the stop are the reaction time, reported as time_to_stop_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sps_driving import msgs, topics
+
+HOLD_S = 2.0  # s watched after each fault
+READY_TIMEOUT_S = 60.0  # s to get back to driving between faults (a killed node's DDS endpoints must expire)
+SHORT = ("kill -9 vehicle_interface", "SIGTERM vehicle_interface", "override", "NaN command", "second stop-request publisher",
+         "clock step backwards")
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    graph: str  # "vehicle" or "perception"
+    inject: str  # what the harness does (see Harness.inject)
+    target: str = ""
+
+
+FAULTS = [
+    *(Fault(f"kill -9 {node}", "vehicle", "kill", node) for node in ("vehicle_interface", "failsafe", "safety_monitor", "camera_driver")),
+    *(Fault(f"SIGSTOP {node}", "vehicle", "sigstop", node) for node in ("vehicle_interface", "failsafe", "safety_monitor", "camera_driver")),
+    Fault("SIGTERM vehicle_interface", "vehicle", "sigterm", "vehicle_interface"),
+    Fault("SIGINT vehicle_interface", "vehicle", "sigint", "vehicle_interface"),
+    Fault("lifecycle deactivate vehicle_interface", "vehicle", "deactivate", "vehicle_interface"),
+    Fault("clock step backwards", "vehicle", "clock", "-3600"),
+    Fault("clock step forwards", "vehicle", "clock", "3600"),
+    Fault("override", "vehicle", "standin", "override"),
+    Fault("PACMod fault", "vehicle", "standin", "fault"),
+    Fault("CAN timeout", "vehicle", "standin", "can_timeout"),
+    Fault("report timeout", "vehicle", "standin", "pause_reports"),
+    Fault("second stop-request publisher", "vehicle", "spoof_stop", ""),
+    Fault("NaN command", "vehicle", "command", "nan"),
+    Fault("out-of-range command", "vehicle", "command", "huge"),
+    Fault("obstacle too close to measure (-inf)", "vehicle", "obstacle", "-inf"),
+    *(Fault(f"kill -9 {node}", "perception", "kill", node) for node in ("selection", "extractor", "policy")),
+    *(Fault(f"SIGSTOP {node}", "perception", "sigstop", node) for node in ("selection", "extractor", "policy")),
+    Fault("camera stop", "perception", "camera", "stop"),
+    Fault("camera delay (frames 1.5 s late)", "perception", "camera", "delay"),
+    Fault("corrupt frames", "perception", "camera", "corrupt"),
+]
+
+
+def in_stop_set(sent, stop_brake: float) -> bool:
+    """No accelerator, and the brake held or every driving system disabled."""
+    accel_off = not sent.enable["accel"] or sent.command["accel"] == 0.0
+    disabled = not any(sent.enable[s] for s in ("steering", "accel", "brake"))
+    braking = sent.enable["brake"] and sent.command["brake"] >= stop_brake - 1e-9
+    return accel_off and (braking or disabled)
+
+
+def within_limits(sent, limits, steering_ratio: float) -> bool:
+    values = [sent.command[s] for s in ("steering", "accel", "brake")]
+    if not all(math.isfinite(v) for v in values):
+        return False
+    wheel_limit = limits.max_road_wheel_angle_rad * steering_ratio + 1e-9
+    return (abs(sent.command["steering"]) <= wheel_limit and 0.0 <= sent.command["accel"] <= limits.max_throttle + 1e-9
+            and 0.0 <= sent.command["brake"] <= limits.max_brake + 1e-9)
+
+
+def measure(sends, fault_s: float, end_s: float, limits, steering_ratio: float) -> dict:
+    """The row of one fault from the sends between the fault and the end of the window."""
+    window = [s for s in sends if fault_s <= s.time_s <= end_s]
+    stop_index = next((i for i, s in enumerate(window) if in_stop_set(s, limits.stop_brake)), None)
+    unsafe = sum(
+        not within_limits(s, limits, steering_ratio)
+        or stop_index is None
+        or (i >= stop_index and not in_stop_set(s, limits.stop_brake))
+        for i, s in enumerate(window)
+    )
+    row = {"stopped": stop_index is not None, "time_to_stop_s": None, "held": False, "unsafe_commands": unsafe, "sends": len(window)}
+    if stop_index is not None:
+        row["time_to_stop_s"] = round(window[stop_index].time_s - fault_s, 4)
+        row["held"] = all(in_stop_set(s, limits.stop_brake) for s in window[stop_index:])
+        row["end_state"] = "brake held" if window[-1].enable["brake"] else "manual (disabled)"
+    return row
+
+
+class Harness:
+    """This process's side of a faults run: the car (stand-in), the inputs the graph is not
+    given by its own nodes, the clock, and the graph's processes."""
+
+    def __init__(self, graph_kind: str, work: Path, log_dir: Path, hold_s: float):
+        import rclpy
+        import yaml
+        from rclpy.executors import MultiThreadedExecutor
+        from rclpy.node import Node
+
+        from sps_driving.core.control import ControlLimits
+        from sps_driving.graph import Graph, default_params_file
+        from sps_driving.nodes.pacmod3_standin import PacmodStandInNode
+
+        self.kind, self.work, self.hold_s = graph_kind, work, hold_s
+        base = yaml.safe_load(default_params_file().read_text())
+        shared = base["/**"]["ros__parameters"]
+        vi = {**base["vehicle_interface"]["ros__parameters"], **shared}
+        self.limits = ControlLimits.from_dict({k: vi[k] for k in ControlLimits.names()})
+        self.steering_ratio = float(shared["steering_ratio"])
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = Node("sps_faults", context=self.context)
+        self.standin = PacmodStandInNode(context=self.context)
+        self.executor = MultiThreadedExecutor(num_threads=3, context=self.context)
+        self.executor.add_node(self.node)
+        self.executor.add_node(self.standin)
+        self.clock_offset_ns = 0
+        self.command = (0.02, 0.15)  # what this process publishes as the policy (vehicle graph)
+        self.obstacle_m = math.inf
+        self.camera_mode = "ok"
+        self.spoof = None
+        self.status = {}
+        self._frames = self._demo_frames() if graph_kind == "perception" else None
+        self._frame_index = 0
+        self._make_publishers()
+        self.graph = Graph(self._nodes(), parameters=self._parameters(), log_dir=log_dir)
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------ set-up
+
+    def _nodes(self):
+        vehicle = ("vehicle_interface", "failsafe", "safety_monitor")
+        return ("camera_driver", *vehicle) if self.kind == "vehicle" else ("selection", "extractor", "policy", *vehicle)
+
+    def _parameters(self) -> dict:
+        from sps_driving.resources import package_path
+
+        checkpoint = str(package_path("models/sps50_dinov2").resolve())
+        params = {
+            "vehicle_interface": {"backend": "pacmod3", "use_sim_time": self.kind == "vehicle"},
+            "safety_monitor": {"required_inputs": ["lane", "obstacle"]},
+            "failsafe": {},
+        }
+        if self.kind == "vehicle":
+            frames = self.work / "frames"
+            frames.mkdir(parents=True, exist_ok=True)
+            self._write_frames(frames)
+            params["camera_driver"] = {"source": str(frames), "loop": True, "width": 160, "height": 100, "rate_hz": 30.0}
+        else:
+            params["selection"] = {"checkpoint": checkpoint}
+            params["policy"] = {"checkpoint": checkpoint}
+            # Two CPU cores run the whole perception graph at about 10 frames/s: commands come every
+            # ~0.1 s with jitter, so the command age limit is 1 s here (0.25 s on the car's GPU).
+            params["vehicle_interface"]["max_command_age_s"] = 1.0
+            params["extractor"] = {}
+        return params
+
+    def _demo_frames(self):
+        from sps_driving.bagio import read_messages
+        from sps_driving.resources import package_path
+
+        return [item.msg for item in read_messages(package_path("data/demo_drive"), [topics.IMAGE])]
+
+    def _write_frames(self, folder: Path) -> None:
+        import cv2
+        import numpy as np
+
+        from sps_driving.bagio import read_messages
+        from sps_driving.resources import package_path
+
+        for i, item in enumerate(read_messages(package_path("data/demo_drive"), [topics.IMAGE])):
+            if i >= 30:
+                break
+            rgb = np.frombuffer(item.msg.data, np.uint8).reshape(item.msg.height, item.msg.width, 3)
+            cv2.imwrite(str(folder / f"{i:03d}.png"), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+
+    def _make_publishers(self) -> None:
+        from diagnostic_msgs.msg import DiagnosticArray
+        from geometry_msgs.msg import PoseStamped
+        from rclpy.clock import Clock, ClockType
+        from rosgraph_msgs.msg import Clock as ClockMsg
+        from sensor_msgs.msg import CameraInfo, Image, JointState, Range
+
+        node = self.node
+        self.lane_pub = node.create_publisher(PoseStamped, topics.LANE_POSE, msgs.qos("sensor_out"))
+        self.range_pub = node.create_publisher(Range, topics.OBSTACLE_RANGE, msgs.qos("sensor_out"))
+        self.clock_pub = node.create_publisher(ClockMsg, "/clock", msgs.qos("sensor_out"))
+        self.command_pub = node.create_publisher(JointState, topics.POLICY_COMMAND, msgs.qos("stream")) if self.kind == "vehicle" else None
+        if self.kind == "perception":
+            self.image_pub = node.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
+            self.info_pub = node.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor_out"))
+        node.create_subscription(DiagnosticArray, topics.DIAGNOSTICS, self._on_diagnostics, msgs.qos("status"))
+        steady = Clock(clock_type=ClockType.STEADY_TIME)
+        node.create_timer(0.01, self._publish_clock, clock=steady)
+        node.create_timer(1 / 30, self._publish_inputs, clock=steady)
+        if self.kind == "perception":
+            node.create_timer(1 / 15, self._publish_frame, clock=steady)
+
+    def now_ns(self) -> int:
+        return time.time_ns() + self.clock_offset_ns
+
+    def _publish_clock(self) -> None:
+        from builtin_interfaces.msg import Time
+        from rosgraph_msgs.msg import Clock as ClockMsg
+
+        sec, nanosec = divmod(self.now_ns(), 1_000_000_000)
+        self.clock_pub.publish(ClockMsg(clock=Time(sec=sec, nanosec=nanosec)))
+
+    def _publish_inputs(self) -> None:
+        from geometry_msgs.msg import PoseStamped
+        from sensor_msgs.msg import Range
+
+        from sps_driving.bagio import lane_pose_message, range_message
+
+        stamp = time.time_ns()  # the safety monitor runs on system time
+        self.lane_pub.publish(msgs.from_bag(lane_pose_message(0.0, 0.0, stamp), PoseStamped))
+        self.range_pub.publish(msgs.from_bag(range_message(self.obstacle_m, stamp), Range))
+        if self.command_pub is not None:
+            self.command_pub.publish(msgs.command_message(*self.command, self.now_ns()))
+        if self.spoof is not None:
+            self.spoof.publish(msgs.stop_request_message(stamp, "safety_monitor", False))
+
+    def _publish_frame(self) -> None:
+        if self.camera_mode == "stop":
+            return
+        frame = self._frames[self._frame_index % len(self._frames)]
+        self._frame_index += 1
+        stamp = time.time_ns() - (int(1.5e9) if self.camera_mode == "delay" else 0)
+        image = msgs.from_bag(frame, self.image_pub.msg_type)
+        image.header = msgs.header(stamp, "camera")
+        if self.camera_mode == "corrupt":
+            image.data = bytes(image.data)[: len(image.data) // 3]  # truncated: fewer bytes than step x height
+        self.image_pub.publish(image)
+        self.info_pub.publish(msgs.camera_info(frame.height, frame.width, stamp, "camera", math.radians(130.0)))
+
+    def _on_diagnostics(self, msg) -> None:
+        for name, level, message, values in msgs.diagnostic_values(msg):
+            self.status[name] = (level, message, values)
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            self.executor.spin_once(timeout_sec=0.05)
+
+    def start(self, startup_timeout_s: float = 300.0) -> None:
+        from sps_driving.graph import wait_for_nodes
+
+        self._thread.start()
+        self.graph.start()
+        wait_for_nodes(self.node, self.graph.nodes, startup_timeout_s, self.graph)
+
+    def close(self) -> None:
+        self.graph.stop()
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.executor.shutdown()
+        self.standin.destroy_node()
+        self.node.destroy_node()
+        import rclpy
+
+        rclpy.try_shutdown(context=self.context)
+
+    # ------------------------------------------------------------ operating the car
+
+    def call(self, service_type, name: str, request, timeout_s: float = 5.0):
+        client = self.node.create_client(service_type, name)
+        try:
+            if not client.wait_for_service(timeout_sec=timeout_s):
+                return None
+            future = client.call_async(request)
+            deadline = time.monotonic() + timeout_s
+            while not future.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return future.result() if future.done() else None
+        finally:
+            self.node.destroy_client(client)
+
+    def sends(self):
+        with self.standin.lock:
+            return list(self.standin.model.sent)
+
+    def driving(self, since_s: float) -> bool:
+        recent = [s for s in self.sends() if s.time_s >= since_s]
+        return len(recent) >= 5 and all(
+            all(s.enable[x] for x in ("steering", "accel", "brake")) and not in_stop_set(s, self.limits.stop_brake)
+            for s in recent[-5:]
+        )
+
+    def engage(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """Disengage, re-arm and engage until the car drives; returns the last refusal on timeout."""
+        from std_srvs.srv import SetBool, Trigger
+
+        deadline = time.monotonic() + timeout_s
+        message = "no answer"
+        self.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=False))
+        while time.monotonic() < deadline:
+            self.call(Trigger, topics.REARM_SERVICE, Trigger.Request())
+            answer = self.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=True))
+            message = answer.message if answer is not None else "no answer"
+            if answer is not None and answer.success:
+                since = time.monotonic()
+                while time.monotonic() - since < 3.0:
+                    if self.driving(since):
+                        return ""
+                    time.sleep(0.05)
+                self.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=False))
+            time.sleep(0.5)
+        return message
+
+    # ------------------------------------------------------------ faults
+
+    def inject(self, fault: Fault) -> None:
+        kind, target = fault.inject, fault.target
+        if kind == "kill":
+            self.graph.kill(target, signal.SIGKILL)
+        elif kind == "sigterm":
+            self.graph.processes[target].send_signal(signal.SIGTERM)
+        elif kind == "sigint":
+            self.graph.processes[target].send_signal(signal.SIGINT)
+        elif kind == "sigstop":
+            self.graph.processes[target].send_signal(signal.SIGSTOP)
+        elif kind == "deactivate":
+            from lifecycle_msgs.msg import Transition
+            from lifecycle_msgs.srv import ChangeState
+
+            request = ChangeState.Request()
+            request.transition.id = Transition.TRANSITION_DEACTIVATE
+            threading.Thread(target=self.call, args=(ChangeState, f"/{target}/change_state", request), daemon=True).start()
+        elif kind == "clock":
+            self.clock_offset_ns += int(float(target) * 1e9)
+        elif kind == "standin":
+            self.standin.inject(target, True)
+        elif kind == "spoof_stop":
+            from diagnostic_msgs.msg import DiagnosticArray
+
+            self.spoof = self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control"))
+        elif kind == "command":
+            self.command = (math.nan, 0.15) if target == "nan" else (5.0, 3.0)
+        elif kind == "obstacle":
+            self.obstacle_m = -math.inf
+        elif kind == "camera":
+            self.camera_mode = target
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+
+    def restore(self, fault: Fault) -> None:
+        from sps_driving.graph import wait_for_nodes
+
+        kind, target = fault.inject, fault.target
+        if kind == "sigstop":
+            self.graph.processes[target].send_signal(signal.SIGCONT)
+        elif kind in ("kill", "sigterm", "sigint", "deactivate"):
+            self.graph.stop([target])
+            self.graph.start(target)
+            wait_for_nodes(self.node, [target], 120.0, self.graph)
+        elif kind == "standin":
+            self.standin.inject(target, False)
+        elif kind == "spoof_stop":
+            self.node.destroy_publisher(self.spoof)
+            self.spoof = None
+        elif kind == "command":
+            self.command = (0.02, 0.15)
+        elif kind == "obstacle":
+            self.obstacle_m = math.inf
+        elif kind == "camera":
+            self.camera_mode = "ok"
+
+    def run(self, fault: Fault) -> dict:
+        refused = self.engage()
+        if refused:
+            return {"fault": fault.name, "graph": self.kind, "stopped": False, "time_to_stop_s": None, "held": False,
+                    "unsafe_commands": 0, "error": f"could not engage before the fault: {refused}"}
+        time.sleep(0.5)
+        fault_s = time.monotonic()
+        self.inject(fault)
+        time.sleep(self.hold_s)
+        end_s = time.monotonic()
+        status = self.status.get("vehicle_interface", (0, "", {}))[2]
+        row = {"fault": fault.name, "graph": self.kind,
+               **measure(self.sends(), fault_s, end_s, self.limits, self.steering_ratio),
+               "vehicle_interface": f"{status.get('engagement', '?')}: {status.get('stop_reasons') or status.get('last_event', '')}"}
+        self.restore(fault)
+        return row
+
+
+def run_matrix(faults: list[Fault], hold_s: float = HOLD_S, log_dir: Path | None = None, progress=print) -> list[dict]:
+    from sps_driving.resources import config_path
+
+    work = Path(tempfile.mkdtemp(prefix="sps_faults_"))
+    # A killed node's endpoints are forgotten after 2 s, as on the car (config/fastdds.xml).
+    os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(config_path("fastdds.xml")))
+    rows = []
+    for kind in ("vehicle", "perception"):
+        chosen = [f for f in faults if f.graph == kind]
+        if not chosen:
+            continue
+        harness = Harness(kind, work / kind, Path(log_dir or work) / kind, hold_s)
+        try:
+            harness.start()
+            for fault in chosen:
+                row = harness.run(fault)
+                progress(format_row(row))
+                rows.append(row)
+        finally:
+            harness.close()
+    return rows
+
+
+def format_row(row: dict) -> str:
+    t = "-" if row["time_to_stop_s"] is None else f"{row['time_to_stop_s']:.3f}"
+    extra = row.get("error") or row.get("vehicle_interface", "")
+    return (f"| {row['fault']} | {row['graph']} | {'yes' if row['stopped'] else 'NO'} | {t} | "
+            f"{'yes' if row['held'] else 'NO'} | {row.get('end_state', '-')} | {row['unsafe_commands']} | {extra} |")
+
+
+TABLE_HEADER = ("| fault | graph | stopped | time to stop (s) | held | end state | unsafe commands | vehicle interface at the end |\n"
+                "|---|---|---|---|---|---|---|---|")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--short", action="store_true", help=f"only: {', '.join(SHORT)}")
+    parser.add_argument("--only", nargs="+", metavar="FAULT", help="run these faults (names as in the table)")
+    parser.add_argument("--hold", type=float, default=HOLD_S, help="s watched after each fault")
+    parser.add_argument("--json", action="store_true", help='print {"faults": [...]} as JSON')
+    parser.add_argument("--log-dir", type=Path, help="keep the node logs here")
+
+
+def select(short: bool, only: list[str] | None) -> list[Fault]:
+    names = set(SHORT) if short else set(only) if only else None
+    if names is None:
+        return list(FAULTS)
+    unknown = names - {f.name for f in FAULTS}
+    if unknown:
+        raise ValueError(f"unknown faults {sorted(unknown)}; known: {[f.name for f in FAULTS]}")
+    return [f for f in FAULTS if f.name in names]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        faults = select(args.short, args.only)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    if not args.json:
+        print(TABLE_HEADER, flush=True)
+    rows = run_matrix(faults, args.hold, args.log_dir, progress=(lambda _row: None) if args.json else (lambda line: print(line, flush=True)))
+    if args.json:
+        print(json.dumps({"faults": rows}, indent=2))
+    ok = all(r["stopped"] and r["held"] and r["unsafe_commands"] == 0 for r in rows)
+    return 0 if ok else 1

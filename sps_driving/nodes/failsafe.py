@@ -1,0 +1,106 @@
+"""failsafe: stops the car when the vehicle interface goes silent (killed or frozen) while the
+car is drive-by-wire enabled. A small process of its own, without torch or the policy, started
+next to the PACMod 3 driver. Logic and the reasons for it: sps_driving.core.failsafe.
+
+In: the vehicle interface's heartbeat (topics.ACTUATION, every control period), the PACMod global
+and steering reports. Out, only while it has taken over: PACMod steering, accelerator, brake and
+turn commands. Always: its status as a stop request on topics.FAILSAFE_STATUS (the vehicle
+interface stops when it is silent or says "stop") and on /diagnostics. Timers on the steady clock.
+"""
+
+from __future__ import annotations
+
+import time
+
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.clock import Clock, ClockType
+from rclpy.node import Node
+from sensor_msgs.msg import JointState
+
+from sps_driving import msgs, topics
+from sps_driving.core.control import STEERING_RATIO, ControlLimits, PacmodCommand
+from sps_driving.core.failsafe import Failsafe
+from sps_driving.nodes.common import declare, now_ns, run
+
+DEFAULT_LIMITS = ControlLimits()
+PARAMETERS = {
+    "silence_timeout_s": 0.2,
+    "stop_brake": DEFAULT_LIMITS.stop_brake,
+    "steering_ratio": STEERING_RATIO,
+    "control_rate_hz": DEFAULT_LIMITS.control_rate_hz,
+    "status_rate_hz": 10.0,
+}
+
+
+class FailsafeNode(Node):
+    NODE_NAME = "failsafe"
+
+    def __init__(self):
+        super().__init__(self.NODE_NAME)
+        p = declare(self, PARAMETERS)
+        try:
+            from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat
+        except ImportError as exc:
+            raise ValueError("failsafe needs pacmod3_msgs (apt install ros-$ROS_DISTRO-pacmod3-msgs)") from exc
+        for name in ("control_rate_hz", "status_rate_hz", "steering_ratio"):
+            if not p[name] > 0:
+                raise ValueError(f"{name} must be positive, got {p[name]}")
+        self.logic = Failsafe(float(p["silence_timeout_s"]), float(p["stop_brake"]))
+        # It holds the measured angle; the rate only bounds how fast the wheel may settle there.
+        self.rotation_rate = DEFAULT_LIMITS.max_steering_rate_rad_s * float(p["steering_ratio"])
+        steady = Clock(clock_type=ClockType.STEADY_TIME)
+        types = {"steering": SteeringCmd, "accel": SystemCmdFloat, "brake": SystemCmdFloat, "turn": SystemCmdInt}
+        self.command_publishers = {
+            system: self.create_publisher(types[system], topic, msgs.qos("control"))
+            for system, topic in topics.PACMOD_COMMANDS.items()
+        }
+        self.status_pub = self.create_publisher(DiagnosticArray, topics.FAILSAFE_STATUS, msgs.qos("control"))
+        self.diagnostics = self.create_publisher(DiagnosticArray, topics.DIAGNOSTICS, msgs.qos("status"))
+        self.create_subscription(JointState, topics.ACTUATION, self._on_heartbeat, msgs.qos("control"))
+        self.create_subscription(GlobalRpt, topics.PACMOD_GLOBAL_RPT, self._on_global, msgs.qos("sensor"))
+        self.create_subscription(SystemRptFloat, topics.PACMOD_STEERING_RPT, self._on_steering, msgs.qos("sensor"))
+        self.create_timer(1.0 / float(p["control_rate_hz"]), self._tick, clock=steady)
+        self.create_timer(1.0 / float(p["status_rate_hz"]), self._publish_status, clock=steady)
+        self.get_logger().info(f"watching {topics.ACTUATION}: silent {p['silence_timeout_s']} s while enabled -> stop")
+
+    def _on_heartbeat(self, _msg) -> None:
+        self.logic.on_heartbeat(time.monotonic())
+
+    def _on_global(self, msg) -> None:
+        self.logic.on_car(bool(msg.enabled), bool(msg.override_active))
+
+    def _on_steering(self, msg) -> None:
+        self.logic.on_steering(float(msg.output))
+
+    def _tick(self) -> None:
+        was = self.logic.state
+        command = self.logic.tick(time.monotonic())
+        if self.logic.state is not was:
+            log = self.get_logger().error if self.logic.active else self.get_logger().warning
+            log(f"{was.value} -> {self.logic.state.value}")
+            self._publish_status()
+        if command is None:
+            return
+        pacmod = PacmodCommand(
+            enable=command.enable, clear_override=False, steering_wheel_rad=command.steering_wheel_rad,
+            rotation_rate_rad_s=self.rotation_rate, accel=command.accel, brake=command.brake, hazards=command.hazards,
+        )
+        for system, message in msgs.pacmod_commands(pacmod, now_ns(self)).items():
+            self.command_publishers[system].publish(message)
+
+    def _publish_status(self) -> None:
+        stamp = now_ns(self)
+        reason = f"vehicle interface silent: {self.logic.state.value}" if self.logic.active else ""
+        self.status_pub.publish(msgs.stop_request_message(stamp, self.NODE_NAME, self.logic.active, reason))
+        level = msgs.Level.ERROR if self.logic.active else msgs.Level.OK
+        self.diagnostics.publish(
+            msgs.diagnostics(stamp, self.NODE_NAME, level, self.logic.state.value, {"trips": self.logic.trips}, hardware_id="pacmod3")
+        )
+
+
+def main(args=None) -> int:
+    return run(FailsafeNode, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""pacmod3_standin: the PACMod 3 driver and the car behind it, for tests, `sps-driving faults` and
+bench checks without a car. Same topics, message types and QoS as the AutonomouStuff driver
+(namespace /pacmod): it latches each command and re-sends it every period from its own timer, and
+publishes global_rpt, steering_rpt, accel_rpt, brake_rpt, turn_rpt, vehicle_speed_rpt and
+enabled. Behaviour: sps_driving.sim.pacmod.
+
+Fault injection, each a std_srvs/SetBool service of this node: ~/override (the safety driver takes
+the wheel and pedals; false lets go), ~/fault (a PACMod system fault), ~/can_timeout (CAN timeout
+flags in the global report) and ~/pause_reports (reports stop while true).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rclpy.clock import Clock, ClockType
+from rclpy.node import Node
+from std_msgs.msg import Bool
+from std_srvs.srv import SetBool
+
+from sps_driving import msgs, topics
+from sps_driving.nodes.common import declare, now_ns, run
+from sps_driving.sim.pacmod import PacmodStandIn
+
+PARAMETERS = {
+    "rate_hz": 30.0,  # Hz: the driver's re-send period is 33 ms
+    "max_accel_mps2": 2.0,  # m/s^2 at full accelerator
+    "max_decel_mps2": 6.0,  # m/s^2 at full brake
+    "initial_speed_mps": 0.0,  # m/s
+}
+REPORTS = {"steering": topics.PACMOD_STEERING_RPT, "accel": topics.PACMOD_ACCEL_RPT, "brake": topics.PACMOD_BRAKE_RPT}
+
+
+class PacmodStandInNode(Node):
+    NODE_NAME = "pacmod3_standin"
+
+    def __init__(self, context=None):
+        super().__init__(self.NODE_NAME, context=context)
+        p = declare(self, PARAMETERS)
+        try:
+            from pacmod3_msgs import msg as pacmod
+        except ImportError as exc:
+            raise ValueError("pacmod3_standin needs pacmod3_msgs (`make setup` builds it on machines without a ROS distro)") from exc
+        if not p["rate_hz"] > 0:
+            raise ValueError(f"rate_hz must be positive, got {p['rate_hz']}")
+        self.pacmod = pacmod
+        self.model = PacmodStandIn(float(p["max_accel_mps2"]), float(p["max_decel_mps2"]))
+        self.model.speed_mps = float(p["initial_speed_mps"])
+        self.lock = threading.Lock()  # the model is also driven from other threads (fault injection in-process)
+        self.period_s = 1.0 / float(p["rate_hz"])
+        driver = msgs.qos("driver")
+        types = {"steering": pacmod.SteeringCmd, "accel": pacmod.SystemCmdFloat, "brake": pacmod.SystemCmdFloat, "turn": pacmod.SystemCmdInt}
+        for system, topic in topics.PACMOD_COMMANDS.items():
+            self.create_subscription(types[system], topic, self._command_callback(system), driver)
+        self.report_pubs = {system: self.create_publisher(pacmod.SystemRptFloat, topic, driver) for system, topic in REPORTS.items()}
+        self.turn_pub = self.create_publisher(pacmod.SystemRptInt, topics.PACMOD_TURN_RPT, driver)
+        self.global_pub = self.create_publisher(pacmod.GlobalRpt, topics.PACMOD_GLOBAL_RPT, driver)
+        self.speed_pub = self.create_publisher(pacmod.VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, driver)
+        from rclpy.qos import DurabilityPolicy, QoSProfile
+
+        self.enabled_pub = self.create_publisher(Bool, topics.PACMOD_ENABLED, QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+        for name in ("override", "fault", "can_timeout", "pause_reports"):
+            self.create_service(SetBool, f"~/{name}", self._injection(name))
+        self._last_s = None
+        self.create_timer(self.period_s, self._tick, clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+    def _command_callback(self, system: str):
+        def on_command(msg) -> None:
+            with self.lock:
+                self.model.on_command(system, msg.enable, msg.ignore_overrides, msg.clear_override, float(msg.command),
+                                      float(getattr(msg, "rotation_rate", 0.0)))
+
+        return on_command
+
+    def inject(self, name: str, active: bool) -> None:
+        with self.lock:
+            if name == "override":
+                self.model.override(None, active)
+            elif name == "fault":
+                self.model.fault = active
+            elif name == "can_timeout":
+                self.model.can_timeout = active
+            elif name == "pause_reports":
+                self.model.reports_paused = active
+            else:
+                raise ValueError(f"unknown fault {name!r}")
+        self.get_logger().warning(f"injected {name} = {active}")
+
+    def _injection(self, name: str):
+        def on_request(request, response):
+            self.inject(name, bool(request.data))
+            response.success, response.message = True, f"{name} {bool(request.data)}"
+            return response
+
+        return on_request
+
+    def _tick(self) -> None:
+        now_s = time.monotonic()
+        dt = self.period_s if self._last_s is None else min(now_s - self._last_s, 3 * self.period_s)
+        self._last_s = now_s
+        with self.lock:
+            self.model.step(now_s, dt)
+            reports = self.model.reports()
+        if reports is not None:
+            self._publish(reports)
+
+    def _publish(self, reports) -> None:
+        pacmod = self.pacmod
+        header = msgs.header(now_ns(self), "pacmod")
+
+        def flags(r):
+            return dict(
+                header=header, enabled=r.enabled, override_active=r.override_active, command_output_fault=False,
+                input_output_fault=False, output_reported_fault=False, pacmod_fault=r.pacmod_fault, vehicle_fault=False,
+                command_timeout=r.command_timeout,
+            )
+
+        for system, publisher in self.report_pubs.items():
+            r = reports.systems[system]
+            publisher.publish(pacmod.SystemRptFloat(manual_input=r.manual_input, command=r.command, output=r.output, **flags(r)))
+        turn = reports.systems["turn"]
+        self.turn_pub.publish(pacmod.SystemRptInt(manual_input=0, command=int(turn.command), output=int(turn.output), **flags(turn)))
+        t = reports.can_timeout
+        self.global_pub.publish(
+            pacmod.GlobalRpt(
+                header=header, enabled=reports.enabled, override_active=reports.override_active, user_can_timeout=t,
+                steering_can_timeout=t, brake_can_timeout=t, subsystem_can_timeout=t, vehicle_can_timeout=t,
+                pacmod_sys_fault_active=reports.pacmod_sys_fault_active, supervisory_enable_required=False,
+                config_fault_active=False, user_can_read_errors=0,
+            )
+        )
+        self.speed_pub.publish(pacmod.VehicleSpeedRpt(header=header, vehicle_speed=reports.vehicle_speed, vehicle_speed_valid=True))
+        self.enabled_pub.publish(Bool(data=reports.enabled))
+
+
+def main(args=None) -> int:
+    return run(PacmodStandInNode, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""vehicle_interface ("topics" backend) in a graph of its own: a stepped ROS clock neither stalls
+its watchdog nor goes unnoticed; SIGTERM while engaged brakes, then exits; an exception in a
+callback still runs the fail-safe exit."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from rosgraph_msgs.msg import Clock as ClockMsg
+from std_srvs.srv import SetBool
+
+from sps_driving import msgs, topics
+from test_nodes_vehicle import STOP_BRAKE, VEHICLE, Inputs, actuation, drives, engage, start_rig, stop_reasons, vehicle
+
+pytestmark = pytest.mark.ros
+
+
+def test_a_stepped_ros_clock_neither_stalls_the_watchdog_nor_goes_unnoticed(tmp_path):
+    offset = [0]
+
+    def clock():
+        return time.time_ns() + offset[0]
+
+    graph, probe = start_rig(tmp_path, {**VEHICLE, "use_sim_time": True, "require_safety_monitor": False},
+                             nodes=("vehicle_interface",))
+    running = threading.Event()
+    try:
+        clock_pub = probe.publisher("/clock", ClockMsg, "sensor_out")
+        inputs = Inputs(probe, clock)
+
+        def publish_clock():  # at 100 Hz whatever the test loop does (service calls block it)
+            while not running.wait(0.01):
+                clock_pub.publish(ClockMsg(clock=msgs.ros_time(clock())))
+
+        threading.Thread(target=publish_clock, daemon=True).start()
+        tick = inputs.tick
+
+        assert probe.spin_until(lambda: vehicle(probe)[1] != "", 10, every=tick)
+        for step_s in (-3600, 3600):
+            engage_deadline = time.monotonic() + 10
+            while not drives(probe) and time.monotonic() < engage_deadline:
+                probe.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=False))
+                probe.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=True))
+                probe.spin_until(lambda: drives(probe), 1.0, every=tick)
+            assert drives(probe), vehicle(probe)
+            probe.received[topics.ACTUATION].clear()
+            started = time.monotonic()
+            offset[0] += step_s * 1_000_000_000
+            assert probe.spin_until(lambda: "clock_jump" in stop_reasons(probe), 2, every=tick), vehicle(probe)
+            probe.spin_until(lambda: False, 1.0 - (time.monotonic() - started), every=tick)
+            beats = [t for t, _ in probe.received[topics.ACTUATION]]
+            assert len(beats) >= 24, f"{len(beats)} commands in 1 s across a {step_s} s clock step"
+            assert max(b - a for a, b in zip(beats, beats[1:])) < 0.2  # never stalled
+            assert actuation(probe)[-1][1] == pytest.approx(-STOP_BRAKE), (vehicle(probe), graph.log("vehicle_interface")[-3000:])
+    finally:
+        running.set()
+        graph.stop()
+        probe.close()
+
+
+def test_sigterm_while_engaged_brakes_then_exits(tmp_path):
+    graph, probe = start_rig(tmp_path, {**VEHICLE, "require_safety_monitor": False}, nodes=("vehicle_interface",))
+    try:
+        inputs = Inputs(probe)
+        inputs.throttle = 0.2
+        engage(probe, inputs)
+        probe.received[topics.ACTUATION].clear()
+        graph.processes["vehicle_interface"].send_signal(signal.SIGTERM)
+        assert graph.returncode("vehicle_interface", wait_s=5) == 0
+        probe.spin(0.3)
+        after = actuation(probe)
+        assert len(after) >= 15 and after[-1][1] == pytest.approx(-STOP_BRAKE)
+        # No driving command after the first braking one.
+        first_brake = next(i for i, (_, t) in enumerate(after) if t == pytest.approx(-STOP_BRAKE))
+        assert all(t == pytest.approx(-STOP_BRAKE) for _, t in after[first_brake:])
+        assert "exit commands" in graph.log("vehicle_interface")
+    finally:
+        graph.stop()
+        probe.close()
+
+
+def test_an_exception_in_a_callback_runs_the_fail_safe_exit():
+    script = textwrap.dedent(
+        """
+        import rclpy
+        from rclpy.node import Node
+        from sps_driving.nodes.common import run
+
+        class Crashing(Node):
+            NODE_NAME = "crashing"
+
+            def __init__(self):
+                super().__init__(self.NODE_NAME)
+                self.create_timer(0.05, self.boom)
+
+            def boom(self):
+                raise RuntimeError("boom")
+
+            def fail_safe_exit(self, why):
+                print("FAIL-SAFE EXIT:", why, flush=True)
+
+        raise SystemExit(run(Crashing))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "FAIL-SAFE EXIT: exception RuntimeError" in done.stdout, (done.stdout, done.stderr)
