@@ -24,6 +24,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+# Every node of the car graph runs in its own enclave, /sps_driving/<node name>.
+ENCLAVE_ROOT = "/sps_driving"
 XINCLUDE = "{http://www.w3.org/2001/XInclude}include"
 # What a service or topic rule allows, per direction, as (DDS prefix, DDS suffix) of its topics.
 SERVICE_ROLES = {
@@ -33,6 +35,10 @@ SERVICE_ROLES = {
 # rmw's own graph topic: every participant publishes and reads it.
 ROS_DISCOVERY_TOPIC = "ros_discovery_info"
 QUALIFIERS = ("DENY", "ALLOW")  # deny rules come first: the first rule that matches decides
+
+
+def enclave_of(node: str) -> str:
+    return f"{ENCLAVE_ROOT}/{node}"
 
 
 def load_policy(path: str | Path) -> ET.Element:
