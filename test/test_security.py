@@ -11,6 +11,7 @@
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,19 +305,26 @@ ACCEL_CMD = "/pacmod/accel_cmd"
 
 
 class Peer:
-    """One security_peer.py process; `lines()` is everything it printed so far."""
+    """One peer process (security_peer.py or dds_security_peer); `lines()` is what it printed."""
 
-    def __init__(self, log_dir: Path, label: str, mode: str, node: str, namespace: str, enclave: str | None, env: dict):
+    def __init__(self, log_dir: Path, label: str, command: list, env: dict):
         self.label = label
         self.log = log_dir / f"{label}.log"
-        command = [sys.executable, str(PEER), mode, ACCEL_CMD, node, namespace, label]
-        if enclave:
-            command += ["--ros-args", "--enclave", enclave]
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
+
+    def heard(self) -> set[str]:
+        return {line.split(" ", 1)[1] for line in self.lines() if line.startswith("received ")}
+
+    def settled(self) -> bool:
+        """Up with its endpoint, or gone."""
+        return self.process.poll() is not None or "ready" in self.lines()
+
+    def refused(self) -> bool:
+        return self.process.poll() == 3 and any(line.startswith("refused") for line in self.lines())
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -326,6 +334,13 @@ class Peer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def ros_peer(log_dir, label, mode, node, namespace, enclave, env) -> Peer:
+    command = [sys.executable, str(PEER), mode, ACCEL_CMD, node, namespace, label]
+    if enclave:
+        command += ["--ros-args", "--enclave", enclave]
+    return Peer(log_dir, label, command, env)
 
 
 def secured(keystore: Path) -> dict:
@@ -353,31 +368,111 @@ def test_only_the_vehicle_interface_enclave_reaches_the_driver(keystore, tmp_pat
     the policy's enclave is refused, one with a certificate from another CA and one without
     security are never heard; a subscriber without security hears nothing of the secured graph."""
     rogue = create_keystore(tmp_path / "rogue")  # same enclave names, another CA
-    driver = Peer(tmp_path, "driver", "sub", "pacmod3_driver", "/pacmod", security.enclave_of("pacmod3_driver"), secured(keystore))
+    driver = ros_peer(tmp_path, "driver", "sub", "pacmod3_driver", "/pacmod", security.enclave_of("pacmod3_driver"), secured(keystore))
     peers = [driver]
     try:
-        assert wait_for(lambda: driver.process.poll() is not None or "ready" in driver.lines(), 30), driver.lines()
-        if "doesn't have the security libraries" in driver.log.read_text():
-            pytest.skip("the installed rmw has no DDS Security: " + " ".join(driver.lines()))
+        assert wait_for(driver.settled, 30), driver.lines()
+        log = driver.log.read_text()
+        if "doesn't have the security libraries" in log:
+            pytest.skip("the installed rmw has no DDS Security: " + " ".join(log[log.index("refused:"):].split()))
         assert "ready" in driver.lines(), driver.lines()
 
-        vehicle = Peer(tmp_path, "vehicle_interface", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(keystore))
-        policy_node = Peer(tmp_path, "policy", "pub", "policy", "/", security.enclave_of("policy"), secured(keystore))
-        forged = Peer(tmp_path, "forged", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(rogue))
-        plain = Peer(tmp_path, "plain", "pub", "intruder", "/", None, unsecured())
-        eavesdropper = Peer(tmp_path, "eavesdropper", "sub", "listener", "/", None, unsecured())
+        vehicle = ros_peer(tmp_path, "vehicle_interface", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(keystore))
+        policy_node = ros_peer(tmp_path, "policy", "pub", "policy", "/", security.enclave_of("policy"), secured(keystore))
+        forged = ros_peer(tmp_path, "forged", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(rogue))
+        plain = ros_peer(tmp_path, "plain", "pub", "intruder", "/", None, unsecured())
+        eavesdropper = ros_peer(tmp_path, "eavesdropper", "sub", "listener", "/", None, unsecured())
         peers += [vehicle, policy_node, forged, plain, eavesdropper]
 
         assert wait_for(lambda: "received vehicle_interface" in driver.lines(), 30), (driver.lines(), vehicle.lines())
         # Everyone else has had its chance: every peer is up (or refused) and a few seconds more.
-        assert wait_for(lambda: all(p.process.poll() is not None or "ready" in p.lines() for p in peers), 30)
+        assert wait_for(lambda: all(p.settled() for p in peers), 30)
         time.sleep(3.0)
-        heard = {line.split(" ", 1)[1] for line in driver.lines() if line.startswith("received")}
-        assert heard == {"vehicle_interface"}, heard
-        assert policy_node.process.poll() == 3 and policy_node.lines()[-1].startswith("refused"), policy_node.lines()
+        assert driver.heard() == {"vehicle_interface"}
+        assert policy_node.refused(), policy_node.lines()
         assert "ready" in plain.lines() and "ready" in eavesdropper.lines()
-        assert not [line for line in eavesdropper.lines() if line.startswith("received")], eavesdropper.lines()
+        # The unsecured pair hears each other (so the plain writer works), nothing of the secured graph.
+        assert eavesdropper.heard() == {"plain"}, eavesdropper.lines()
     finally:
         for peer in peers:
             peer.stop()
 
+
+
+# --- the same keystore under another DDS Security implementation -------------------------------
+
+# Cyclone DDS from Debian (cyclonedds-dev, cyclonedds-tools) ships the three DDS Security plugins.
+CYCLONE_PLUGINS = sorted(Path("/usr/lib").glob("*/libddsc0debian/libdds_security_auth.so")) + sorted(
+    Path("/opt/ros").glob("*/lib/libdds_security_auth.so")
+)
+CYCLONE_LOOPBACK = (
+    "<CycloneDDS><Domain><General><Interfaces><NetworkInterface address=\"127.0.0.1\"/></Interfaces>"
+    "<AllowMulticast>false</AllowMulticast></General><Discovery><ParticipantIndex>auto</ParticipantIndex>"
+    "<MaxAutoParticipantIndex>30</MaxAutoParticipantIndex><Peers><Peer address=\"127.0.0.1\"/></Peers>"
+    "</Discovery></Domain></CycloneDDS>"
+)
+# ROS 2's std_msgs/String as rmw puts it on the wire.
+ROS_STRING_IDL = "module std_msgs { module msg { module dds_ { struct String_ { string data; }; }; }; };\n"
+
+
+@pytest.fixture(scope="module")
+def cyclone_peer(tmp_path_factory):
+    """dds_security_peer.c built against Cyclone DDS, or a skip naming what is missing."""
+    missing = [tool for tool in ("idlc", "cc") if shutil.which(tool) is None]
+    if missing or not CYCLONE_PLUGINS or not Path("/usr/include/dds/dds.h").is_file():
+        pytest.skip(f"Cyclone DDS with DDS Security not installed (apt-get install cyclonedds-dev cyclonedds-tools); missing: {missing or 'plugins or headers'}")
+    build = tmp_path_factory.mktemp("cyclone_peer")
+    (build / "String.idl").write_text(ROS_STRING_IDL)
+    subprocess.run(["idlc", "String.idl"], cwd=build, check=True, capture_output=True, timeout=60)
+    binary = build / "dds_security_peer"
+    subprocess.run(
+        ["cc", "-O1", "-I.", "-o", str(binary), str(Path(__file__).parent / "dds_security_peer.c"), "String.c", "-lddsc"],
+        cwd=build, check=True, capture_output=True, timeout=120,
+    )
+    return binary
+
+
+def test_cyclone_dds_security_enforces_the_keystore(keystore, cyclone_peer, tmp_path):
+    """The keystore's certificates, signed governance and permissions under a real DDS Security
+    implementation, on the DDS topic of /pacmod/accel_cmd: the vehicle interface's and the
+    failsafe's writes reach the driver's enclave; the driver may not write commands; the policy's
+    enclave may not touch the topic; a certificate from another CA fails the handshake; an
+    unsecured writer is not heard and an unsecured reader hears nothing of the secured writers."""
+    rogue = create_keystore(tmp_path / "rogue")
+    env = {**os.environ, "CYCLONEDDS_URI": CYCLONE_LOOPBACK}
+    plugins = str(CYCLONE_PLUGINS[0].parent)
+    domain = os.environ["ROS_DOMAIN_ID"]
+
+    def peer(label, mode, store=None, enclave=None):
+        command = [str(cyclone_peer), mode, "rt" + ACCEL_CMD, label, domain, plugins]
+        if store is not None:
+            command.append(str(store / "enclaves" / security.enclave_of(enclave).lstrip("/")))
+        return Peer(tmp_path, label, command, env)
+
+    driver = peer("driver", "sub", keystore, "pacmod3_driver")
+    eavesdropper = peer("eavesdropper", "sub")
+    peers = [driver, eavesdropper]
+    try:
+        assert wait_for(lambda: driver.settled() and eavesdropper.settled(), 20), driver.lines()
+        assert "ready" in driver.lines() and "ready" in eavesdropper.lines(), driver.lines() + eavesdropper.lines()
+        peers += [
+            peer("vehicle_interface", "pub", keystore, "vehicle_interface"),
+            peer("failsafe", "pub", keystore, "failsafe"),
+            peer("policy", "pub", keystore, "policy"),
+            peer("pacmod3_driver", "pub", keystore, "pacmod3_driver"),
+            peer("forged", "pub", rogue, "vehicle_interface"),
+            peer("plain", "pub"),
+        ]
+        assert wait_for(lambda: driver.heard() >= {"vehicle_interface", "failsafe"}, 20), driver.lines()
+        assert wait_for(lambda: all(p.settled() for p in peers), 20)
+        time.sleep(2.0)
+        assert driver.heard() == {"vehicle_interface", "failsafe"}
+        # The unsecured pair hears each other (so the plain writer works), nothing of the secured graph.
+        assert eavesdropper.heard() == {"plain"}
+        by_label = {p.label: p for p in peers}
+        assert by_label["policy"].refused() and by_label["pacmod3_driver"].refused()
+        assert "ready" in by_label["forged"].lines() and "ready" in by_label["plain"].lines()
+        assert any("Certificate not valid" in line for line in driver.lines()), "the forged identity was not refused at the handshake"
+    finally:
+        for p in peers:
+            p.stop()
