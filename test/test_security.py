@@ -367,7 +367,6 @@ def test_only_the_vehicle_interface_enclave_reaches_the_driver(keystore, tmp_pat
     """The pacmod3 driver's enclave hears the vehicle interface's throttle command; a publisher in
     the policy's enclave is refused, one with a certificate from another CA and one without
     security are never heard; a subscriber without security hears nothing of the secured graph."""
-    rogue = create_keystore(tmp_path / "rogue")  # same enclave names, another CA
     driver = ros_peer(tmp_path, "driver", "sub", "pacmod3_driver", "/pacmod", security.enclave_of("pacmod3_driver"), secured(keystore))
     peers = [driver]
     try:
@@ -377,6 +376,7 @@ def test_only_the_vehicle_interface_enclave_reaches_the_driver(keystore, tmp_pat
             pytest.skip("the installed rmw has no DDS Security: " + " ".join(log[log.index("refused:"):].split()))
         assert "ready" in driver.lines(), driver.lines()
 
+        rogue = create_keystore(tmp_path / "rogue")  # same enclave names, another CA
         vehicle = ros_peer(tmp_path, "vehicle_interface", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(keystore))
         policy_node = ros_peer(tmp_path, "policy", "pub", "policy", "/", security.enclave_of("policy"), secured(keystore))
         forged = ros_peer(tmp_path, "forged", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(rogue))
