@@ -27,6 +27,8 @@ setup(
         ("share/" + package_name, ["package.xml"]),
         ("share/" + package_name + "/launch", glob("launch/*.xml")),
         ("share/" + package_name + "/config", glob("config/*.yaml") + glob("config/*.xml")),
+        ("share/" + package_name + "/security", glob("security/*.xml")),
+        ("share/" + package_name + "/security/common", glob("security/common/*.xml")),
     ]
     # Shipped policies and the bundled drive keep their folder layout under share/.
     + [
