@@ -109,7 +109,7 @@ def test_every_car_process_has_its_enclave(policy):
         ("rt/pacmod/accel_cmd", {"vehicle_interface", "failsafe"}),
         ("rt/pacmod/brake_cmd", {"vehicle_interface", "failsafe"}),
         ("rt/pacmod/steering_cmd", {"vehicle_interface", "failsafe"}),
-        ("rt/pacmod/turn_cmd", {"failsafe"}),
+        ("rt/pacmod/turn_cmd", {"vehicle_interface", "failsafe"}),
         ("rt/pacmod/shift_cmd", set()),
         ("rt/pacmod/headlight_cmd", set()),
         ("rt/pacmod/to_can_bus", {"pacmod3_driver"}),  # raw CAN frames to the car
@@ -120,7 +120,7 @@ def test_every_car_process_has_its_enclave(policy):
         ("rt/flir_camera/image_raw", {"camera_vendor"}),
         ("rt/flir_camera/camera_info", {"camera_vendor"}),
         ("rt/pacmod/global_rpt", {"pacmod3_driver"}),
-        ("rt" + topics.ENGAGE_REQUEST, {"operator"}),
+        ("rt" + topics.FAILSAFE_STATUS, {"failsafe"}),
         ("rq/vehicle_interface/engageRequest", {"operator"}),
         ("rq/vehicle_interface/rearmRequest", {"operator"}),
         ("rr/vehicle_interface/engageReply", {"vehicle_interface"}),
