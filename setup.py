@@ -25,7 +25,7 @@ setup(
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/" + package_name]),
         ("share/" + package_name, ["package.xml"]),
-        ("share/" + package_name + "/launch", glob("launch/*.xml")),
+        ("share/" + package_name + "/launch", glob("launch/*.xml") + glob("launch/*.py")),
         ("share/" + package_name + "/config", glob("config/*.yaml") + glob("config/*.xml")),
         ("share/" + package_name + "/security", glob("security/*.xml")),
         ("share/" + package_name + "/security/common", glob("security/common/*.xml")),

@@ -361,10 +361,11 @@ def test_standin_latches_resends_and_clears_enable_on_override():
     for system in ("steering", "accel", "brake"):
         car.on_command(system, True, False, True, 0.3 if system == "accel" else 0.0, 4.0)
     t = 0.0
+    sends = []
     for _ in range(30):  # nobody sends again: the last command keeps going out
-        sent = car.step(t, DT)
+        sends.append(car.step(t, DT))
         t += DT
-    assert sent.enable["accel"] and sent.command["accel"] == 0.3 and len(car.sent) == 30
+    assert all(s.enable["accel"] and s.command["accel"] == 0.3 for s in sends)
     assert car.reports().enabled and car.speed_mps > 0.5
     car.override("steering")
     sent = car.step(t, DT)
@@ -376,3 +377,13 @@ def test_standin_latches_resends_and_clears_enable_on_override():
     car.on_command("steering", True, False, True, 0.0, 4.0)
     car.step(t + 2 * DT, DT)
     assert car.enabled("steering")
+
+
+def test_a_disabled_system_followed_by_the_report_saying_why_gets_that_cause():
+    logic, car = engaged()
+    logic.on_system_report("steering", SystemStatus(False), 0.2)  # the system report comes first
+    assert logic.state is EngageState.DISENGAGED and logic.last_event == Event.DISABLED_BY_VEHICLE.value
+    logic.on_global_report(GlobalStatus(False, timeout=True), 0.21)  # then the global report: a CAN timeout
+    assert logic.last_event == Event.CAN_TIMEOUT.value and logic.disengagements == {"can_timeout": 1}
+    logic.on_global_report(GlobalStatus(False, fault=True), 0.5)  # much later: a new fact, not this cause
+    assert logic.last_event == Event.CAN_TIMEOUT.value

@@ -122,3 +122,40 @@ def test_bag_messages_convert_to_this_distros_types():
     assert msgs.ros_type("sensor_msgs/msg/Image") is Image and msgs.ros_type("sensor_msgs/Image") is Image
     with pytest.raises(ValueError):
         msgs.ros_type("Image")
+
+
+def test_pacmod3_reports_and_commands_in_the_upstream_layout():
+    from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat
+
+    from sps_driving.core.control import GlobalStatus, PacmodCommand, SystemStatus
+
+    report = SystemRptFloat(enabled=True, override_active=False, vehicle_fault=True, command_timeout=False, output=1.5)
+    assert msgs.system_status(report) == SystemStatus(True, False, True, False, 1.5)
+    assert msgs.system_status(SystemRptFloat(command_timeout=True)).timeout
+    assert msgs.global_status(GlobalRpt(enabled=True, brake_can_timeout=True)) == GlobalStatus(True, False, False, True)
+    assert msgs.global_status(GlobalRpt(config_fault_active=True)).fault
+    command = PacmodCommand(True, False, 0.3, 4.4, 0.2, 0.0, True)
+    out = msgs.pacmod_commands(command, 5)
+    assert isinstance(out["steering"], SteeringCmd) and out["steering"].command == 0.3 and out["steering"].rotation_rate == 4.4
+    assert isinstance(out["accel"], SystemCmdFloat) and out["accel"].command == 0.2 and out["accel"].enable
+    assert out["turn"].command == SystemCmdInt.TURN_HAZARDS and isinstance(out["turn"], SystemCmdInt)
+    assert all(m.header.stamp.nanosec == 5 and not m.clear_override and not m.ignore_overrides for m in out.values())
+
+
+def test_stop_request_round_trip_and_refusals():
+    msg = msgs.stop_request_message(7, "safety_monitor", True, "collision")
+    assert msgs.stop_request_from_message(msg) == msgs.StopRequest("safety_monitor", True, "collision", 7)
+    assert not msgs.stop_request_from_message(msgs.stop_request_message(8, "failsafe", False)).stop
+    stale = msgs.diagnostics(9, "safety_monitor", msgs.Level.STALE, "", {})
+    with pytest.raises(msgs.MessageError, match="OK or ERROR"):
+        msgs.stop_request_from_message(stale)
+    stale.status = []
+    with pytest.raises(msgs.MessageError, match="exactly one status"):
+        msgs.stop_request_from_message(stale)
+
+
+def test_standin_frame_round_trip():
+    from sps_driving.sim.pacmod import Sent
+
+    sent = Sent(1.0, {"steering": True, "accel": False}, {"steering": -0.5, "accel": 0.25})
+    assert msgs.sent_from_message(msgs.sent_message(sent, 3), 2.0) == Sent(2.0, sent.enable, sent.command)

@@ -36,6 +36,10 @@ SYSTEMS = ("steering", "accel", "brake")  # the drive-by-wire systems that must 
 # a command inside them but over the configured limits is clipped.
 PHYSICAL_ROAD_WHEEL_RAD = 1.0
 PHYSICAL_THROTTLE = 1.0
+# A command stamped this far after the node's own now is from a clock that disagrees with ours
+# (a step): refused like a late one. Clocks of one machine agree exactly; 0.1 s leaves room for
+# delivery jitter of a simulated /clock.
+MAX_FUTURE_STAMP_S = 0.1
 STEERING_RATIO = 14.8  # steering-wheel angle / road-wheel angle of the Lexus RX 450h (config/graph.yaml holds the value in use)
 
 
@@ -228,6 +232,7 @@ class VehicleLogic:
         self._clock: tuple[int, float] | None = None  # ROS ns, steady s of the last check
         self._clock_jump_s: float | None = None
         self._latched: tuple[StopReason, ...] = ()
+        self._disengaged_s = -math.inf
         self._measured_steering: float | None = None  # road-wheel rad, from the steering report
         self._steering = 0.0
         self._last_tick_s: float | None = None
@@ -245,7 +250,7 @@ class VehicleLogic:
             return False
         self._command_invalid = False
         limit = self.limits.max_command_latency_s
-        if limit > 0 and latency_s is not None and not (-self.limits.control_period_s <= latency_s <= limit):
+        if limit > 0 and latency_s is not None and not (-MAX_FUTURE_STAMP_S <= latency_s <= limit):
             self.late_commands += 1
             self._command_late = True
             return False
@@ -292,27 +297,35 @@ class VehicleLogic:
         if system == "steering" and math.isfinite(status.output):
             limit = self.limits.max_road_wheel_angle_rad
             self._measured_steering = clip(status.output / self.steering_ratio, -limit, limit)
-        self._react(status.override, status.fault, status.timeout, status.enabled)
+        self._react(status.override, status.fault, status.timeout, status.enabled, now_s)
 
     def on_global_report(self, status: GlobalStatus, now_s: float) -> None:
         self._global = (status, now_s)
-        self._react(status.override, status.fault, status.timeout, status.enabled)
+        self._react(status.override, status.fault, status.timeout, status.enabled, now_s)
 
-    def _react(self, override: bool, fault: bool, timeout: bool, enabled: bool) -> None:
+    def _react(self, override: bool, fault: bool, timeout: bool, enabled: bool, now_s: float) -> None:
         if self.state is EngageState.DISENGAGED:
+            # Reports of one period arrive one by one: a system reported disabled may be followed
+            # by the report that says why. The cause is corrected; the disengagement was at once.
+            recent = now_s - self._disengaged_s <= self.limits.control_period_s
+            if recent and self.last_event == Event.DISABLED_BY_VEHICLE.value and (fault or timeout):
+                self._count(Event.DISABLED_BY_VEHICLE, -1)
+                cause = Event.FAULT if fault else Event.CAN_TIMEOUT
+                self._count(cause, +1)
+                self.last_event = cause.value
             return
         if fault:
-            self._disengage(Event.FAULT)
+            self._disengage(Event.FAULT, now_s)
         elif timeout:
-            self._disengage(Event.CAN_TIMEOUT)
+            self._disengage(Event.CAN_TIMEOUT, now_s)
         elif self.state is EngageState.ENGAGED:
             # While engaging, an old override flag is being cleared and systems are coming up.
             if override:
                 self.interventions += 1
                 self.locked_out = True
-                self._disengage(Event.OVERRIDE)
+                self._disengage(Event.OVERRIDE, now_s)
             elif not enabled:
-                self._disengage(Event.DISABLED_BY_VEHICLE)
+                self._disengage(Event.DISABLED_BY_VEHICLE, now_s)
 
     # ------------------------------------------------------------ operator requests
 
@@ -469,10 +482,19 @@ class VehicleLogic:
 
     # ------------------------------------------------------------ state
 
-    def _disengage(self, event: Event) -> None:
+    def _disengage(self, event: Event, now_s: float | None = None) -> None:
         if self.state is not EngageState.DISENGAGED:
-            self.disengagements[event.value] = self.disengagements.get(event.value, 0) + 1
+            self._count(event, +1)
+            if now_s is not None:
+                self._disengaged_s = now_s
         self._set(EngageState.DISENGAGED, event)
+
+    def _count(self, event: Event, change: int) -> None:
+        count = self.disengagements.get(event.value, 0) + change
+        if count:
+            self.disengagements[event.value] = count
+        else:
+            self.disengagements.pop(event.value, None)
 
     def _set(self, state: EngageState, event: Event) -> None:
         self.state = state

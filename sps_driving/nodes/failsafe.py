@@ -76,8 +76,10 @@ class FailsafeNode(Node):
         was = self.logic.state
         command = self.logic.tick(time.monotonic())
         if self.logic.state is not was:
-            log = self.get_logger().error if self.logic.active else self.get_logger().warning
-            log(f"{was.value} -> {self.logic.state.value}")
+            if self.logic.active:
+                self.get_logger().error(f"vehicle interface silent: {was.value} -> {self.logic.state.value}")
+            else:
+                self.get_logger().warning(f"vehicle interface back: {was.value} -> {self.logic.state.value}")
             self._publish_status()
         if command is None:
             return

@@ -6,16 +6,17 @@ enabled. Behaviour: sps_driving.sim.pacmod.
 
 Fault injection, each a std_srvs/SetBool service of this node: ~/override (the safety driver takes
 the wheel and pedals; false lets go), ~/fault (a PACMod system fault), ~/can_timeout (CAN timeout
-flags in the global report) and ~/pause_reports (reports stop while true).
+flags in the global report) and ~/pause_reports (reports stop while true). What the driver
+re-sends to the car every period goes out on ~/sent (msgs.sent_message), so a test can see it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 from rclpy.clock import Clock, ClockType
 from rclpy.node import Node
+from sensor_msgs.msg import JointState
 from std_msgs.msg import Bool
 from std_srvs.srv import SetBool
 
@@ -35,8 +36,8 @@ REPORTS = {"steering": topics.PACMOD_STEERING_RPT, "accel": topics.PACMOD_ACCEL_
 class PacmodStandInNode(Node):
     NODE_NAME = "pacmod3_standin"
 
-    def __init__(self, context=None):
-        super().__init__(self.NODE_NAME, context=context)
+    def __init__(self):
+        super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
         try:
             from pacmod3_msgs import msg as pacmod
@@ -47,7 +48,6 @@ class PacmodStandInNode(Node):
         self.pacmod = pacmod
         self.model = PacmodStandIn(float(p["max_accel_mps2"]), float(p["max_decel_mps2"]))
         self.model.speed_mps = float(p["initial_speed_mps"])
-        self.lock = threading.Lock()  # the model is also driven from other threads (fault injection in-process)
         self.period_s = 1.0 / float(p["rate_hz"])
         driver = msgs.qos("driver")
         types = {"steering": pacmod.SteeringCmd, "accel": pacmod.SystemCmdFloat, "brake": pacmod.SystemCmdFloat, "turn": pacmod.SystemCmdInt}
@@ -60,6 +60,7 @@ class PacmodStandInNode(Node):
         from rclpy.qos import DurabilityPolicy, QoSProfile
 
         self.enabled_pub = self.create_publisher(Bool, topics.PACMOD_ENABLED, QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+        self.sent_pub = self.create_publisher(JointState, "~/sent", msgs.qos("status"))
         for name in ("override", "fault", "can_timeout", "pause_reports"):
             self.create_service(SetBool, f"~/{name}", self._injection(name))
         self._last_s = None
@@ -67,24 +68,22 @@ class PacmodStandInNode(Node):
 
     def _command_callback(self, system: str):
         def on_command(msg) -> None:
-            with self.lock:
-                self.model.on_command(system, msg.enable, msg.ignore_overrides, msg.clear_override, float(msg.command),
-                                      float(getattr(msg, "rotation_rate", 0.0)))
+            self.model.on_command(system, msg.enable, msg.ignore_overrides, msg.clear_override, float(msg.command),
+                                  float(getattr(msg, "rotation_rate", 0.0)))
 
         return on_command
 
     def inject(self, name: str, active: bool) -> None:
-        with self.lock:
-            if name == "override":
-                self.model.override(None, active)
-            elif name == "fault":
-                self.model.fault = active
-            elif name == "can_timeout":
-                self.model.can_timeout = active
-            elif name == "pause_reports":
-                self.model.reports_paused = active
-            else:
-                raise ValueError(f"unknown fault {name!r}")
+        if name == "override":
+            self.model.override(None, active)
+        elif name == "fault":
+            self.model.fault = active
+        elif name == "can_timeout":
+            self.model.can_timeout = active
+        elif name == "pause_reports":
+            self.model.reports_paused = active
+        else:
+            raise ValueError(f"unknown fault {name!r}")
         self.get_logger().warning(f"injected {name} = {active}")
 
     def _injection(self, name: str):
@@ -99,9 +98,9 @@ class PacmodStandInNode(Node):
         now_s = time.monotonic()
         dt = self.period_s if self._last_s is None else min(now_s - self._last_s, 3 * self.period_s)
         self._last_s = now_s
-        with self.lock:
-            self.model.step(now_s, dt)
-            reports = self.model.reports()
+        sent = self.model.step(now_s, dt)
+        reports = self.model.reports()
+        self.sent_pub.publish(msgs.sent_message(sent, now_ns(self)))
         if reports is not None:
             self._publish(reports)
 

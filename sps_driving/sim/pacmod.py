@@ -83,7 +83,6 @@ class PacmodStandIn:
         self.max_accel_mps2 = max_accel_mps2
         self.max_decel_mps2 = max_decel_mps2
         self.drag_per_s = drag_per_s
-        self.sent: list[Sent] = []
 
     # ------------------------------------------------------------ the driver's subscriptions
 
@@ -117,7 +116,6 @@ class PacmodStandIn:
             for latched in self.latched.values():  # the driver's set_enable(false)
                 latched.enable = False
         sent = Sent(now_s, {n: l.enable for n, l in self.latched.items()}, {n: l.command for n, l in self.latched.items()})
-        self.sent.append(sent)
         steering = self.latched["steering"]
         if self.enabled("steering"):
             step = abs(steering.rotation_rate) * dt_s

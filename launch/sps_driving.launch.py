@@ -1,0 +1,32 @@
+"""The car launch: the graph of sps_driving.launch.xml (its arguments apply here), and, when the
+PACMod 3 driver is started here too (launch_driver:=true), the whole launch shut down as soon as
+the vehicle interface exits however it exits (a crash, kill -9, out of memory). The driver then
+stops, so it no longer re-sends the last command every 33 ms, and the PACMod's own command timeout
+hands the car back to the safety driver. ROS 2 Humble's XML front end has no on_exit, hence this
+file.
+
+When the driver runs in a launch of its own, nothing is shut down: the failsafe node, which
+outlives the vehicle interface, brakes the car and holds it (docs/vehicle.md).
+
+    ros2 launch sps_driving sps_driving.launch.py launch_driver:=true vehicle_backend:=pacmod3
+"""
+
+from launch import LaunchDescription
+from launch.actions import IncludeLaunchDescription, RegisterEventHandler, Shutdown
+from launch.conditions import IfCondition
+from launch.event_handlers import OnProcessExit
+from launch.launch_description_sources import AnyLaunchDescriptionSource
+from launch.substitutions import LaunchConfiguration, PathJoinSubstitution, ThisLaunchFileDir
+
+
+def is_vehicle_interface(action) -> bool:
+    return getattr(action, "node_executable", None) == "vehicle_interface"
+
+
+def generate_launch_description():
+    graph = IncludeLaunchDescription(AnyLaunchDescriptionSource(PathJoinSubstitution([ThisLaunchFileDir(), "sps_driving.launch.xml"])))
+    tie = RegisterEventHandler(
+        OnProcessExit(target_action=is_vehicle_interface, on_exit=[Shutdown(reason="the vehicle interface exited")]),
+        condition=IfCondition(LaunchConfiguration("launch_driver", default="false")),
+    )
+    return LaunchDescription([graph, tie])

@@ -1,0 +1,62 @@
+"""`sps-driving faults`: the measurement itself (stop set, reaction time, hold, unsafe frames) on
+made-up frames, and the short form of the matrix against the live graph: the PACMod 3 stand-in,
+vehicle_interface (pacmod3 backend, generated pacmod3_msgs), failsafe, safety_monitor and
+camera_driver as real processes over DDS. The whole matrix (also the perception nodes) is
+`sps-driving faults`; its table is docs/results/faults.md."""
+
+import math
+
+import pytest
+
+from sps_driving import faults
+from sps_driving.core.control import ControlLimits
+from sps_driving.sim.pacmod import Sent
+
+LIMITS = ControlLimits()
+RATIO = 14.8
+
+
+def frame(t, accel=0.0, brake=0.0, enable=True, steering=0.0):
+    systems = ("steering", "accel", "brake", "turn")
+    return Sent(t, {s: enable for s in systems}, {"steering": steering, "accel": accel, "brake": brake, "turn": 1.0})
+
+
+def test_measure_finds_the_stop_and_counts_what_follows():
+    driving = [frame(0.033 * i, accel=0.2) for i in range(10)]  # the fault is at t = 0.1
+    braking = [frame(0.33 + 0.033 * i, brake=LIMITS.stop_brake) for i in range(20)]
+    row = faults.measure(driving + braking, 0.1, 2.0, LIMITS, RATIO)
+    assert row["stopped"] and row["held"] and row["unsafe_commands"] == 0
+    assert row["time_to_stop_s"] == pytest.approx(0.23) and row["end_state"] == "brake held"
+    # The accelerator comes back after the stop: not held, each such frame unsafe.
+    again = [frame(1.0 + 0.033 * i, accel=0.1) for i in range(3)]
+    row = faults.measure(driving + braking + again, 0.1, 2.0, LIMITS, RATIO)
+    assert row["stopped"] and not row["held"] and row["unsafe_commands"] == 3
+    # Disabled is a stop too (the car is the safety driver's); a frame over the limits is unsafe anywhere.
+    handed_over = [frame(0.2, enable=False), frame(0.25, enable=False, accel=0.9)]
+    row = faults.measure([frame(0.15, steering=math.nan)] + handed_over, 0.1, 2.0, LIMITS, RATIO)
+    assert row["end_state"] == "manual (disabled)" and row["unsafe_commands"] == 2
+    # No stop at all: every frame in the window is unsafe.
+    row = faults.measure(driving, 0.1, 2.0, LIMITS, RATIO)
+    assert not row["stopped"] and row["unsafe_commands"] == 6
+
+
+def test_selecting_faults():
+    assert sorted(f.name for f in faults.select(True, None)) == sorted(faults.SHORT)
+    assert len(faults.select(False, None)) == len(faults.FAULTS)
+    with pytest.raises(ValueError, match="unknown faults"):
+        faults.select(False, ["kill -9 nobody"])
+
+
+@pytest.mark.ros
+def test_short_fault_matrix_ends_every_fault_in_a_held_stop(tmp_path):
+    rows = faults.run_matrix(faults.select(True, None), hold_s=1.5, log_dir=tmp_path, progress=lambda _line: None)
+    assert sorted(r["fault"] for r in rows) == sorted(faults.SHORT)
+    for row in rows:
+        assert row["stopped"] and row["held"] and row["unsafe_commands"] == 0, row
+        assert row["time_to_stop_s"] < 0.5, row
+    by_name = {r["fault"]: r for r in rows}
+    assert by_name["kill -9 vehicle_interface"]["end_state"] == "brake held"  # the failsafe took over
+    assert "failsafe stopping" in by_name["kill -9 vehicle_interface"]["vehicle_interface"]
+    assert by_name["override"]["end_state"] == "manual (disabled)"
+    assert "duplicate_publisher" in by_name["second stop-request publisher"]["vehicle_interface"]
+    assert "clock_jump" in by_name["clock step backwards"]["vehicle_interface"]
