@@ -34,3 +34,20 @@ def package_path(relative: str) -> Path:
 
 def config_path(name: str) -> Path:
     return package_path(f"config/{name}")
+
+
+def source_revision() -> str:
+    """The git revision of a source checkout (with "+changes" when it has uncommitted ones), for
+    result files; "unknown" for an installed package."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=SOURCE_ROOT, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               cwd=SOURCE_ROOT, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    revision = head.stdout.strip()
+    if not revision:
+        return "unknown"
+    return revision + ("+changes" if dirty.stdout.strip() else "")

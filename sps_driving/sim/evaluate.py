@@ -24,7 +24,6 @@ import csv
 import json
 import math
 import multiprocessing as mp
-import subprocess
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
+from sps_driving.resources import source_revision
 from sps_driving.sim.config import PROFILES, frame_stamp_ns, load_sim_config
 from sps_driving.sim.scenarios import SCENARIO_NAMES, SCENARIOS, get_scenario
 from sps_driving.sim.world import World, make_episode
@@ -350,14 +350,6 @@ def table_methods(summary: dict) -> dict:
     return {name: methods for name, methods in tables.items() if methods}
 
 
-def _git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def write_tables(rows: list[dict], out: Path, command: str) -> None:
     """OUT/table1.{csv,md}, table2.{csv,md}, details.md and accuracy_vs_rate.png from `rows`."""
     summary = summarize(rows)
@@ -379,7 +371,7 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
             " (closed loop, normalized success duration)",
             "",
             f"Command: `{command}`  ",
-            f"Git revision: {_git_revision()}  ",
+            f"Git revision: {source_revision()}  ",
             "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
             "Episodes per scenario: " + ", ".join(f"{m}: {'/'.join(map(str, c))}" for m, c in counts.items()) + "  ",
             "Not yet run: " + (", ".join(missing) if missing else "none") + "  ",
