@@ -227,9 +227,7 @@ def test_a_bags_stored_definition_wins_over_ours(tmp_path, storage):
     old = get_typestore(Stores.ROS2_HUMBLE)
     old.register(get_types_from_msg(OLD_GLOBAL_RPT, name))
     t0 = 1_700_000_000 * 10**9
-    old_flags = ["enabled", "override_active", "fault_active", "config_fault_active", "user_can_timeout",
-                 "brake_can_timeout", "steering_can_timeout", "vehicle_can_timeout", "subsystem_can_timeout",
-                 "user_can_read_errors"]
+    old_flags = [field for field, _ in old.fielddefs[name][1]][1:]  # after the header, all bool
     recorded = [old.types[name](header=bagio.header(t0 + i), **{f: f == flag for f in old_flags}) for i, flag in enumerate(old_flags)]
     system_rpt = bag_reports(t0)["/pacmod/steering_rpt"]
     writer = Writer(tmp_path / "old", version=9, storage_plugin=bagio.STORAGES[storage])
