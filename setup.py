@@ -29,6 +29,8 @@ setup(
         ("share/" + package_name + "/config", glob("config/*.yaml") + glob("config/*.xml")),
         ("share/" + package_name + "/security", glob("security/*.xml")),
         ("share/" + package_name + "/security/common", glob("security/common/*.xml")),
+        # PACMod 3 message definitions for sps_driving.bagio (one source with interfaces/pacmod3_msgs).
+        ("share/" + package_name + "/interfaces/pacmod3_msgs/msg", glob("interfaces/pacmod3_msgs/msg/*.msg")),
     ]
     # Shipped policies and the bundled drive keep their folder layout under share/.
     + [

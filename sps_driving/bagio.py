@@ -1,9 +1,11 @@
 """rosbag2 reading and writing without a ROS installation, through `rosbags`.
 
 Bags recorded on the car (Humble or newer) and bags written by the simulator use the same
-topics (sps_driving.topics) and are read by the same code. Message definitions a bag carries
-itself are registered on read, so car bags with vendor messages decode as recorded; PACMod 3
-reports are also registered from their .msg text for bags that lack stored definitions.
+topics (sps_driving.topics) and are read by the same code. A bag's own stored message definitions
+decide how its messages decode, so a bag recorded with another layout of a type decodes as
+recorded; types a bag stores no definition for (rosbag2 sqlite3 on Humble stores none) decode with
+ours: the ROS 2 distro's standard messages and the PACMod 3 messages of interfaces/pacmod3_msgs.
+Writers always use ours.
 """
 
 from __future__ import annotations
@@ -14,82 +16,30 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+from rosbags.interfaces import MessageDefinitionFormat
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
 from sps_driving.core.image import from_rgb
+from sps_driving.resources import package_path
 from sps_driving.topics import COMMAND_NAMES
 
-# PACMod 3 messages (astuff/pacmod3_msgs, ROS 2) that field-test tools read.
-PACMOD3_MSGS = {
-    "pacmod3_msgs/msg/SystemRptFloat": """
-std_msgs/Header header
-bool enabled
-bool override_active
-bool command_output_fault
-bool input_output_fault
-bool output_reported_fault
-bool pacmod_fault
-bool vehicle_fault
-bool command_timeout
-float64 manual_input
-float64 command
-float64 output
-""",
-    "pacmod3_msgs/msg/SystemRptInt": """
-std_msgs/Header header
-bool enabled
-bool override_active
-bool command_output_fault
-bool input_output_fault
-bool output_reported_fault
-bool pacmod_fault
-bool vehicle_fault
-bool command_timeout
-uint16 manual_input
-uint16 command
-uint16 output
-""",
-    "pacmod3_msgs/msg/GlobalRpt": """
-std_msgs/Header header
-bool enabled
-bool override_active
-bool user_can_timeout
-bool steering_can_timeout
-bool brake_can_timeout
-bool subsystem_can_timeout
-bool vehicle_can_timeout
-bool pacmod_sys_fault_active
-bool supervisory_enable_required
-bool config_fault_active
-uint16 user_can_read_errors
-""",
-    "pacmod3_msgs/msg/VehicleSpeedRpt": """
-std_msgs/Header header
-float64 vehicle_speed
-bool vehicle_speed_valid
-""",
-    "pacmod3_msgs/msg/SystemCmdFloat": """
-std_msgs/Header header
-bool enable
-bool ignore_overrides
-bool clear_override
-float64 command
-""",
-    "pacmod3_msgs/msg/SteeringCmd": """
-std_msgs/Header header
-bool enable
-bool ignore_overrides
-bool clear_override
-float64 command
-float64 rotation_rate
-""",
-}
+# PACMod 3 messages (astuff/pacmod3_msgs, ROS 2): the same .msg files the pacmod3_msgs interface
+# package is built from where no ROS distro provides it.
+PACMOD3_MSG_DIR = package_path("interfaces/pacmod3_msgs/msg")
+
+
+def pacmod3_definitions() -> dict[str, str]:
+    """{"pacmod3_msgs/msg/Name": .msg text} of every PACMod 3 message we know."""
+    paths = sorted(PACMOD3_MSG_DIR.glob("*.msg"))
+    if not paths:
+        raise FileNotFoundError(f"no PACMod 3 message definitions in {PACMOD3_MSG_DIR}")
+    return {f"pacmod3_msgs/msg/{path.stem}": path.read_text() for path in paths}
 
 
 def _make_typestore():
     store = get_typestore(Stores.ROS2_HUMBLE)
-    for name, text in PACMOD3_MSGS.items():
+    for name, text in pacmod3_definitions().items():
         store.register(get_types_from_msg(text, name))
     return store
 
@@ -106,14 +56,17 @@ class BagMessage:
     msg: object
 
 
-def _register_stored_definitions(connections) -> None:
+def bag_typestore(connections):
+    """Our types, overridden by every definition (.msg format) the bag stores for `connections`."""
+    stored = {}
     for conn in connections:
-        if conn.msgtype in TYPESTORE.types:
-            continue
-        msgdef = getattr(conn, "msgdef", None)
-        text = getattr(msgdef, "data", None)
-        if text and getattr(getattr(msgdef, "format", None), "name", "MSG") == "MSG":
-            TYPESTORE.register(get_types_from_msg(text, conn.msgtype))
+        if conn.msgdef.format == MessageDefinitionFormat.MSG and conn.msgdef.data:
+            stored.update(get_types_from_msg(conn.msgdef.data, conn.msgtype))
+    if not stored:
+        return TYPESTORE
+    store = get_typestore(Stores.EMPTY)
+    store.register({**TYPESTORE.fielddefs, **stored})
+    return store
 
 
 def topic_types(path: str | Path) -> dict[str, str]:
@@ -126,9 +79,9 @@ def read_messages(path: str | Path, topics: Iterable[str] | None = None) -> Iter
     with Reader(Path(path)) as reader:
         wanted = set(topics) if topics is not None else None
         connections = [c for c in reader.connections if wanted is None or c.topic in wanted]
-        _register_stored_definitions(connections)
+        store = bag_typestore(connections)
         for conn, log_time, raw in reader.messages(connections=connections):
-            yield BagMessage(conn.topic, conn.msgtype, log_time, TYPESTORE.deserialize_cdr(raw, conn.msgtype))
+            yield BagMessage(conn.topic, conn.msgtype, log_time, store.deserialize_cdr(raw, conn.msgtype))
 
 
 class BagWriter:

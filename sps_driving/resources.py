@@ -1,4 +1,4 @@
-"""Where the files shipped with the package are: config/, models/, data/.
+"""Where the files shipped with the package are: config/, models/, data/, interfaces/*/msg.
 
 A source checkout (editable install, `make demo`) uses its own folders; an installed package
 (`colcon build` on the car, or a wheel) uses its share/sps_driving folder.
