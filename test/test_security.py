@@ -175,11 +175,12 @@ def test_each_node_creates_only_endpoints_its_enclave_allows(policy, tmp_path):
     cv2.imwrite(str(frames / "000.png"), np.zeros((60, 96, 3), np.uint8))
     ckpt = tiny_checkpoint(tmp_path / "policy", dim=16)
     graph = Graph(
-        ["camera_driver", "selection", "policy", "vehicle_interface", "safety_monitor"],
+        ["camera_driver", "selection", "policy", "vehicle_interface", "safety_monitor", "failsafe"],
         parameters={
             "camera_driver": {"source": str(frames), "width": 96, "height": 60, "loop": True},
             "selection": {"checkpoint": str(ckpt)},
             "policy": {"checkpoint": str(ckpt)},
+            "vehicle_interface": {"backend": "pacmod3"},
         },
         log_dir=tmp_path / "logs",
     )
@@ -190,7 +191,7 @@ def test_each_node_creates_only_endpoints_its_enclave_allows(policy, tmp_path):
             wait_for_topics(
                 probe.node,
                 {topics.CAMERA_INFO: 2, topics.DESCRIPTORS: 1, topics.POLICY_COMMAND: 1, topics.OBSTACLE_RANGE: 1,
-                 topics.SAFETY_STOP: 1},
+                 topics.SAFETY_STOP: 1, topics.PACMOD_SPEED_RPT: 1, topics.PACMOD_STEERING_RPT: 2},
                 60,
                 graph,
             )
