@@ -2,8 +2,9 @@
 
 The same node executables and parameters file as `ros2 launch` on the car, without needing the
 `launch` package: `replay`, the tests, the simulator's graph evaluation and the demo share this.
-Each node runs `python -m sps_driving.nodes.<name> --ros-args --params-file config/graph.yaml
---params-file <overrides>` with optional remaps; its output goes to `<log_dir>/<name>.log`.
+Each node runs `python -m sps_driving.nodes.<name> --ros-args --params-file <params>` with
+optional remaps, where <params> is config/graph.yaml with the node's overrides written in; its
+output goes to `<log_dir>/<name>.log`.
 """
 
 from __future__ import annotations
@@ -64,12 +65,17 @@ class Graph:
         self.processes: dict[str, subprocess.Popen] = {}
 
     def command(self, name: str) -> list[str]:
-        cmd = [sys.executable, "-m", f"{PACKAGE}.nodes.{name}", "--ros-args", "--params-file", str(self.params_file)]
+        params_file = self.params_file
         overrides = self.parameters.get(name)
         if overrides:
-            path = self.log_dir / f"{name}.params.yaml"
-            path.write_text(yaml.safe_dump({name: {"ros__parameters": dict(overrides)}}))
-            cmd += ["--params-file", str(path)]
+            # One file, not the overrides in a second one: across files rcl keeps a value of
+            # another type than the first file's only for some type pairs (a string for a number
+            # is dropped), so a wrong-typed override would pass unseen.
+            params = yaml.safe_load(self.params_file.read_text()) or {}
+            params.setdefault(name, {}).setdefault("ros__parameters", {}).update(overrides)
+            params_file = self.log_dir / f"{name}.params.yaml"
+            params_file.write_text(yaml.safe_dump(params))
+        cmd = [sys.executable, "-m", f"{PACKAGE}.nodes.{name}", "--ros-args", "--params-file", str(params_file)]
         for source, target in self.remaps.items():
             cmd += ["-r", f"{source}:={target}"]
         return cmd

@@ -1,6 +1,6 @@
 """The car launch file, checked without the `launch` package: every node is a real entry point,
-every parameter it sets (directly or through the params file) is declared by that node, every
-argument it uses is declared, and remaps name topics the nodes use."""
+every parameter it sets (directly or through the params file) is declared by that node with a
+value the node accepts, every argument it uses is declared, and remaps name topics the nodes use."""
 
 import ast
 import importlib
@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from sps_driving import topics
+from sps_driving.nodes.common import specs
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch" / "sps_driving.launch.xml"
@@ -30,6 +31,18 @@ def launch():
     return ET.parse(LAUNCH).getroot()
 
 
+def substituted(text: str, arguments: dict) -> str:
+    """`text` with `$(var NAME)` replaced by the argument's default and `$(find-pkg-share ...)` by a path."""
+    text = re.sub(r"\$\(find-pkg-share ([a-z_]+)\)", r"/opt/ros/share/\1", text)
+    return re.sub(r"\$\(var ([a-z_]+)\)", lambda m: substituted(arguments[m.group(1)], arguments), text)
+
+
+def as_launch_types_it(text: str):
+    """A `<param value>` as launch_ros passes it to the node: YAML-typed, so `1` is an int and
+    `0` is not the string "0"; an empty value stays the empty string."""
+    return "" if text == "" else yaml.safe_load(text)
+
+
 def test_nodes_are_entry_points_with_main(launch):
     entry_points = setup_entry_points()
     nodes = launch.findall("node")
@@ -45,19 +58,36 @@ def test_nodes_are_entry_points_with_main(launch):
         assert node.get("name") == node.get("exec")
 
 
-def test_every_parameter_set_is_declared(launch):
+def test_every_parameter_set_is_declared_and_allowed(launch):
     params_file = yaml.safe_load((ROOT / "config" / "graph.yaml").read_text())
+    arguments = {a.get("name"): a.get("default") for a in launch.findall("arg")}
     for node in launch.findall("node"):
-        declared = importlib.import_module(f"sps_driving.nodes.{node.get('exec')}").PARAMETERS
+        declared = specs(importlib.import_module(f"sps_driving.nodes.{node.get('exec')}").PARAMETERS)
         for param in node.findall("param"):
             if param.get("from"):
                 assert "params_file" in param.get("from")
                 continue
-            assert param.get("name") in declared, f"{node.get('exec')} does not declare {param.get('name')}"
+            name = param.get("name")
+            assert name in declared, f"{node.get('exec')} does not declare {name}"
+            declared[name].convert(as_launch_types_it(substituted(param.get("value"), arguments)))
         from_file = params_file[node.get("name")]["ros__parameters"]
         assert set(from_file) == set(declared), node.get("exec")
         for name, value in from_file.items():
-            assert type(value) is type(declared[name]), f"{node.get('exec')}.{name}: {value!r} vs {declared[name]!r}"
+            # The node would take an int for a float; the file still spells each type out.
+            assert type(value) is type(declared[name].default), f"{node.get('exec')}.{name}: {value!r} vs {declared[name].default!r}"
+            assert declared[name].convert(value) == value
+
+
+def test_operator_arguments_typed_by_launch_reach_the_node_as_declared():
+    """`selection_rate:=1` arrives as an int and `camera_source:=0` (a V4L2 index) as an int:
+    the nodes take them as the number 1.0 and the string "0"."""
+    from sps_driving.nodes import camera_driver, selection
+
+    rate = selection.PARAMETERS["rate"].convert(as_launch_types_it("1"))
+    assert rate == 1.0 and type(rate) is float
+    assert camera_driver.PARAMETERS["source"].convert(as_launch_types_it("0")) == "0"
+    with pytest.raises(ValueError, match=r"^2; allowed: a finite number > 0 and <= 1$"):
+        selection.PARAMETERS["rate"].convert(as_launch_types_it("2"))
 
 
 def test_arguments_are_declared_and_cover_the_operator_choices(launch):

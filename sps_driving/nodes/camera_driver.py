@@ -19,17 +19,17 @@ from rclpy.node import Node
 from sensor_msgs.msg import CameraInfo, Image
 
 from sps_driving import msgs, topics
-from sps_driving.nodes.common import declare, now_ns, run
+from sps_driving.nodes.common import Param, declare, now_ns, run
 
 PARAMETERS = {
-    "source": "/dev/video0",
-    "rate_hz": 30.0,
-    "frame_id": "camera",
-    "width": 960,
-    "height": 600,
-    "hfov_deg": 130.0,
-    "loop": False,
-    "reconnect_interval_s": 1.0,
+    "source": Param("/dev/video0", 'V4L2 device (path or index), GStreamer pipeline (contains "!"), video file or image folder'),
+    "rate_hz": Param(30.0, "frames published per second (the BFS-PGE-23S3C runs at 30 fps)", "Hz", above=0.0),
+    "frame_id": Param("camera", "TF frame of the camera"),
+    "width": Param(960, "published image width (frames of another size are resized)", "px", min=1),
+    "height": Param(600, "published image height", "px", min=1),
+    "hfov_deg": Param(130.0, "horizontal field of view, for CameraInfo intrinsics", "deg", above=0.0, below=180.0),
+    "loop": Param(False, "restart a video file or image folder at its end"),
+    "reconnect_interval_s": Param(1.0, "time without frames before the device or pipeline is reopened", "s", min=0.0),
 }
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm")
 
@@ -107,14 +107,14 @@ class CameraDriver(Node):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
         self.frame_id = p["frame_id"]
-        self.size = (int(p["width"]), int(p["height"]))
-        self.hfov_rad = math.radians(float(p["hfov_deg"]))
-        self.reconnect_interval_s = float(p["reconnect_interval_s"])
-        source = str(p["source"])
+        self.size = (p["width"], p["height"])
+        self.hfov_rad = math.radians(p["hfov_deg"])
+        self.reconnect_interval_s = p["reconnect_interval_s"]
+        source = p["source"]
         if Path(source).is_dir():
-            self.source = FolderSource(Path(source), bool(p["loop"]))
+            self.source = FolderSource(Path(source), p["loop"])
         else:
-            self.source = CaptureSource(source, bool(p["loop"]), *self.size)
+            self.source = CaptureSource(source, p["loop"], *self.size)
             if not self.source.capture.isOpened():
                 self.get_logger().error(f"cannot open camera source {source!r}; retrying every {self.reconnect_interval_s} s")
         self.counters = {"frames": 0, "dropped": 0, "reconnects": 0}
@@ -123,7 +123,7 @@ class CameraDriver(Node):
         self.image_pub = self.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
         self.info_pub = self.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor"))
         self.status_pub = self.create_publisher(DiagnosticArray, "~/status", msgs.qos("status"))
-        self.create_timer(1.0 / float(p["rate_hz"]), self._tick)
+        self.create_timer(1.0 / p["rate_hz"], self._tick)
         self.create_timer(1.0, self._publish_status)
 
     def _tick(self) -> None:

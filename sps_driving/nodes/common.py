@@ -1,28 +1,160 @@
 """What every node shares: parameter declaration from a table, the main loop, status publishing.
 
-Each node module has a `PARAMETERS` table {name: default}; the node declares exactly these, so the
-launch-file test can check that every parameter it sets exists.
+Each node module has a `PARAMETERS` table {name: Param(...)}; a plain default stands for a Param
+that says nothing more. The node declares exactly these, so the launch-file test can check that
+every parameter it sets exists and is allowed. Nodes read their parameters once, at start: every
+parameter is declared read-only, so `ros2 param set` is refused with a reason, never accepted and
+then ignored.
 """
 
 from __future__ import annotations
 
+import array
+import math
 import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
+from typing import Any
 
 import rclpy
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
+from rclpy.parameter import Parameter
 
 from sps_driving import msgs
 
+_TYPE_WORDS = {
+    Parameter.Type.BOOL: "a boolean (true or false)",
+    Parameter.Type.INTEGER: "an integer",
+    Parameter.Type.DOUBLE: "a number",
+    Parameter.Type.STRING: "a string",
+    Parameter.Type.BYTE_ARRAY: "a list of bytes",
+    Parameter.Type.BOOL_ARRAY: "a list of booleans",
+    Parameter.Type.INTEGER_ARRAY: "a list of integers",
+    Parameter.Type.DOUBLE_ARRAY: "a list of numbers",
+    Parameter.Type.STRING_ARRAY: "a list of strings",
+}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A node parameter: its default (whose type is the parameter's type), what it is, its unit,
+    and the values it may take: `min`/`max` inclusive, `above`/`below` exclusive bounds (numbers),
+    `choices` (the only values allowed)."""
+
+    default: Any
+    description: str = ""
+    unit: str = ""
+    min: float | None = None
+    max: float | None = None
+    above: float | None = None
+    below: float | None = None
+    choices: tuple = ()
+
+    def __post_init__(self):
+        numeric = self.type in (Parameter.Type.INTEGER, Parameter.Type.DOUBLE)
+        bounds = (self.min, self.max, self.above, self.below)
+        if any(b is not None for b in bounds) and not numeric:
+            raise TypeError(f"bounds on a parameter of type {self.type.name}")
+        if self.type == Parameter.Type.INTEGER and (self.above is not None or self.below is not None):
+            raise TypeError("an integer parameter takes min and max, not above and below")
+        if (self.min is not None and self.above is not None) or (self.max is not None and self.below is not None):
+            raise TypeError("one lower and one upper bound at most")
+        self.convert(self.default)  # the default itself must be allowed
+
+    @property
+    def type(self) -> Parameter.Type:
+        return Parameter.Type.from_parameter_value(self.default)
+
+    def allowed(self) -> str:
+        """The values it takes, in words: "a finite number > 0 and <= 1", "one of 'sps', 'spps'"."""
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        bounds = [
+            f"{sign} {bound:g}"
+            for sign, bound in ((">", self.above), (">=", self.min), ("<", self.below), ("<=", self.max))
+            if bound is not None
+        ]
+        what = "a finite number" if self.type == Parameter.Type.DOUBLE else _TYPE_WORDS[self.type]
+        return " and ".join([what + (" " + bounds[0] if bounds else ""), *bounds[1:]])
+
+    def convert(self, value):
+        """`value` as this parameter's type, or ValueError saying what is allowed. An integer for a
+        number is that number (1 -> 1.0) and a number for a string its text (0 -> "0"): a launch
+        argument or YAML value like `rate:=1` or `source:=0` arrives typed that way."""
+        given = Parameter.Type.from_parameter_value(value)
+        converted = value
+        if given != self.type:
+            if self.type == Parameter.Type.DOUBLE and given == Parameter.Type.INTEGER:
+                converted = float(value)
+            elif self.type == Parameter.Type.STRING and given in (Parameter.Type.INTEGER, Parameter.Type.DOUBLE):
+                converted = str(value)
+            else:
+                raise ValueError(f"{_shown(value)} ({_TYPE_WORDS.get(given, given.name)}); allowed: {self.allowed()}")
+        if (
+            (self.choices and converted not in self.choices)
+            or (self.type == Parameter.Type.DOUBLE and not math.isfinite(converted))
+            or (self.min is not None and not converted >= self.min)
+            or (self.max is not None and not converted <= self.max)
+            or (self.above is not None and not converted > self.above)
+            or (self.below is not None and not converted < self.below)
+        ):
+            raise ValueError(f"{_shown(value)}; allowed: {self.allowed()}")
+        return converted
+
+    def descriptor(self, name: str) -> ParameterDescriptor:
+        """What `ros2 param describe` shows: description with unit, type, constraints, range, read-only."""
+        descriptor = ParameterDescriptor(
+            name=name,
+            type=self.type.value,
+            description=f"{self.description} [{self.unit}]" if self.unit else self.description,
+            additional_constraints=self.allowed(),
+            read_only=True,
+        )
+        low = self.min if self.min is not None else self.above
+        high = self.max if self.max is not None else self.below
+        if low is not None or high is not None:
+            if self.type == Parameter.Type.INTEGER:
+                descriptor.integer_range = [
+                    IntegerRange(from_value=_INT64[0] if low is None else low, to_value=_INT64[1] if high is None else high)
+                ]
+            else:  # a descriptor's range is inclusive: `above`/`below` are in additional_constraints
+                descriptor.floating_point_range = [
+                    FloatingPointRange(from_value=-math.inf if low is None else float(low), to_value=math.inf if high is None else float(high))
+                ]
+        return descriptor
+
+
+def _shown(value) -> str:
+    return repr(list(value) if isinstance(value, array.array) else value)
+
+
+def specs(parameters: dict) -> dict[str, Param]:
+    """A node's PARAMETERS table with every plain default as a Param."""
+    return {name: spec if isinstance(spec, Param) else Param(spec) for name, spec in parameters.items()}
+
 
 def declare(node: Node, parameters: dict) -> dict:
-    """Declare every parameter of the table and return their values."""
-    for name, default in parameters.items():
-        node.declare_parameter(name, default)
-    return {name: node.get_parameter(name).value for name in parameters}
+    """Declare every parameter of the table, read-only with its descriptor, and return their
+    values as the table's types. A value that is not allowed is a ValueError of one line naming
+    the node, the parameter, the value and what is allowed (`run` prints it and exits 1)."""
+    values = {}
+    for name, spec in specs(parameters).items():
+        # Declared untyped first: a value of another type is then ours to convert or refuse
+        # (declared typed, rclpy would raise its own exception); then the real descriptor,
+        # with the converted value.
+        node.declare_parameter(name, spec.default, ParameterDescriptor(dynamic_typing=True))
+        try:
+            value = spec.convert(node.get_parameter(name).value)
+        except ValueError as exc:
+            raise ValueError(f"parameter {name} of {node.get_fully_qualified_name()} is {exc}") from None
+        node.set_descriptor(name, spec.descriptor(name), Parameter(name, value=value).get_parameter_value())
+        values[name] = value
+    return values
 
 
 def now_ns(node: Node) -> int:

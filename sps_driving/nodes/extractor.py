@@ -19,16 +19,17 @@ from rclpy.node import Node
 from sensor_msgs.msg import Image, PointCloud2
 
 from sps_driving import msgs, topics
+from sps_driving.core.backbones import BACKBONES, BACKENDS
 from sps_driving.core.image import ImageError
-from sps_driving.nodes.common import StageTimer, declare, run
+from sps_driving.nodes.common import Param, StageTimer, declare, run
 
 PARAMETERS = {
-    "backend": "torch",
-    "backbone": "dinov2_vits14",
-    "backbone_config": "",
-    "model_path": "",
-    "device": "cpu",
-    "selection_timeout_s": 0.5,
+    "backend": Param("torch", "extraction runtime; onnxruntime and tensorrt run an export (`sps-driving export`)", choices=BACKENDS),
+    "backbone": Param("dinov2_vits14", "patch-descriptor backbone: dinov2_vits14 is embedded, blip2 needs model_path, pixels is the No-FM baseline", choices=BACKBONES),
+    "backbone_config": Param("", "YAML file of further extraction settings (keys of config/extraction.yaml); empty: its defaults"),
+    "model_path": Param("", "local weights (DINOv2 ONNX file or BLIP-2 folder); empty: the embedded DINOv2 file"),
+    "device": Param("cpu", "torch device: cpu or cuda"),
+    "selection_timeout_s": Param(0.5, "time a frame waits for its selection decision before it is dropped", "s", above=0.0),
 }
 _KEPT_DECISIONS = 90  # selection decisions remembered (3 s at 30 fps)
 
@@ -54,7 +55,7 @@ class ExtractorNode(Node):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
         self.extractor = load_backbone(p)
-        self.selection_timeout_s = float(p["selection_timeout_s"])
+        self.selection_timeout_s = p["selection_timeout_s"]
         self.counters = {"frames": 0, "dropped_stale": 0, "dropped_no_selection": 0, "dropped_invalid": 0}
         self._lock = threading.Condition()
         self._pending: tuple[Image, float] | None = None  # newest image not yet computed, arrival time

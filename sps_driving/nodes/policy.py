@@ -13,11 +13,11 @@ from rclpy.node import Node
 from sensor_msgs.msg import JointState, PointCloud2
 
 from sps_driving import msgs, topics
-from sps_driving.nodes.common import StageTimer, declare, run
+from sps_driving.nodes.common import Param, StageTimer, declare, run
 
 PARAMETERS = {
-    "checkpoint": "models/sps50_dinov2",
-    "device": "cpu",
+    "checkpoint": Param("models/sps50_dinov2", "policy folder with policy.safetensors and config.json"),
+    "device": Param("cpu", "torch device: cpu or cuda"),
 }
 
 

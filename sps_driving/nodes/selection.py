@@ -15,15 +15,16 @@ from sensor_msgs.msg import CameraInfo, Image
 
 from sps_driving import msgs, topics
 from sps_driving.core.grid import PatchGrid
-from sps_driving.nodes.common import StageTimer, declare, run
+from sps_driving.core.selection import VARIANTS
+from sps_driving.nodes.common import Param, StageTimer, declare, run
 
 PARAMETERS = {
-    "checkpoint": "",
-    "variant": "sps",
-    "rate": 0.5,
-    "seed": 0,
-    "grid_rows": 16,
-    "grid_cols": 16,
+    "checkpoint": Param("", "policy folder; when set, its recorded selection and grid win over variant, rate, seed, grid_rows and grid_cols"),
+    "variant": Param("sps", "selection variant (config/selection.yaml explains them)", choices=VARIANTS),
+    "rate": Param(0.5, "keep-rate, the fraction of patches kept per frame; 0.5 = SPS-50%, the paper's best", "fraction", above=0.0, max=1.0),
+    "seed": Param(0, "with each frame's stamp (ns) it decides the subset", min=0),
+    "grid_rows": Param(16, "H' of the backbone grid (DINOv2 ViT-S/14 at 224 px: 16)", "patches", min=1),
+    "grid_cols": Param(16, "W' of the backbone grid", "patches", min=1),
 }
 
 
@@ -43,8 +44,8 @@ class SelectionNode(Node):
             grid = PatchGrid(int(policy["grid"]["rows"]), int(policy["grid"]["cols"]))
             source = f"checkpoint {p['checkpoint']}"
         else:
-            config = SelectionConfig(variant=p["variant"], rate=float(p["rate"]), seed=int(p["seed"]))
-            grid = PatchGrid(int(p["grid_rows"]), int(p["grid_cols"]))
+            config = SelectionConfig(variant=p["variant"], rate=p["rate"], seed=p["seed"])
+            grid = PatchGrid(p["grid_rows"], p["grid_cols"])
             source = "parameters"
         self.selector = PatchSelector(config, grid)
         self.grid = grid

@@ -28,21 +28,21 @@ from rclpy.node import Node
 from sensor_msgs.msg import CameraInfo, Image, JointState, Range
 
 from sps_driving import bagio, msgs, topics
-from sps_driving.nodes.common import declare, now_ns, run
+from sps_driving.nodes.common import Param, declare, now_ns, run
 from sps_driving.sim.config import load_sim_config
 from sps_driving.sim.live import LiveSim
 
 PARAMETERS = {
-    "scenario": "rural-summer-dry-day-car",
-    "first_episode": 0,  # episode seed of the first episode; the next ones count up
-    "episodes": 1,
-    "episode_s": 0.0,  # s; 0 = the length in the simulator config
-    "sim_config": "",  # YAML; "" = config/sim.yaml
-    "real_time_factor": 1.0,  # world seconds per wall second
-    "wait_for_command": True,  # hold the world still until the stack sends its first command
-    "start_topic": "",  # JointState topic whose first message starts the world; "" = the command topic itself
-    "frame_id": "camera",
-    "results_path": "",
+    "scenario": Param("rural-summer-dry-day-car", "driving-world scenario: scene-season-weather-time-actor"),
+    "first_episode": Param(0, "episode seed of the first episode; the next ones count up", min=0),
+    "episodes": Param(1, "episodes driven one after another", min=1),
+    "episode_s": Param(0.0, "episode length; 0 = the length in the simulator config", "s", min=0.0),
+    "sim_config": Param("", "simulator settings (YAML); empty: config/sim.yaml"),
+    "real_time_factor": Param(1.0, "world seconds per wall second", above=0.0),
+    "wait_for_command": Param(True, "hold the world still until the stack sends its first command"),
+    "start_topic": Param("", "JointState topic whose first message starts the world; empty: the command topic itself"),
+    "frame_id": Param("camera", "frame of the published camera"),
+    "results_path": Param("", "JSONL file each finished episode is appended to; empty: none"),
 }
 
 
@@ -54,15 +54,13 @@ class SimWorldNode(Node):
         p = declare(self, PARAMETERS)
         config = load_sim_config(p["sim_config"] or None)
         if p["episode_s"] > 0:
-            config["episode_s"] = float(p["episode_s"])
-        factor = float(p["real_time_factor"])
-        if not (math.isfinite(factor) and factor > 0):
-            raise ValueError(f"real_time_factor must be a positive number, got {factor}")
-        self.sim = LiveSim(config, p["scenario"], int(p["first_episode"]), int(p["episodes"]))
+            config["episode_s"] = p["episode_s"]
+        factor = p["real_time_factor"]
+        self.sim = LiveSim(config, p["scenario"], p["first_episode"], p["episodes"])
         self.hfov = math.radians(float(config["camera"]["hfov_deg"]))
         self.frame_id = p["frame_id"]
         self.results_path = Path(p["results_path"]) if p["results_path"] else None
-        self.wait_for_command = bool(p["wait_for_command"])
+        self.wait_for_command = p["wait_for_command"]
         self.command = None
         self.started = not self.wait_for_command
         self.dropped_commands = 0
