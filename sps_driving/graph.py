@@ -5,6 +5,7 @@ The same node executables and parameters file as `ros2 launch` on the car, witho
 Each node runs `python -m sps_driving.nodes.<name> --ros-args --params-file <params>` with
 optional remaps, where <params> is config/graph.yaml with the node's overrides written in; its
 output goes to `<log_dir>/<name>.log`.
+A graph keeps to this machine and a ROS domain of its own (`isolate_ros`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -34,9 +36,57 @@ VEHICLE_WITHOUT_CAR = {
     "backend": "topics", "auto_engage": True, "require_failsafe": False, "require_speed": False, "latch_stops": False,
 }
 
+# A tool's graph (`replay`, `demo`, `eval --graph`) must never exchange messages with a car: not
+# with one on the same network (discovery stays on this machine), nor with the car's own stack
+# when it runs on the car's computer (a domain of its own). The domain is DOMAIN_VARIABLE when
+# set; otherwise one of PRIVATE_DOMAINS picked by process id, so that two tools running at once
+# keep apart too, and never the ROS_DOMAIN_ID of the shell the tool started from (on the car, the
+# stack's). To watch a tool's graph: set DOMAIN_VARIABLE, then use that ROS_DOMAIN_ID with
+# ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST on the same machine.
+DOMAIN_VARIABLE = "SPS_DRIVING_ROS_DOMAIN_ID"
+# The upper half of the ids valid on every OS with DDS's port mapping (0..101): 0 is every ROS 2
+# default, and robots and teams take low numbers.
+PRIVATE_DOMAINS = range(51, 102)
+MAX_DOMAIN_ID = 232  # the largest valid on Linux
+# Settings that would reach DDS participants on other machines.
+_REMOTE_DISCOVERY = ("ROS_STATIC_PEERS", "ROS_DISCOVERY_SERVER")
+
 
 def default_params_file() -> Path:
     return config_path("graph.yaml")
+
+
+def private_domain_id(environ: Mapping[str, str], pid: int) -> int:
+    """The ROS domain of a tool's graph: DOMAIN_VARIABLE when set, else one picked by `pid`."""
+    chosen = environ.get(DOMAIN_VARIABLE, "").strip()
+    if chosen:
+        if not chosen.isdigit() or int(chosen) > MAX_DOMAIN_ID:
+            raise ValueError(f"{DOMAIN_VARIABLE}={chosen!r}: expected a ROS domain id, an integer from 0 to {MAX_DOMAIN_ID}")
+        return int(chosen)
+    shell = environ.get("ROS_DOMAIN_ID", "").strip()
+    candidates = [domain for domain in PRIVATE_DOMAINS if str(domain) != shell]
+    return candidates[pid % len(candidates)]
+
+
+def isolate_ros() -> int:
+    """Keep this process's ROS 2 graph to itself (see DOMAIN_VARIABLE) and return its domain id.
+
+    Sets the environment that this process's rclpy contexts read at init and its node processes
+    inherit, so call it before rclpy.init; later calls keep the first call's domain. Discovery
+    stays on this machine: ROS_AUTOMATIC_DISCOVERY_RANGE from Iron on, ROS_LOCALHOST_ONLY on Humble
+    (Jazzy honours it too, with a deprecation warning)."""
+    domain = private_domain_id(os.environ, os.getpid())
+    os.environ.update(
+        {
+            DOMAIN_VARIABLE: str(domain),
+            "ROS_DOMAIN_ID": str(domain),
+            "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
+            "ROS_LOCALHOST_ONLY": "1",
+        }
+    )
+    for name in _REMOTE_DISCOVERY:
+        os.environ.pop(name, None)
+    return domain
 
 
 class Graph:
@@ -81,7 +131,9 @@ class Graph:
         return cmd
 
     def start(self, name: str | None = None) -> "Graph":
-        """Start one node (again, e.g. after a kill) or all of them."""
+        """Start one node (again, e.g. after a kill) or all of them, in this process's private
+        ROS domain on this machine (`isolate_ros`)."""
+        isolate_ros()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RCUTILS_COLORIZED_OUTPUT": "0"}
         for node in [name] if name else self.nodes:
             log = open(self.log_dir / f"{node}.log", "ab")

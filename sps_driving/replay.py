@@ -476,7 +476,7 @@ def replay_bag(
     topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
     with the vendor camera driver). Raises ReplayError."""
     from sps_driving.bagio import BagWriter, topic_types
-    from sps_driving.graph import Graph, default_params_file, wait_for_nodes, wait_for_topics
+    from sps_driving.graph import Graph, default_params_file, isolate_ros, wait_for_nodes, wait_for_topics
 
     bag, out = Path(bag), Path(out)
     if not bag.exists():
@@ -508,6 +508,7 @@ def replay_bag(
     import rclpy
     from rclpy.node import Node
 
+    isolate_ros()  # before rclpy.init: this context joins the graph's private domain
     context = rclpy.Context()
     rclpy.init(context=context)
     node = Node("sps_replay", context=context)

@@ -3,10 +3,12 @@ from pathlib import Path
 
 import pytest
 
-# Node tests talk over DDS on loopback only, and each test run gets its own domain so two
-# runs on one machine never hear each other (ROS_DOMAIN_ID 1..101 are safe on every OS).
-os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-os.environ.setdefault("ROS_DOMAIN_ID", str(1 + os.getpid() % 101))
+from sps_driving.graph import isolate_ros
+
+# Node tests talk over DDS on this machine only, in a domain of the test run's own (picked by
+# process id, or SPS_DRIVING_ROS_DOMAIN_ID), like the tools: two runs on one machine never hear
+# each other, and the tools the tests call share the test run's domain.
+isolate_ros()
 # A killed node's endpoints are forgotten after 2 s, as on the car (config/fastdds.xml).
 os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(Path(__file__).resolve().parent.parent / "config" / "fastdds.xml"))
 # Node processes and the test process share two cores: busy-waiting OpenMP threads would make

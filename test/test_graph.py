@@ -1,0 +1,55 @@
+"""A tool's graph keeps to this machine and a ROS domain of its own (sps_driving.graph.isolate_ros):
+its node processes and its own rclpy context alike."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sps_driving.graph import DOMAIN_VARIABLE, PRIVATE_DOMAINS, private_domain_id
+
+# What a tool does (sps_driving.replay.replay_bag): isolate, its own context, then the graph.
+TOOL = """
+import json, sys
+from sps_driving.graph import Graph, isolate_ros, wait_for_nodes
+domain = isolate_ros()
+import rclpy
+from rclpy.node import Node
+context = rclpy.Context()
+rclpy.init(context=context)
+node = Node("tool", context=context)
+with Graph(["selection"], log_dir=sys.argv[1]) as graph:
+    wait_for_nodes(node, ["selection"], 30, graph)
+    with open(f"/proc/{graph.processes['selection'].pid}/environ") as f:
+        child = dict(item.split("=", 1) for item in f.read().split("\\0") if "=" in item)
+print(json.dumps({"domain": domain, "context": context.get_domain_id(), "child": child}))
+node.destroy_node()
+rclpy.shutdown(context=context)
+"""
+
+
+def test_the_domain_is_the_users_choice_or_a_private_one_picked_by_process_id():
+    assert private_domain_id({DOMAIN_VARIABLE: "7", "ROS_DOMAIN_ID": "7"}, 1) == 7
+    for bad in ("seven", "-1", "233"):
+        with pytest.raises(ValueError, match=DOMAIN_VARIABLE):
+            private_domain_id({DOMAIN_VARIABLE: bad}, 1)
+    # Never the shell's domain (on the car, its stack's); two tools at once get two domains.
+    assert {private_domain_id({"ROS_DOMAIN_ID": "60"}, pid) for pid in range(500)} == set(PRIVATE_DOMAINS) - {60}
+    assert private_domain_id({}, 1000) != private_domain_id({}, 1001)
+
+
+@pytest.mark.ros
+def test_a_tools_context_and_its_node_processes_share_one_private_domain_on_this_machine(tmp_path):
+    shell_domain = os.environ["ROS_DOMAIN_ID"]
+    env = {k: v for k, v in os.environ.items() if k not in (DOMAIN_VARIABLE, "ROS_LOCALHOST_ONLY")}
+    env.update(ROS_DOMAIN_ID=shell_domain, ROS_AUTOMATIC_DISCOVERY_RANGE="SUBNET", ROS_STATIC_PEERS="192.0.2.1")
+    done = subprocess.run([sys.executable, "-c", TOOL, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr + (tmp_path / "selection.log").read_text()
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    child = seen["child"]
+    assert seen["domain"] == seen["context"] == int(child["ROS_DOMAIN_ID"]) != int(shell_domain)
+    assert seen["domain"] in PRIVATE_DOMAINS
+    assert child["ROS_AUTOMATIC_DISCOVERY_RANGE"] == "LOCALHOST" and child["ROS_LOCALHOST_ONLY"] == "1"
+    assert "ROS_STATIC_PEERS" not in child
