@@ -16,6 +16,7 @@ from sps_driving.nodes.common import specs
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch" / "sps_driving.launch.xml"
+EVERY_NODE = "/**"  # the params file's section for every node that declares its parameters
 
 
 def setup_entry_points():
@@ -37,6 +38,12 @@ def substituted(text: str, arguments: dict) -> str:
     return re.sub(r"\$\(var ([a-z_]+)\)", lambda m: substituted(arguments[m.group(1)], arguments), text)
 
 
+def params_file_sections() -> tuple[dict, dict]:
+    """config/graph.yaml as ({node: its parameters}, the parameters of every node)."""
+    sections = {name: s["ros__parameters"] for name, s in yaml.safe_load((ROOT / "config" / "graph.yaml").read_text()).items()}
+    return sections, sections.pop(EVERY_NODE, {})
+
+
 def as_launch_types_it(text: str):
     """A `<param value>` as launch_ros passes it to the node: YAML-typed, so `1` is an int and
     `0` is not the string "0"; an empty value stays the empty string."""
@@ -45,9 +52,9 @@ def as_launch_types_it(text: str):
 
 def test_nodes_are_entry_points_with_main(launch):
     entry_points = setup_entry_points()
-    nodes = launch.findall("node")
+    nodes = launch.findall("node")  # ours; the PACMod 3 driver's are in a group
     assert {n.get("exec") for n in nodes} == {
-        "camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor"
+        "camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "failsafe"
     }
     for node in nodes:
         assert node.get("pkg") == "sps_driving"
@@ -59,7 +66,7 @@ def test_nodes_are_entry_points_with_main(launch):
 
 
 def test_every_parameter_set_is_declared_and_allowed(launch):
-    params_file = yaml.safe_load((ROOT / "config" / "graph.yaml").read_text())
+    sections, every_node = params_file_sections()
     arguments = {a.get("name"): a.get("default") for a in launch.findall("arg")}
     for node in launch.findall("node"):
         declared = specs(importlib.import_module(f"sps_driving.nodes.{node.get('exec')}").PARAMETERS)
@@ -70,7 +77,7 @@ def test_every_parameter_set_is_declared_and_allowed(launch):
             name = param.get("name")
             assert name in declared, f"{node.get('exec')} does not declare {name}"
             declared[name].convert(as_launch_types_it(substituted(param.get("value"), arguments)))
-        from_file = params_file[node.get("name")]["ros__parameters"]
+        from_file = {**{k: v for k, v in every_node.items() if k in declared}, **sections[node.get("name")]}
         assert set(from_file) == set(declared), node.get("exec")
         for name, value in from_file.items():
             # The node would take an int for a float; the file still spells each type out.
@@ -101,7 +108,7 @@ def test_arguments_are_declared_and_cover_the_operator_choices(launch):
 
 def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
     known = {v for k, v in vars(topics).items() if k.isupper() and isinstance(v, str)}
-    for remap in launch.iter("remap"):
+    for remap in (r for n in launch.findall("node") for r in n.findall("remap")):
         assert remap.get("from") in known
     readers = {n.get("exec"): {r.get("from"): r.get("to") for r in n.findall("remap")} for n in launch.findall("node")}
     for node in ("extractor",):
@@ -115,8 +122,14 @@ def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
 def test_params_file_sections_are_nodes_the_graph_can_start():
     from sps_driving.graph import NODES
 
-    params_file = yaml.safe_load((ROOT / "config" / "graph.yaml").read_text())
-    assert set(params_file) <= set(NODES) and set(NODES) <= setup_entry_points()
-    for name, section in params_file.items():
-        declared = importlib.import_module(f"sps_driving.nodes.{name}").PARAMETERS
-        assert set(section["ros__parameters"]) <= set(declared), name
+    sections, every_node = params_file_sections()
+    assert set(sections) <= set(NODES) and set(NODES) <= setup_entry_points()
+    declared = {name: specs(importlib.import_module(f"sps_driving.nodes.{name}").PARAMETERS) for name in NODES}
+    for name, section in sections.items():
+        assert set(section) <= set(declared[name]), name
+    # A parameter for every node is declared by some node, with the same type and allowed by each.
+    for parameter, value in every_node.items():
+        takers = [table[parameter] for table in declared.values() if parameter in table]
+        assert takers, f"{EVERY_NODE}: no node declares {parameter}"
+        for spec in takers:
+            assert type(value) is type(spec.default) and spec.convert(value) == value, parameter
