@@ -126,7 +126,7 @@ class Harness:
         from rclpy.node import Node
 
         from sps_driving.core.control import ControlLimits
-        from sps_driving.graph import Graph, default_params_file
+        from sps_driving.graph import Graph, default_params_file, isolate_ros
 
         self.kind, self.work, self.hold_s = graph_kind, work, hold_s
         base = yaml.safe_load(default_params_file().read_text())
@@ -134,6 +134,7 @@ class Harness:
         vi = {**base["vehicle_interface"]["ros__parameters"], **shared}
         self.limits = ControlLimits.from_dict({k: vi[k] for k in ControlLimits.names()})
         self.steering_ratio = float(shared["steering_ratio"])
+        isolate_ros()  # before rclpy.init: this context joins the graph's private domain
         self.context = rclpy.Context()
         rclpy.init(context=self.context)
         self.node = Node("sps_faults", context=self.context)

@@ -36,7 +36,7 @@ VEHICLE_WITHOUT_CAR = {
     "backend": "topics", "auto_engage": True, "require_failsafe": False, "require_speed": False, "latch_stops": False,
 }
 
-# A tool's graph (`replay`, `demo`, `eval --graph`) must never exchange messages with a car: not
+# A tool's graph (`replay`, `demo`, `eval --graph`, `faults`) must never exchange messages with a car: not
 # with one on the same network (discovery stays on this machine), nor with the car's own stack
 # when it runs on the car's computer (a domain of its own). The domain is DOMAIN_VARIABLE when
 # set; otherwise one of PRIVATE_DOMAINS picked by process id, so that two tools running at once
