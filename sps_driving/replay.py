@@ -47,7 +47,7 @@ RECORDED = {
     topics.STAGE_TIMING: "diagnostic_msgs/msg/DiagnosticArray",
 }
 PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)  # besides the camera
-PLAYED_QOS = {topics.IMAGE: "image", topics.CAMERA_INFO: "sensor"}  # as the camera driver publishes them
+PLAYED_QOS = {topics.IMAGE: "image"}  # as the camera driver publishes it; the other played topics as drivers publish sensor data
 GRAPH_NODES = ("selection", "extractor", "policy", "vehicle_interface", "safety_monitor")
 REFERENCE_MATCH_S = 0.05  # a reference command within this of a frame's stamp is its reference
 VEHICLE_INTERFACE, SAFETY_MONITOR = "vehicle_interface", "safety_monitor"  # their status names
@@ -288,7 +288,7 @@ class Player:
         self.done: set[int] = set()  # frames with a command or a reported drop
         self.unreadable = 0  # recorded messages that could not be decoded (left out of the bag)
         self.publishers = {
-            topic: node.create_publisher(msgs.ros_type(msgtype), topic, msgs.qos(PLAYED_QOS.get(topic, "control")))
+            topic: node.create_publisher(msgs.ros_type(msgtype), topic, msgs.qos(PLAYED_QOS.get(topic, "sensor_out")))
             for topic, msgtype in input_types.items()
         }
         for topic, msgtype in RECORDED.items():

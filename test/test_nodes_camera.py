@@ -20,7 +20,7 @@ def probe():
     p = Probe()
     p.record(topics.IMAGE, Image, "image")
     p.record(topics.CAMERA_INFO, CameraInfo, "sensor")
-    p.record("/camera_driver/status", DiagnosticArray, "status")
+    p.record(topics.DIAGNOSTICS, DiagnosticArray, "status")
     yield p
     p.close()
 
@@ -38,8 +38,7 @@ def test_image_folder_publishes_stamped_pairs(tmp_path, probe):
     params = {"source": str(folder), "rate_hz": 10.0, "frame_id": "front_cam", "width": 96, "height": 60, "loop": True}
 
     def dropped():
-        status = probe.messages("/camera_driver/status")
-        return int(msgs.diagnostic_values(status[-1])[0][3]["dropped"]) if status else 0
+        return int(probe.status("camera_driver")[2].get("dropped", 0))
 
     with Graph(["camera_driver"], parameters={"camera_driver": params}, log_dir=tmp_path / "logs") as graph:
         wait_for_nodes(probe.node, graph.nodes, 30, graph)
@@ -68,12 +67,11 @@ def test_missing_device_is_retried_not_fatal(tmp_path, probe):
         wait_for_nodes(probe.node, graph.nodes, 30, graph)
 
         def reconnecting():
-            status = probe.messages("/camera_driver/status")
-            return bool(status) and int(msgs.diagnostic_values(status[-1])[0][3]["reconnects"]) >= 2
+            return int(probe.status("camera_driver")[2].get("reconnects", 0)) >= 2
 
         assert probe.spin_until(reconnecting, 15)
         assert graph.alive("camera_driver")
-        name, level, message, values = msgs.diagnostic_values(probe.messages("/camera_driver/status")[-1])[0]
+        level, message, values = probe.status("camera_driver")
         assert level == 1 and int(values["dropped"]) > 0 and values["frames"] == "0"
         assert graph.stop() == {"camera_driver": 0}  # Ctrl-C is a clean exit
     assert not probe.messages(topics.IMAGE)

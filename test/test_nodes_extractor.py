@@ -45,7 +45,7 @@ def rig(tmp_path_factory):
     ):
         probe.record(topic, msg_type, kind)
     image = probe.publisher(topics.IMAGE, Image, "image")
-    info = probe.publisher(topics.CAMERA_INFO, CameraInfo, "sensor")
+    info = probe.publisher(topics.CAMERA_INFO, CameraInfo, "sensor_out")
     with graph:
         wait_for_nodes(probe.node, graph.nodes, 180, graph)
         wait_for_topics(probe.node, {topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 1, topics.DESCRIPTORS: 2}, 60, graph)

@@ -43,7 +43,7 @@ def test_camera_to_car_drives_and_stops_on_failure(tmp_path):
     probe.record(topics.CAMERA_INFO, CameraInfo, "sensor")
     probe.record(topics.ACTUATION, JointState, "status")
     probe.record(topics.DIAGNOSTICS, DiagnosticArray, "status")
-    lane = probe.publisher(topics.LANE_POSE, PoseStamped, "sensor")
+    lane = probe.publisher(topics.LANE_POSE, PoseStamped, "sensor_out")
     lateral = [0.0]
     feed = Rate(0.05, lambda: lane.publish(msgs.from_bag(lane_pose_message(lateral[0], 0.0, 0), PoseStamped)))
 

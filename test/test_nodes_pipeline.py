@@ -46,7 +46,7 @@ def rig(tmp_path_factory):
     probe.record(topics.ACTUATION, JointState, "status")
     probe.record(topics.DIAGNOSTICS, DiagnosticArray, "status")
     probe.record(topics.STAGE_TIMING, DiagnosticArray, "status")
-    info = probe.publisher(topics.CAMERA_INFO, CameraInfo, "sensor")
+    info = probe.publisher(topics.CAMERA_INFO, CameraInfo, "sensor_out")
     descriptors = probe.publisher(topics.DESCRIPTORS, PointCloud2, "stream")
     with graph:
         wait_for_nodes(probe.node, graph.nodes, 60, graph)

@@ -247,7 +247,7 @@ def test_lane_failure_and_an_obstacle_too_close_to_measure_stop(rig):
 
 @pytest.mark.parametrize(
     "params, message",
-    [({"backend": "can"}, "unknown vehicle backend"), ({"max_throttle": 1.5}, "max_throttle")],
+    [({"backend": "can"}, "parameter backend of /vehicle_interface is 'can'"), ({"max_throttle": 1.5}, "max_throttle")],
 )
 def test_bad_configuration_is_a_clear_startup_error(tmp_path, params, message):
     graph = Graph(["vehicle_interface"], parameters={"vehicle_interface": params}, log_dir=tmp_path)

@@ -27,7 +27,7 @@ Engagement (PACMod 3 semantics, see sps_driving.sim.pacmod for the driver's beha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 SYSTEMS = ("steering", "accel", "brake")  # the drive-by-wire systems that must all be enabled to drive
@@ -43,48 +43,53 @@ MAX_FUTURE_STAMP_S = 0.1
 STEERING_RATIO = 14.8  # steering-wheel angle / road-wheel angle of the Lexus RX 450h (config/graph.yaml holds the value in use)
 
 
+def _limit(default: float, unit: str, doc: str, zero_turns_off: bool = False, at_most: float | None = None):
+    """A field of ControlLimits with what it means: the node's parameter descriptions come from here."""
+    return field(default=default, metadata={"unit": unit, "doc": doc, "zero_turns_off": zero_turns_off, "at_most": at_most})
+
+
 @dataclass(frozen=True)
 class ControlLimits:
     """Conservative defaults; config/graph.yaml (vehicle_interface) holds the values in use."""
 
-    max_road_wheel_angle_rad: float = 0.35  # |steering| limit at the road wheels
-    max_steering_rate_rad_s: float = 0.3  # road-wheel angle change per second
-    max_throttle: float = 0.3  # accelerator pedal, 0..1
-    max_brake: float = 0.8  # brake pedal, 0..1
-    stop_brake: float = 0.5  # brake pedal held during a controlled stop, 0..1
-    max_speed_mps: float = 8.0  # m/s: no accelerator at or above this speed
-    overspeed_margin_mps: float = 2.0  # m/s above max_speed_mps (downhill): controlled stop
-    max_command_age_s: float = 0.25  # no fresh policy command within this -> controlled stop
-    max_camera_age_s: float = 0.25  # no camera frame within this -> controlled stop
-    max_safety_age_s: float = 0.5  # no safety-monitor stop request within this -> controlled stop (when required)
-    max_failsafe_age_s: float = 0.5  # no failsafe status within this -> controlled stop (when required)
-    max_report_age_s: float = 0.25  # a drive-by-wire or speed report older than this -> controlled stop
-    # Camera stamp to command arrival: a command computed from an older frame is refused and
-    # stops the car (the pipeline is lagging). 0 disables the check (replaying old stamps).
-    max_command_latency_s: float = 1.0
-    # The ROS clock moving more or less than the steady clock by this much between two ticks is a
-    # clock step (NTP, PTP, GPS): stamps before and after it cannot be compared -> controlled stop.
-    # 0 disables the check.
-    max_clock_jump_s: float = 0.2
-    engage_timeout_s: float = 2.0  # an engagement the car does not complete within this is dropped
-    exit_brake_s: float = 0.5  # on exit while engaged: brake this long, then disable
-    control_rate_hz: float = 30.0  # watchdog and command output rate (the PACMod driver re-sends every 33 ms)
-
-    # 0 turns these checks off; every other limit must be positive.
-    MAY_BE_ZERO = frozenset({"max_command_latency_s", "max_clock_jump_s", "exit_brake_s"})
+    max_road_wheel_angle_rad: float = _limit(0.35, "rad", "|steering| limit at the road wheels")
+    max_steering_rate_rad_s: float = _limit(0.3, "rad/s", "road-wheel angle change per second")
+    max_throttle: float = _limit(0.3, "fraction", "accelerator pedal limit", at_most=1.0)
+    max_brake: float = _limit(0.8, "fraction", "brake pedal limit", at_most=1.0)
+    stop_brake: float = _limit(0.5, "fraction", "brake pedal held during a controlled stop", at_most=1.0)
+    max_speed_mps: float = _limit(8.0, "m/s", "no accelerator at or above this speed")
+    overspeed_margin_mps: float = _limit(2.0, "m/s", "above max_speed_mps by more than this (downhill): controlled stop")
+    max_command_age_s: float = _limit(0.25, "s", "no fresh policy command within this: controlled stop")
+    max_camera_age_s: float = _limit(0.25, "s", "no camera frame within this: controlled stop")
+    max_safety_age_s: float = _limit(0.5, "s", "no safety-monitor stop request within this: controlled stop (when required)")
+    max_failsafe_age_s: float = _limit(0.5, "s", "no failsafe status within this: controlled stop (when required)")
+    max_report_age_s: float = _limit(0.25, "s", "a drive-by-wire or speed report older than this: controlled stop")
+    max_command_latency_s: float = _limit(
+        1.0, "s", "camera stamp to command arrival beyond which a command is refused (the pipeline lags): controlled stop; "
+        "0 turns the check off (replaying old stamps)", zero_turns_off=True)
+    max_clock_jump_s: float = _limit(
+        0.2, "s", "the ROS clock moving more or less than the steady clock by this between two periods is a clock step "
+        "(NTP, PTP, GPS): controlled stop; 0 turns the check off", zero_turns_off=True)
+    engage_timeout_s: float = _limit(2.0, "s", "an engagement the car does not complete within this is dropped")
+    exit_brake_s: float = _limit(0.5, "s", "on exit while engaged: brake this long, then disable; 0: disable at once", zero_turns_off=True)
+    control_rate_hz: float = _limit(30.0, "Hz", "watchdog and command output rate (the PACMod driver re-sends every 33 ms)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            may_be_zero = f.name in self.MAY_BE_ZERO
+            may_be_zero = f.metadata["zero_turns_off"]
             if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 or (may_be_zero and value == 0))):
                 kind = "non-negative" if may_be_zero else "positive"
                 raise ValueError(f"control limit {f.name} must be a {kind} finite number, got {value!r}")
-        for name in ("max_throttle", "max_brake", "stop_brake"):
-            if getattr(self, name) > 1.0:
-                raise ValueError(f"{name} is a pedal fraction in (0, 1], got {getattr(self, name)}")
+            if f.metadata["at_most"] is not None and value > f.metadata["at_most"]:
+                raise ValueError(f"{f.name} is a pedal fraction in (0, 1], got {value}")
         if self.stop_brake > self.max_brake:
             raise ValueError(f"stop_brake {self.stop_brake} exceeds max_brake {self.max_brake}")
+
+    @classmethod
+    def meaning(cls, name: str) -> dict:
+        """{"unit", "doc", "zero_turns_off", "at_most"} of one limit."""
+        return dict(next(f for f in fields(cls) if f.name == name).metadata)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -4,7 +4,7 @@
 videoconvert ! appsink" for the GigE Blackfly), a video file, or a folder of images (sorted by
 name). Publishes sensor_msgs/Image (rgb8, resized to width x height) and a CameraInfo with the same
 stamp and frame_id. A device or pipeline that stops delivering is reopened every
-`reconnect_interval_s`; each tick without a frame is a dropped frame, counted on ~/status.
+`reconnect_interval_s`; each tick without a frame is a dropped frame, counted in its status on /diagnostics.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ class CameraDriver(Node):
         self._failing_since_ns = None
         self._finished_logged = False
         self.image_pub = self.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
-        self.info_pub = self.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor"))
-        self.status_pub = self.create_publisher(DiagnosticArray, "~/status", msgs.qos("status"))
+        self.info_pub = self.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor_out"))
+        self.status_pub = self.create_publisher(DiagnosticArray, topics.DIAGNOSTICS, msgs.qos("status"))
         self.create_timer(1.0 / p["rate_hz"], self._tick)
         self.create_timer(1.0, self._publish_status)
 
@@ -152,9 +152,9 @@ class CameraDriver(Node):
         self.counters["frames"] += 1
 
     def _publish_status(self) -> None:
-        level = 1 if self._failing_since_ns else 0
+        level = msgs.Level.WARN if self._failing_since_ns else msgs.Level.OK
         message = "no frames" if level else "ok"
-        self.status_pub.publish(msgs.diagnostics(now_ns(self), self.NODE_NAME, level, message, self.counters))
+        self.status_pub.publish(msgs.diagnostics(now_ns(self), self.NODE_NAME, level, message, self.counters, hardware_id="camera"))
 
 
 def main(args=None) -> int:

@@ -20,15 +20,15 @@ from sensor_msgs.msg import JointState
 from sps_driving import msgs, topics
 from sps_driving.core.control import STEERING_RATIO, ControlLimits, PacmodCommand
 from sps_driving.core.failsafe import Failsafe
-from sps_driving.nodes.common import declare, now_ns, run
+from sps_driving.nodes.common import Param, declare, now_ns, run
 
 DEFAULT_LIMITS = ControlLimits()
 PARAMETERS = {
-    "silence_timeout_s": 0.2,
-    "stop_brake": DEFAULT_LIMITS.stop_brake,
-    "steering_ratio": STEERING_RATIO,
-    "control_rate_hz": DEFAULT_LIMITS.control_rate_hz,
-    "status_rate_hz": 10.0,
+    "silence_timeout_s": Param(0.2, "no heartbeat from the vehicle interface for this long while the car is enabled: stop", "s", above=0.0),
+    "stop_brake": Param(DEFAULT_LIMITS.stop_brake, "brake pedal held in the stop", "fraction", above=0.0, max=1.0),
+    "steering_ratio": Param(STEERING_RATIO, "steering-wheel angle / road-wheel angle", "ratio", above=0.0),
+    "control_rate_hz": Param(DEFAULT_LIMITS.control_rate_hz, "command output while it has taken over", "Hz", above=0.0),
+    "status_rate_hz": Param(10.0, "status (the vehicle interface requires it) and /diagnostics", "Hz", above=0.0),
 }
 
 
@@ -42,9 +42,6 @@ class FailsafeNode(Node):
             from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat
         except ImportError as exc:
             raise ValueError("failsafe needs pacmod3_msgs (apt install ros-$ROS_DISTRO-pacmod3-msgs)") from exc
-        for name in ("control_rate_hz", "status_rate_hz", "steering_ratio"):
-            if not p[name] > 0:
-                raise ValueError(f"{name} must be positive, got {p[name]}")
         self.logic = Failsafe(float(p["silence_timeout_s"]), float(p["stop_brake"]))
         # It holds the measured angle; the rate only bounds how fast the wheel may settle there.
         self.rotation_rate = DEFAULT_LIMITS.max_steering_rate_rad_s * float(p["steering_ratio"])

@@ -21,14 +21,14 @@ from std_msgs.msg import Bool
 from std_srvs.srv import SetBool
 
 from sps_driving import msgs, topics
-from sps_driving.nodes.common import declare, now_ns, run
+from sps_driving.nodes.common import Param, declare, now_ns, run
 from sps_driving.sim.pacmod import PacmodStandIn
 
 PARAMETERS = {
-    "rate_hz": 30.0,  # Hz: the driver's re-send period is 33 ms
-    "max_accel_mps2": 2.0,  # m/s^2 at full accelerator
-    "max_decel_mps2": 6.0,  # m/s^2 at full brake
-    "initial_speed_mps": 0.0,  # m/s
+    "rate_hz": Param(30.0, "re-send and report rate (the driver re-sends every 33 ms)", "Hz", above=0.0),
+    "max_accel_mps2": Param(2.0, "acceleration at full accelerator", "m/s^2", above=0.0),
+    "max_decel_mps2": Param(6.0, "deceleration at full brake", "m/s^2", above=0.0),
+    "initial_speed_mps": Param(0.0, "speed at start", "m/s", min=0.0),
 }
 REPORTS = {"steering": topics.PACMOD_STEERING_RPT, "accel": topics.PACMOD_ACCEL_RPT, "brake": topics.PACMOD_BRAKE_RPT}
 
@@ -43,8 +43,6 @@ class PacmodStandInNode(Node):
             from pacmod3_msgs import msg as pacmod
         except ImportError as exc:
             raise ValueError("pacmod3_standin needs pacmod3_msgs (`make setup` builds it on machines without a ROS distro)") from exc
-        if not p["rate_hz"] > 0:
-            raise ValueError(f"rate_hz must be positive, got {p['rate_hz']}")
         self.pacmod = pacmod
         self.model = PacmodStandIn(float(p["max_accel_mps2"]), float(p["max_decel_mps2"]))
         self.model.speed_mps = float(p["initial_speed_mps"])

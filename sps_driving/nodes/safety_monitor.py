@@ -22,16 +22,19 @@ from sensor_msgs.msg import Range
 from sps_driving import msgs, topics
 from sps_driving.core.failures import FailureThresholds
 from sps_driving.core.monitor import MonitorConfig, SafetyMonitor
-from sps_driving.nodes.common import declare, now_ns, run
+from sps_driving.nodes.common import Param, declare, now_ns, run
 
 _DEFAULT_THRESHOLDS = FailureThresholds()
 PARAMETERS = {
-    "rate_hz": 10.0,
-    "lane_boundary_offset_m": _DEFAULT_THRESHOLDS.lane_boundary_offset_m,
-    "min_obstacle_gap_m": _DEFAULT_THRESHOLDS.min_obstacle_gap_m,
-    "max_heading_error_deg": 30.0,
-    "max_input_age_s": MonitorConfig().max_input_age_s,
-    "required_inputs": list(MonitorConfig().required_inputs),
+    "rate_hz": Param(10.0, "stop request, status and event rate", "Hz", above=0.0),
+    "lane_boundary_offset_m": Param(_DEFAULT_THRESHOLDS.lane_boundary_offset_m,
+                                    "lateral offset from the lane centre that is a lane failure (half a lane)", "m", above=0.0),
+    "min_obstacle_gap_m": Param(_DEFAULT_THRESHOLDS.min_obstacle_gap_m,
+                                "free gap at or below which an approach is a collision", "m", min=0.0),
+    "max_heading_error_deg": Param(30.0, "heading off the lane direction that is a failure", "deg", above=0.0, below=180.0),
+    "max_input_age_s": Param(MonitorConfig().max_input_age_s, "an input older than this is stale", "s", above=0.0),
+    "required_inputs": Param(list(MonitorConfig().required_inputs),
+                             'inputs whose absence requests a stop: "lane" and/or "obstacle" ([""] for none)'),
 }
 
 

@@ -65,10 +65,10 @@ class SimWorldNode(Node):
         self.started = not self.wait_for_command
         self.dropped_commands = 0
         self.image_pub = self.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
-        self.info_pub = self.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor"))
-        self.lane_pub = self.create_publisher(PoseStamped, topics.LANE_POSE, msgs.qos("sensor"))
-        self.range_pub = self.create_publisher(Range, topics.OBSTACLE_RANGE, msgs.qos("sensor"))
-        self.twist_pub = self.create_publisher(TwistStamped, topics.VEHICLE_TWIST, msgs.qos("sensor"))
+        self.info_pub = self.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor_out"))
+        self.lane_pub = self.create_publisher(PoseStamped, topics.LANE_POSE, msgs.qos("sensor_out"))
+        self.range_pub = self.create_publisher(Range, topics.OBSTACLE_RANGE, msgs.qos("sensor_out"))
+        self.twist_pub = self.create_publisher(TwistStamped, topics.VEHICLE_TWIST, msgs.qos("sensor_out"))
         self.reference_pub = self.create_publisher(JointState, topics.REFERENCE_COMMAND, msgs.qos("stream"))
         self.status_pub = self.create_publisher(DiagnosticArray, "~/status", msgs.qos("status"))
         self.create_subscription(JointState, topics.ACTUATION, self._on_command, msgs.qos("control"))

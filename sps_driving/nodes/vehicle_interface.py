@@ -41,22 +41,29 @@ from sps_driving.core.control import (
     VehicleLogic,
     to_pacmod,
 )
-from sps_driving.nodes.common import declare, now_ns, run
+from sps_driving.nodes.common import Param, declare, now_ns, run
 
-DEFAULT_LIMITS = ControlLimits()
-PARAMETERS = {
-    "backend": "topics",
-    "autostart": True,
-    "auto_engage": False,
-    "require_safety_monitor": True,
-    "require_failsafe": True,
-    "require_speed": True,
-    "latch_stops": True,
-    "status_rate_hz": 5.0,
-    "steering_ratio": STEERING_RATIO,
-    **{name: float(getattr(DEFAULT_LIMITS, name)) for name in ControlLimits.names()},
-}
 BACKENDS = ("topics", "pacmod3")
+
+
+def _limit_param(name: str) -> Param:
+    meaning = ControlLimits.meaning(name)
+    bounds = {"min": 0.0} if meaning["zero_turns_off"] else {"above": 0.0}
+    return Param(getattr(ControlLimits(), name), meaning["doc"], meaning["unit"], max=meaning["at_most"], **bounds)
+
+
+PARAMETERS = {
+    "backend": Param("topics", "pacmod3 (Lexus RX 450h drive-by-wire) or topics (standard messages)", choices=BACKENDS),
+    "autostart": Param(True, "configure and activate at start; false: wait for the lifecycle transitions"),
+    "auto_engage": Param(False, "engage as soon as ready (replays, the simulator); on the car the safety driver engages"),
+    "require_safety_monitor": Param(True, "stop when the safety monitor's stop request goes silent"),
+    "require_failsafe": Param(True, "stop when the failsafe's status goes silent (pacmod3 graphs)"),
+    "require_speed": Param(True, "stop when the speed report is stale or invalid, so the speed cap holds"),
+    "latch_stops": Param(True, "an engaged stop holds until the safety driver disengages"),
+    "status_rate_hz": Param(5.0, "/diagnostics rate (also on every change of state or stop reasons)", "Hz", above=0.0),
+    "steering_ratio": Param(STEERING_RATIO, "steering-wheel angle / road-wheel angle", "ratio", above=0.0),
+    **{name: _limit_param(name) for name in ControlLimits.names()},
+}
 PUBLISHER_CHECK_PERIODS = 6  # count the publishers of inputs and outputs every 6 periods (0.2 s)
 SAFETY_SOURCE, FAILSAFE_SOURCE = "safety_monitor", "failsafe"
 
@@ -138,8 +145,6 @@ class VehicleInterface(LifecycleNode):
     def __init__(self):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
-        if p["backend"] not in BACKENDS:
-            raise ValueError(f"unknown vehicle backend {p['backend']!r}; expected one of {BACKENDS}")
         if p["backend"] == "pacmod3":
             try:
                 import pacmod3_msgs.msg  # noqa: F401
@@ -148,8 +153,6 @@ class VehicleInterface(LifecycleNode):
                     "backend 'pacmod3' needs pacmod3_msgs from the ROS distro (apt install ros-$ROS_DISTRO-pacmod3-msgs); "
                     "use backend 'topics' on machines without PACMod"
                 ) from exc
-        if not p["status_rate_hz"] > 0:
-            raise ValueError(f"status_rate_hz must be positive, got {p['status_rate_hz']}")
         self.params = p
         self.limits = ControlLimits.from_dict({k: p[k] for k in ControlLimits.names()})
         self.logic = VehicleLogic(
