@@ -144,6 +144,7 @@ class Harness:
         self.command = (0.02, 0.15)  # what this process publishes as the policy (vehicle graphs)
         self.obstacle_m = math.inf
         self.camera_mode = "ok"
+        self.spoof_wanted = False
         self.spoof = None
         self.status = {}
         self.sent = []
@@ -250,6 +251,15 @@ class Harness:
         self.range_pub.publish(msgs.from_bag(range_message(self.obstacle_m, stamp), Range))
         if self.command_pub is not None:
             self.command_pub.publish(msgs.command_message(*self.command, self.now_ns()))
+        # The second stop-request publisher lives on this (the executor's) thread only: made,
+        # used and destroyed here, never while another thread publishes through it.
+        if self.spoof_wanted and self.spoof is None:
+            from diagnostic_msgs.msg import DiagnosticArray
+
+            self.spoof = self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control"))
+        elif not self.spoof_wanted and self.spoof is not None:
+            self.node.destroy_publisher(self.spoof)
+            self.spoof = None
         if self.spoof is not None:
             self.spoof.publish(msgs.stop_request_message(stamp, "safety_monitor", False))
 
@@ -376,9 +386,7 @@ class Harness:
         elif kind == "standin":
             self.inject_standin(target, True)
         elif kind == "spoof_stop":
-            from diagnostic_msgs.msg import DiagnosticArray
-
-            self.spoof = self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control"))
+            self.spoof_wanted = True
         elif kind == "command":
             self.command = (math.nan, 0.15) if target == "nan" else (5.0, 3.0)
         elif kind == "obstacle":
@@ -401,8 +409,7 @@ class Harness:
         elif kind == "standin":
             self.inject_standin(target, False)
         elif kind == "spoof_stop":
-            self.node.destroy_publisher(self.spoof)
-            self.spoof = None
+            self.spoof_wanted = False
         elif kind == "command":
             self.command = (0.02, 0.15)
         elif kind == "obstacle":
