@@ -61,8 +61,23 @@ def test_nodes_are_entry_points_with_main(launch):
         assert node.get("exec") in entry_points
         module = importlib.import_module(f"sps_driving.nodes.{node.get('exec')}")
         assert callable(module.main) and module.PARAMETERS
-        # The node's ROS name is the one the params file is keyed by.
+        # The node's ROS name is the one the params file is keyed by, and it has a namespace: launch
+        # then keys its <param> values by the full node name, so they override the params file's
+        # section; without one they land under /** and the params file wins (checked with the real
+        # Humble and Jazzy launch: every launch argument was ignored).
         assert node.get("name") == node.get("exec")
+        assert node.get("namespace") == "/"
+
+
+def test_the_driver_starts_before_our_nodes_and_the_car_launch_ties_it_to_the_vehicle_interface(launch):
+    children = list(launch)
+    driver = next(i for i, c in enumerate(children) if c.tag == "group" and c.get("if") == "$(var launch_driver)")
+    assert driver < min(i for i, c in enumerate(children) if c.tag == "node")  # a missing driver package fails first
+    drivers = [n for n in children[driver].iter("node") if n.get("pkg") == "pacmod3"]
+    assert drivers and all(n.get("name") == "pacmod3_driver" for n in drivers)
+    tie = (ROOT / "launch" / "sps_driving.launch.py").read_text()
+    compile(tie, "sps_driving.launch.py", "exec")
+    assert '"sps_driving.launch.xml"' in tie and '== "/vehicle_interface"' in tie and "Shutdown(" in tie
 
 
 def test_every_parameter_set_is_declared_and_allowed(launch):

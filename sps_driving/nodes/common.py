@@ -209,7 +209,7 @@ def run(node_class, args=None) -> int:
         if fail_safe:
             status = _spin_fail_safe(node)
         else:
-            rclpy.spin(node)
+            _spin(node)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
@@ -217,6 +217,16 @@ def run(node_class, args=None) -> int:
             node.destroy_node()
         rclpy.try_shutdown()
     return status
+
+
+def _spin(node) -> None:
+    try:
+        rclpy.spin(node)
+    except Exception:
+        # SIGINT or SIGTERM shuts the context down under a spinning executor, which may then fail
+        # to build its wait set: that is the shutdown the signal asked for, not a crash.
+        if rclpy.ok():
+            raise
 
 
 def _spin_fail_safe(node) -> int:
