@@ -165,9 +165,9 @@ class Harness:
         return ("selection", "extractor", "policy", *vehicle) if self.kind == "perception" else ("camera_driver", *vehicle)
 
     def _parameters(self) -> dict:
-        from sps_driving.resources import package_path
+        from sps_driving.resources import shipped_policy
 
-        checkpoint = str(package_path("models/sps50_dinov2").resolve())
+        checkpoint = str(shipped_policy().resolve())
         params = {
             "vehicle_interface": {"backend": "pacmod3", "use_sim_time": self.kind == "clock"},
             "safety_monitor": {"required_inputs": ["lane", "obstacle"]},

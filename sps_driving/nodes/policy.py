@@ -14,9 +14,10 @@ from sensor_msgs.msg import JointState, PointCloud2
 
 from sps_driving import msgs, topics
 from sps_driving.nodes.common import Param, StageTimer, declare, run
+from sps_driving.resources import SHIPPED_POLICY
 
 PARAMETERS = {
-    "checkpoint": Param("models/sps50_dinov2", "policy folder with policy.safetensors and config.json"),
+    "checkpoint": Param(SHIPPED_POLICY, "policy folder with policy.safetensors and config.json"),
     "device": Param("cpu", "torch device: cpu or cuda"),
 }
 
