@@ -13,7 +13,6 @@ from sensor_msgs.msg import CameraInfo, JointState
 
 from ros_helpers import Probe, Rate, tiny_checkpoint
 from sps_driving import msgs, topics
-from sps_driving.bagio import lane_pose_message
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
 pytestmark = pytest.mark.ros
@@ -45,7 +44,7 @@ def test_camera_to_car_drives_and_stops_on_failure(tmp_path):
     probe.record(topics.DIAGNOSTICS, DiagnosticArray, "status")
     lane = probe.publisher(topics.LANE_POSE, PoseStamped, "sensor_out")
     lateral = [0.0]
-    feed = Rate(0.05, lambda: lane.publish(msgs.from_bag(lane_pose_message(lateral[0], 0.0, 0), PoseStamped)))
+    feed = Rate(0.05, lambda: lane.publish(msgs.to_ros(msgs.lane_pose_fields(lateral[0], 0.0, 0))))
 
     def status():
         return ("vehicle_interface", *probe.status("vehicle_interface"))

@@ -49,7 +49,7 @@ class PolicyNode(Node):
             self.stage_timer.dropped(stamp, str(exc), self.counters)
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
             return
-        self.publisher.publish(msgs.command_message(steering, throttle, stamp))
+        self.publisher.publish(msgs.to_ros(msgs.command_fields(steering, throttle, stamp)))
         self.counters["frames"] += 1
         self.stage_timer.publish(stamp, started, self.counters)
 
