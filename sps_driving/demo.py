@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
     from sps_driving.core.policy import read_policy_config
     from sps_driving.sim.config import load_sim_config
-    from sps_driving.sim.evaluate import EvalSettings, evaluate, method_name, read_results, write_tables
+    from sps_driving.sim.evaluate import evaluate
+    from sps_driving.sim.results import RESULTS_FILE, EvalSettings, read_results
+    from sps_driving.sim.tables import method_name, write_tables
 
     print(f"\n== 2/2 closed loop: {args.episodes} episode(s) of {args.episode_s:g} s in {', '.join(args.scenarios)}")
     config = load_sim_config(profile="quick")
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         float(args.episode_s), int(cam["render_width"]), int(cam["render_height"]),
     )
     evaluate(config, settings, list(args.scenarios), out / "closed_loop", workers=2)
-    write_tables(read_results(out / "closed_loop" / "results.jsonl"), out / "closed_loop", "sps-driving demo")
+    write_tables(read_results(out / "closed_loop" / RESULTS_FILE), out / "closed_loop", "sps-driving demo")
     print((out / "closed_loop" / "details.md").read_text())
     print(f"everything the demo wrote is in {out}")
     return 0

@@ -39,7 +39,7 @@ def render_rate(config: dict, scenario, frames: int) -> tuple[float, float]:
 
 def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
     from sps_driving.core.policy import architecture_of
-    from sps_driving.sim.evaluate import PolicyDriver
+    from sps_driving.sim.episodes import PolicyDriver
     from sps_driving.sim.render import get_renderer
 
     renderer = get_renderer(config)
