@@ -2,6 +2,7 @@
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,6 +143,7 @@ def test_policy_eval_with_the_dinov2_extractor(tmp_path):
                  "--out", str(out), "--scenarios", SCENARIO_NAMES[2]]) == 0
     (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert row["method"] == "SPS-50" and row["dropped_frames"] == 0
+    assert row["policy"] == "policy"  # outside the repository: the folder's name, no path of this machine
     assert 0.0 <= row["score"] <= 1.0 and row["distance_m"] > 0
 
 
@@ -156,3 +158,18 @@ def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path
     assert all(np.isfinite(first)) and driver.drops == 0
     assert driver(np.zeros((0, 0, 3), np.uint8), 2_000) == first
     assert driver.drops == 1
+
+
+def test_results_name_policies_without_machine_paths_and_read_older_absolute_ones(tmp_path):
+    from sps_driving.resources import SOURCE_ROOT, portable_path, recorded_path, shipped_policy
+    from sps_driving.sim.results import read_results
+
+    assert portable_path(shipped_policy()) == "models/sps50_dinov2"
+    assert portable_path(SOURCE_ROOT / "runs" / "q" / "sps50") == "runs/q/sps50"
+    assert portable_path(tmp_path / "runs" / "sps30") == "sps30"
+    assert recorded_path("models/sps50_dinov2") == shipped_policy()
+    assert recorded_path("/data/old_machine/runs/q/da") == Path("/data/old_machine/runs/q/da")
+    committed = [SOURCE_ROOT / "docs" / "results" / "results.jsonl", SOURCE_ROOT / "docs" / "results" / "graph" / "results.jsonl"]
+    for path in committed:
+        rows = read_results(path)
+        assert rows and all(not Path(row["policy"]).is_absolute() for row in rows), path
