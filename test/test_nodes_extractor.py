@@ -11,7 +11,8 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
-from ros_helpers import Probe, tiny_checkpoint
+from ros_helpers import Probe
+from samples import tiny_policy
 from sps_driving import msgs, topics
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
@@ -22,7 +23,7 @@ MAX_AGE = 0.5
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("extractor")
-    ckpt = tiny_checkpoint(tmp / "policy", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp / "policy", rows=8, cols=8, dim=384)
     (tmp / "extraction.yaml").write_text("input_size: [112, 112]\n")
     graph = Graph(
         ["selection", "extractor", "policy", "vehicle_interface"],

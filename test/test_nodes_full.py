@@ -11,7 +11,8 @@ from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped
 from sensor_msgs.msg import CameraInfo, JointState
 
-from ros_helpers import Probe, Rate, tiny_checkpoint
+from ros_helpers import Probe, Rate
+from samples import tiny_policy
 from sps_driving import msgs, topics
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
@@ -24,7 +25,7 @@ def test_camera_to_car_drives_and_stops_on_failure(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(4):
         cv2.imwrite(str(frames / f"{i}.png"), rng.integers(0, 256, (600, 960, 3), dtype=np.uint8))
-    ckpt = tiny_checkpoint(tmp_path / "policy", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp_path / "policy", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     graph = Graph(
         ["camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor"],

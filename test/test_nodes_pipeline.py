@@ -12,7 +12,8 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
-from ros_helpers import Probe, tiny_checkpoint
+from ros_helpers import Probe
+from samples import tiny_policy
 from sps_driving import msgs, topics
 from sps_driving.core.policy import load_policy
 from sps_driving.core.selection import PatchSelector
@@ -26,7 +27,7 @@ MAX_AGE = 0.4
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    ckpt = tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "policy", dim=DIM)
+    ckpt = tiny_policy(tmp_path_factory.mktemp("ckpt") / "policy", dim=DIM)
     graph = Graph(
         ["selection", "policy", "vehicle_interface"],
         parameters={

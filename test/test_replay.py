@@ -135,14 +135,14 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     """Frames of an mcap bag through the five node processes (real DINOv2 at 112 px, a tiny random
     policy); every frame gets a command that equals the core run in-process on the same frames. A
     second image with an already played stamp is held back and counted as a drop."""
-    from ros_helpers import tiny_checkpoint
+    from samples import tiny_policy
 
     from sps_driving import cli
     from sps_driving.core.backbones import load_extractor
     from sps_driving.core.policy import load_policy
     from sps_driving.core.selection import PatchSelector
 
-    ckpt = tiny_checkpoint(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     rng = np.random.default_rng(0)
     t0 = 1_700_000_000_000_000_000
@@ -187,11 +187,11 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys, m
     """12 frames at 30 fps, far faster than CPU extraction: the extractor skips to the newest frame.
     The bag was recorded with a vendor camera driver's topic name, mapped to the graph's. Without
     --out the output bag goes to out/replay/ under the current folder."""
-    from ros_helpers import tiny_checkpoint
+    from samples import tiny_policy
 
     from sps_driving import cli
 
-    ckpt = tiny_checkpoint(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     rng = np.random.default_rng(1)
     t0 = 1_700_000_000_000_000_000
@@ -226,7 +226,7 @@ def test_default_output_is_outside_the_bag_tree():
 
 
 def test_replay_refuses_bad_inputs_with_clear_errors(tmp_path, capsys):
-    from ros_helpers import tiny_checkpoint
+    from samples import tiny_policy
 
     from sps_driving import cli
 
@@ -241,7 +241,7 @@ def test_replay_refuses_bad_inputs_with_clear_errors(tmp_path, capsys):
     assert cli.main(["replay", str(tmp_path / "drive"), "--checkpoint", str(tmp_path / "none")]) == 2
     out = capsys.readouterr().out
     assert "no policy checkpoint at" in out and "policy.safetensors and config.json" in out
-    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    ckpt = tiny_policy(tmp_path / "ckpt")
     (tmp_path / "taken").mkdir()
     assert cli.main(["replay", str(tmp_path / "drive"), "--checkpoint", str(ckpt), "--out", str(tmp_path / "taken")]) == 2
     assert "exists" in capsys.readouterr().out

@@ -136,7 +136,7 @@ def test_method_names():
 
 def test_policy_eval_with_the_dinov2_extractor(tmp_path):
     """The whole in-process loop (renderer -> DINOv2 -> SPS selection -> policy -> vehicle) with a
-    tiny random GridPolicy (real architecture, random weights) over a short episode."""
+    tiny random grid MLP (the shipped architecture, random weights) over a short episode."""
     tiny_dinov2_policy(tmp_path / "policy")
     out = tmp_path / "eval"
     assert main(["eval", "--policy", str(tmp_path / "policy"), "--episodes", "1", "--episode-s", "0.5", "--workers", "1",
