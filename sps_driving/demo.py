@@ -15,17 +15,16 @@ import json
 import time
 from pathlib import Path
 
-from sps_driving.resources import package_path
+from sps_driving.resources import SHIPPED_POLICY, package_path, shipped_policy
 
 DEMO_BAG = "data/demo_drive"
-DEMO_POLICY = "models/sps50_dinov2"
 DEMO_SCENARIOS = ("rural-winter-snow-day-animal", "urban-summer-dry-night-unseencar")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="folder for the replay bag and episode results")
     parser.add_argument("--bag", type=Path, help=f"drive to replay (default: the bundled {DEMO_BAG})")
-    parser.add_argument("--checkpoint", type=Path, help=f"policy folder (default: the shipped {DEMO_POLICY})")
+    parser.add_argument("--checkpoint", type=Path, help=f"policy folder (default: the shipped {SHIPPED_POLICY})")
     parser.add_argument("--episodes", type=int, default=2, help="closed-loop episodes per scenario (0 skips them)")
     parser.add_argument("--episode-s", type=float, default=10.0, help="length of each closed-loop episode in s")
     parser.add_argument("--scenarios", nargs="+", default=list(DEMO_SCENARIOS), metavar="NAME", help="closed-loop scenarios")
@@ -43,10 +42,10 @@ def run(args: argparse.Namespace) -> int:
     from sps_driving import replay
 
     bag = args.bag or package_path(DEMO_BAG)
-    checkpoint = args.checkpoint or package_path(DEMO_POLICY)
+    checkpoint = args.checkpoint or shipped_policy()
     if not (
         _require(bag, "the demo drive", "it ships in data/demo_drive of the repository, or pass --bag")
-        and _require(checkpoint / "config.json", "the demo policy", "it ships in models/sps50_dinov2, or pass --checkpoint")
+        and _require(checkpoint / "config.json", "the demo policy", f"it ships in {SHIPPED_POLICY}, or pass --checkpoint")
     ):
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -65,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
     from sps_driving.core.policy import read_policy_config
     from sps_driving.sim.config import load_sim_config
-    from sps_driving.sim.evaluate import EvalSettings, evaluate, method_name, read_results, write_tables
+    from sps_driving.sim.evaluate import evaluate
+    from sps_driving.sim.results import RESULTS_FILE, EvalSettings, read_results
+    from sps_driving.sim.tables import method_name, write_tables
 
     print(f"\n== 2/2 closed loop: {args.episodes} episode(s) of {args.episode_s:g} s in {', '.join(args.scenarios)}")
     config = load_sim_config(profile="quick")
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         float(args.episode_s), int(cam["render_width"]), int(cam["render_height"]),
     )
     evaluate(config, settings, list(args.scenarios), out / "closed_loop", workers=2)
-    write_tables(read_results(out / "closed_loop" / "results.jsonl"), out / "closed_loop", "sps-driving demo")
+    write_tables(read_results(out / "closed_loop" / RESULTS_FILE), out / "closed_loop", "sps-driving demo")
     print((out / "closed_loop" / "details.md").read_text())
     print(f"everything the demo wrote is in {out}")
     return 0

@@ -166,9 +166,9 @@ class Harness:
         return ("selection", "extractor", "policy", *vehicle) if self.kind == "perception" else ("camera_driver", *vehicle)
 
     def _parameters(self) -> dict:
-        from sps_driving.resources import package_path
+        from sps_driving.resources import shipped_policy
 
-        checkpoint = str(package_path("models/sps50_dinov2").resolve())
+        checkpoint = str(shipped_policy().resolve())
         params = {
             "vehicle_interface": {"backend": "pacmod3", "use_sim_time": self.kind == "clock"},
             "safety_monitor": {"required_inputs": ["lane", "obstacle"]},
@@ -238,19 +238,14 @@ class Harness:
         from rosgraph_msgs.msg import Clock as ClockMsg
 
         while not self._stop.wait(0.01):
-            self.clock_pub.publish(ClockMsg(clock=msgs.ros_time(self.now_ns())))
+            self.clock_pub.publish(ClockMsg(clock=msgs.to_ros(msgs.time_fields(self.now_ns()))))
 
     def _publish_inputs(self) -> None:
-        from geometry_msgs.msg import PoseStamped
-        from sensor_msgs.msg import Range
-
-        from sps_driving.bagio import lane_pose_message, range_message
-
         stamp = time.time_ns()  # the safety monitor runs on system time
-        self.lane_pub.publish(msgs.from_bag(lane_pose_message(0.0, 0.0, stamp), PoseStamped))
-        self.range_pub.publish(msgs.from_bag(range_message(self.obstacle_m, stamp), Range))
+        self.lane_pub.publish(msgs.to_ros(msgs.lane_pose_fields(0.0, 0.0, stamp)))
+        self.range_pub.publish(msgs.to_ros(msgs.range_fields(self.obstacle_m, stamp)))
         if self.command_pub is not None:
-            self.command_pub.publish(msgs.command_message(*self.command, self.now_ns()))
+            self.command_pub.publish(msgs.to_ros(msgs.command_fields(*self.command, self.now_ns())))
         # The second stop-request publisher lives on this (the executor's) thread only: made,
         # used and destroyed here, never while another thread publishes through it.
         if self.spoof_wanted and self.spoof is None:
@@ -270,11 +265,11 @@ class Harness:
         self._frame_index += 1
         stamp = time.time_ns() - (int(1.5e9) if self.camera_mode == "delay" else 0)
         image = msgs.from_bag(frame, self.image_pub.msg_type)
-        image.header = msgs.header(stamp, "camera")
+        image.header = msgs.to_ros(msgs.header_fields(stamp, "camera"))
         if self.camera_mode == "corrupt":
             image.data = bytes(image.data)[: len(image.data) // 3]  # truncated: fewer bytes than step x height
         self.image_pub.publish(image)
-        self.info_pub.publish(msgs.camera_info(frame.height, frame.width, stamp, "camera", math.radians(130.0)))
+        self.info_pub.publish(msgs.to_ros(msgs.camera_info_fields(frame.height, frame.width, stamp, "camera", math.radians(130.0))))
 
     def _on_diagnostics(self, msg) -> None:
         with self.lock:

@@ -21,13 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from sps_driving.nodes import NODES
 from sps_driving.resources import config_path
 
-# Every node executable of the package (setup.py); sim_world stands in for the car in simulation.
-NODES = (
-    "camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "failsafe", "sim_world",
-    "pacmod3_standin",
-)
 PACKAGE = "sps_driving"
 # The vehicle interface in a graph without the car (replays, the simulator, tests): standard
 # messages, engaged as soon as the inputs are ready, no failsafe (it guards the PACMod driver), no

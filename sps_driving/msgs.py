@@ -1,8 +1,16 @@
-"""Message conversion and QoS profiles for the live graph: the one place that knows message layouts.
+"""Message conversion and QoS profiles: the one place that knows message layouts.
 
 Decoders (`*_from_message`, `stamp_ns`) read fields only, so they take rclpy messages and rosbags
 messages alike: nodes, the replay report and tests share them, and this module imports no ROS
 package at load time (encoders and QoS import rclpy's types when called).
+
+Encoders of messages that both the live graph and bag files carry (stamps, headers, camera
+images and their pinhole CameraInfo, commands, lane pose, obstacle range, speed) write a layout:
+`Fields`, the field values in plain Python, nested messages as Fields. `to_ros` makes the rclpy
+message of a layout (nodes publish it); `sps_driving.bagio.to_bag` the rosbags message of the
+same layout (bag files hold it), so neither side imports the other's ROS library. Messages only
+the live graph sends (selection, descriptors, diagnostics, PACMod 3 commands) are built as rclpy
+messages directly.
 
 Message choices (standard types only):
 - commands: sensor_msgs/JointState, name = ("steering", "throttle"), position = values.
@@ -44,7 +52,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from sps_driving.core.image import ImageError, to_rgb
+from sps_driving.core.image import ImageError, from_rgb, to_rgb
 from sps_driving.topics import COMMAND_NAMES
 
 _INDEX_FIELD = "index"
@@ -57,6 +65,30 @@ class MessageError(ValueError):
     """A message that does not have the documented layout: callers drop and count it."""
 
 
+# ---------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A message as its type ("pkg/msg/Name") and field values: nested messages as Fields, byte
+    arrays as bytes, number arrays as lists; fields left out keep the message type's defaults."""
+
+    msgtype: str
+    values: dict
+
+
+def to_ros(fields: Fields):
+    """The rclpy message of a layout."""
+    def value(v):
+        if isinstance(v, Fields):
+            return to_ros(v)
+        if isinstance(v, list) and v and isinstance(v[0], Fields):
+            return [to_ros(item) for item in v]
+        return v
+
+    return ros_type(fields.msgtype)(**{name: value(v) for name, v in fields.values.items()})
+
+
 # ---------------------------------------------------------------- stamps
 
 
@@ -64,17 +96,17 @@ def stamp_ns(header) -> int:
     return int(header.stamp.sec) * 1_000_000_000 + int(header.stamp.nanosec)
 
 
-def ros_time(ns: int):
-    from builtin_interfaces.msg import Time
-
+def time_fields(ns: int) -> Fields:
     sec, nanosec = divmod(int(ns), 1_000_000_000)
-    return Time(sec=sec, nanosec=nanosec)
+    return Fields("builtin_interfaces/msg/Time", {"sec": sec, "nanosec": nanosec})
 
 
-def header(stamp: int, frame_id: str):
-    from std_msgs.msg import Header
+def header_fields(stamp: int, frame_id: str = "") -> Fields:
+    return Fields("std_msgs/msg/Header", {"stamp": time_fields(stamp), "frame_id": frame_id})
 
-    return Header(stamp=ros_time(stamp), frame_id=frame_id)
+
+def _header(stamp: int, frame_id: str):
+    return to_ros(header_fields(stamp, frame_id))
 
 
 # ---------------------------------------------------------------- QoS
@@ -139,39 +171,30 @@ def image_to_rgb(msg) -> np.ndarray:
     return to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
 
 
-def rgb_to_image(rgb: np.ndarray, stamp: int, frame_id: str, encoding: str = "rgb8"):
-    from sensor_msgs.msg import Image
-
-    from sps_driving.core.image import from_rgb
-
+def image_fields(rgb: np.ndarray, stamp: int, frame_id: str, encoding: str = "rgb8") -> Fields:
+    """A sensor_msgs/Image of uint8 RGB [H, W, 3] pixels in `encoding` (core.image.from_rgb)."""
     data, step = from_rgb(rgb, encoding)
-    return Image(
-        header=header(stamp, frame_id),
-        height=int(rgb.shape[0]),
-        width=int(rgb.shape[1]),
-        encoding=encoding,
-        is_bigendian=0,
-        step=int(step),
-        data=data,
-    )
+    return Fields("sensor_msgs/msg/Image", {
+        "header": header_fields(stamp, frame_id), "height": int(rgb.shape[0]), "width": int(rgb.shape[1]),
+        "encoding": encoding, "is_bigendian": 0, "step": int(step), "data": data,
+    })
 
 
-def camera_info(height: int, width: int, stamp: int, frame_id: str, hfov_rad: float):
-    """Pinhole CameraInfo from the horizontal field of view (no distortion known)."""
-    from sensor_msgs.msg import CameraInfo
-
-    f = (width / 2.0) / math.tan(hfov_rad / 2.0)
-    cx, cy = width / 2.0, height / 2.0
-    return CameraInfo(
-        header=header(stamp, frame_id),
-        height=int(height),
-        width=int(width),
-        distortion_model="plumb_bob",
-        d=[0.0] * 5,
-        k=[f, 0.0, cx, 0.0, f, cy, 0.0, 0.0, 1.0],
-        r=[1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0],
-        p=[f, 0.0, cx, 0.0, 0.0, f, cy, 0.0, 0.0, 0.0, 1.0, 0.0],
-    )
+def camera_info_fields(height: int, width: int, stamp: int, frame_id: str, hfov_rad: float | None) -> Fields:
+    """Pinhole CameraInfo from the horizontal field of view (no distortion known); intrinsics all
+    zeros when the field of view is unknown (None), as ROS allows."""
+    if hfov_rad is None:
+        k, p = [0.0] * 9, [0.0] * 12
+    else:
+        f = (width / 2.0) / math.tan(hfov_rad / 2.0)
+        cx, cy = width / 2.0, height / 2.0
+        k = [f, 0.0, cx, 0.0, f, cy, 0.0, 0.0, 1.0]
+        p = [f, 0.0, cx, 0.0, 0.0, f, cy, 0.0, 0.0, 0.0, 1.0, 0.0]
+    return Fields("sensor_msgs/msg/CameraInfo", {
+        "header": header_fields(stamp, frame_id), "height": int(height), "width": int(width),
+        "distortion_model": "plumb_bob", "d": [0.0] * 5, "k": k, "r": [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0],
+        "p": p,
+    })
 
 
 # ---------------------------------------------------------------- selection
@@ -183,7 +206,7 @@ def selection_message(indices: np.ndarray, rows: int, cols: int, stamp: int, fra
     mask = np.zeros(rows * cols, dtype=np.uint8)
     mask[np.asarray(indices, dtype=np.int64)] = 255
     return Image(
-        header=header(stamp, frame_id), height=rows, width=cols, encoding="mono8", is_bigendian=0, step=cols,
+        header=_header(stamp, frame_id), height=rows, width=cols, encoding="mono8", is_bigendian=0, step=cols,
         data=mask.tobytes(),
     )
 
@@ -214,7 +237,7 @@ def descriptors_message(values: np.ndarray, indices: np.ndarray, stamp: int, fra
     records["index"] = indices
     records["descriptor"] = values
     return PointCloud2(
-        header=header(stamp, frame_id),
+        header=_header(stamp, frame_id),
         height=1,
         width=k,
         fields=[
@@ -255,10 +278,10 @@ def descriptors_from_message(msg) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- commands
 
 
-def command_message(steering: float, throttle: float, stamp: int, frame_id: str = "base_link"):
-    from sensor_msgs.msg import JointState
-
-    return JointState(header=header(stamp, frame_id), name=list(COMMAND_NAMES), position=[float(steering), float(throttle)])
+def command_fields(steering: float, throttle: float, stamp: int, frame_id: str = "base_link") -> Fields:
+    return Fields("sensor_msgs/msg/JointState", {
+        "header": header_fields(stamp, frame_id), "name": list(COMMAND_NAMES), "position": [float(steering), float(throttle)],
+    })
 
 
 def command_from_message(msg) -> tuple[float, float]:
@@ -271,6 +294,34 @@ def command_from_message(msg) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- lane and obstacle state
+
+
+def lane_pose_fields(lateral_offset_m: float, heading_error_rad: float, stamp: int) -> Fields:
+    """A PoseStamped in the lane frame: y the lateral offset (m, left positive), yaw the heading error (rad)."""
+    pose = Fields("geometry_msgs/msg/Pose", {
+        "position": Fields("geometry_msgs/msg/Point", {"x": 0.0, "y": float(lateral_offset_m), "z": 0.0}),
+        "orientation": Fields("geometry_msgs/msg/Quaternion", {
+            "x": 0.0, "y": 0.0, "z": math.sin(heading_error_rad / 2.0), "w": math.cos(heading_error_rad / 2.0)}),
+    })
+    return Fields("geometry_msgs/msg/PoseStamped", {"header": header_fields(stamp, "lane"), "pose": pose})
+
+
+def range_fields(gap_m: float, stamp: int, max_range_m: float = 100.0) -> Fields:
+    """Nearest-obstacle free gap in m; no obstacle in sight is reported as +inf, as REP 117 asks."""
+    return Fields("sensor_msgs/msg/Range", {
+        "header": header_fields(stamp, "base_link"),
+        "radiation_type": 1,  # INFRARED: Range has no constant for fused or ground-truth sources
+        "field_of_view": math.pi, "min_range": 0.0, "max_range": float(max_range_m), "range": float(gap_m),
+    })
+
+
+def twist_fields(speed_mps: float, stamp: int) -> Fields:
+    """The car's forward speed in m/s as a TwistStamped in base_link."""
+    def vector(x: float) -> Fields:
+        return Fields("geometry_msgs/msg/Vector3", {"x": float(x), "y": 0.0, "z": 0.0})
+
+    twist = Fields("geometry_msgs/msg/Twist", {"linear": vector(speed_mps), "angular": vector(0.0)})
+    return Fields("geometry_msgs/msg/TwistStamped", {"header": header_fields(stamp, "base_link"), "twist": twist})
 
 
 def lane_from_message(msg) -> tuple[float, float]:
@@ -301,7 +352,7 @@ def diagnostics(stamp: int, name: str, level: int, message: str, values: dict, h
         level=bytes([int(level)]), name=name, message=message, hardware_id=hardware_id or socket.gethostname(),
         values=[KeyValue(key=str(k), value=str(v)) for k, v in values.items()],
     )
-    return DiagnosticArray(header=header(stamp, ""), status=[status])
+    return DiagnosticArray(header=_header(stamp, ""), status=[status])
 
 
 def diagnostic_values(msg) -> list[tuple[str, int, str, dict]]:
@@ -320,6 +371,43 @@ def status_named(msg, name: str) -> tuple[int, str, dict] | None:
         if status_name == name:
             return level, message, values
     return None
+
+
+# ---------------------------------------------------------------- stage reports
+# Every stage of the perception graph (selection, extractor, policy) reports each frame on
+# topics.STAGE_TIMING, stamped with the frame's stamp: one status named after the stage, level OK
+# with its compute time ("compute_ms", ms) and counters when it passed the frame on, WARN with
+# the message "dropped: <reason>" when it did not.
+
+_DROPPED = "dropped: "
+
+
+@dataclass(frozen=True)
+class StageReport:
+    stage: str
+    dropped: bool
+    reason: str  # why the frame was dropped ("" when it was not)
+    compute_ms: float | None  # None for a drop
+    values: dict  # the stage's counters
+
+
+def stage_timing_message(stamp: int, stage: str, compute_ms: float, counters: dict):
+    return diagnostics(stamp, stage, Level.OK, "", {"compute_ms": f"{compute_ms:.3f}", **counters})
+
+
+def stage_drop_message(stamp: int, stage: str, reason: str, counters: dict):
+    return diagnostics(stamp, stage, Level.WARN, _DROPPED + reason, dict(counters))
+
+
+def stage_reports(msg) -> list[StageReport]:
+    """The stage reports of a DiagnosticArray on topics.STAGE_TIMING (rclpy or rosbags)."""
+    reports = []
+    for stage, level, message, values in diagnostic_values(msg):
+        dropped = level == Level.WARN and message.startswith(_DROPPED)
+        compute = values.get("compute_ms") if level == Level.OK else None
+        reports.append(StageReport(stage, dropped, message[len(_DROPPED):] if dropped else "",
+                                   None if compute is None else float(compute), values))
+    return reports
 
 
 # ---------------------------------------------------------------- stop requests
@@ -379,7 +467,7 @@ def pacmod_commands(command, stamp: int) -> dict:
     """{system: message} for one core.control.PacmodCommand: steering_cmd, accel_cmd, brake_cmd, turn_cmd."""
     from pacmod3_msgs.msg import SteeringCmd, SystemCmdFloat, SystemCmdInt
 
-    flags = dict(header=header(stamp, "base_link"), enable=command.enable, ignore_overrides=False,
+    flags = dict(header=_header(stamp, "base_link"), enable=command.enable, ignore_overrides=False,
                  clear_override=command.clear_override)
     return {
         "steering": SteeringCmd(command=command.steering_wheel_rad, rotation_rate=command.rotation_rate_rad_s, **flags),
@@ -398,7 +486,7 @@ def sent_message(sent, stamp: int):
     for system in sent.enable:
         names += [f"{system}.enable", f"{system}.command"]
         values += [float(sent.enable[system]), float(sent.command[system])]
-    return JointState(header=header(stamp, "pacmod"), name=names, position=values)
+    return JointState(header=_header(stamp, "pacmod"), name=names, position=values)
 
 
 def sent_from_message(msg, time_s: float):

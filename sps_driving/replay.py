@@ -148,12 +148,11 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
             if rec.topic == topics.POLICY_COMMAND:
                 commands.setdefault(stamp, msgs.command_from_message(rec.msg))
         elif rec.topic == topics.STAGE_TIMING:
-            for name, level, message, values in msgs.diagnostic_values(rec.msg):
-                if level == 0 and "compute_ms" in values:
-                    compute.setdefault(name, {})[msgs.stamp_ns(rec.msg.header)] = float(values["compute_ms"])
-                elif message.startswith("dropped"):
-                    reason = message.split(":", 1)[-1].strip()
-                    reported_drops.setdefault(msgs.stamp_ns(rec.msg.header), f"{name}: {reason[:80]}")
+            for report in msgs.stage_reports(rec.msg):
+                if report.compute_ms is not None:
+                    compute.setdefault(report.stage, {})[msgs.stamp_ns(rec.msg.header)] = report.compute_ms
+                elif report.dropped:
+                    reported_drops.setdefault(msgs.stamp_ns(rec.msg.header), f"{report.stage}: {report.reason[:80]}")
         elif rec.topic == topics.SAFETY_EVENTS:
             for _, _, _, values in msgs.diagnostic_values(rec.msg):
                 failure = values.get("failure", "unknown")
@@ -307,7 +306,7 @@ class Player:
                 self.unreadable += 1
                 return
             self.records.append(Record(topic, received, msg))
-            if topic == topics.POLICY_COMMAND or (topic == topics.STAGE_TIMING and msg.status and msg.status[0].level == 1):
+            if topic == topics.POLICY_COMMAND or (topic == topics.STAGE_TIMING and any(r.dropped for r in msgs.stage_reports(msg))):
                 self.done.add(msgs.stamp_ns(msg.header))
 
         return store
@@ -355,7 +354,7 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
     """Publish the bag (its topics renamed by `topic_map`); returns the playback wall time in s."""
     from tqdm import tqdm
 
-    from sps_driving.bagio import camera_info_message, read_messages
+    from sps_driving.bagio import read_messages, to_bag
 
     bag_names = {graph_topic: bag_topic for bag_topic, graph_topic in topic_map.items()}
     wanted = [bag_names.get(t, t) for t in (topics.IMAGE, *PLAYED, *([topics.CAMERA_INFO] if has_info else []))]
@@ -376,7 +375,7 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
             if published:
                 image_stamps.add(stamp)
                 if not has_info:
-                    info = camera_info_message(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id)
+                    info = to_bag(msgs.camera_info_fields(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id, None))
                     player.publish(topics.CAMERA_INFO, info)
                     info_stamps.add(stamp)
         elif topic == topics.CAMERA_INFO and published:

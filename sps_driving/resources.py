@@ -11,6 +11,9 @@ from pathlib import Path
 
 PACKAGE = "sps_driving"
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
+# The policy the car runs by default (config/graph.yaml and the launch file name it too) and
+# the timing tools time.
+SHIPPED_POLICY = "models/sps50_dinov2"
 
 
 def share_dir() -> Path:
@@ -20,7 +23,7 @@ def share_dir() -> Path:
         return Path(sys.prefix) / "share" / PACKAGE
     try:
         return Path(get_package_share_directory(PACKAGE))
-    except PackageNotFoundError:
+    except (PackageNotFoundError, OSError):  # OSError: no ROS environment (AMENT_PREFIX_PATH unset)
         return Path(sys.prefix) / "share" / PACKAGE
 
 
@@ -34,6 +37,28 @@ def package_path(relative: str) -> Path:
 
 def config_path(name: str) -> Path:
     return package_path(f"config/{name}")
+
+
+def shipped_policy() -> Path:
+    return package_path(SHIPPED_POLICY)
+
+
+def portable_path(path) -> str:
+    """`path` as result files record it, naming no folder of the machine that wrote them: relative
+    to the source checkout (e.g. "runs/q/sps50") or to share/sps_driving (e.g.
+    "models/sps50_dinov2") when inside one, else the folder's own name."""
+    path = Path(path).resolve()
+    for root in (SOURCE_ROOT, share_dir().resolve()):
+        if path.is_relative_to(root):
+            return path.relative_to(root).as_posix()
+    return path.name
+
+
+def recorded_path(recorded: str) -> Path:
+    """A path read from a result file: relative ones (`portable_path`) from this checkout or
+    share/, absolute ones (as older result files have them) as they are."""
+    path = Path(recorded)
+    return path if path.is_absolute() else package_path(recorded)
 
 
 def source_revision() -> str:

@@ -91,21 +91,3 @@ class Rate:
         if now - self.last >= self.period_s:
             self.last = now
             self.fn()
-
-
-def tiny_checkpoint(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed=3, backbone="dinov2_vits14"):
-    """A tiny random policy of the real architecture (width 16, one layer), saved as a checkpoint."""
-    import torch
-
-    from sps_driving.core.policy import build_policy, save_policy
-
-    config = {
-        "backbone": backbone,
-        "grid": {"rows": rows, "cols": cols},
-        "descriptor_dim": dim,
-        "selection": {"variant": variant, "rate": rate, "seed": seed, "keep_probability": None},
-        "policy": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0},
-        "output": {"max_steering_rad": 0.5},
-    }
-    torch.manual_seed(seed)
-    return save_policy(build_policy(config), config, directory)

@@ -1,4 +1,5 @@
-"""Real photographs for backbone tests: matplotlib ships them as sample data."""
+"""Test samples: real photographs for backbone tests (matplotlib ships them as sample data) and
+tiny random policies of the real architectures."""
 
 import cv2
 import numpy as np
@@ -12,19 +13,31 @@ def sample_photo(name: str) -> np.ndarray:
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
 
 
-def tiny_dinov2_policy(directory, variant: str = "sps", rate: float = 0.5):
-    """A tiny random transformer policy (real architecture, random weights) over the embedded
-    DINOv2 grid (16x16, D = 384), saved at `directory`; returns the directory."""
+# Tiny settings of the real architectures: the grid MLP (what ships) and the transformer (which
+# the sequence-fed variants, spps and mspps, need).
+TINY_SETTINGS = {"mlp": {"width": 16, "reduce": 2, "dropout": 0.0},
+                 "transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0}}
+
+
+def tiny_policy(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed=0, backbone="dinov2_vits14",
+                architecture=None):
+    """A tiny random policy (real architecture, random weights) saved as a checkpoint at
+    `directory`; returns the directory. The architecture is the shipped one, the grid MLP, unless
+    the variant feeds the kept patches as a sequence (then the transformer) or one is named."""
     import torch
 
-    from sps_driving.core.policy import build_policy, save_policy
+    from sps_driving.core.grid import PatchGrid
+    from sps_driving.core.policy import SEQUENCE_ARCHITECTURE, PolicyArchitecture, build_policy, save_policy
+    from sps_driving.core.selection import SelectionConfig
 
-    config = {"backbone": "dinov2_vits14", "grid": {"rows": 16, "cols": 16}, "descriptor_dim": 384,
-              "selection": {"variant": variant, "rate": rate, "seed": 0},
-              "policy": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 1.0, "dropout": 0.0},
-              "output": {"max_steering_rad": 0.5}}
-    if variant in ("spps", "mspps"):
-        config["position_dim"] = 384
-    torch.manual_seed(0)
-    save_policy(build_policy(config), config, directory)
-    return directory
+    selection = SelectionConfig(variant, rate, seed)
+    name = architecture or (SEQUENCE_ARCHITECTURE if selection.sparse_sequence else "mlp")
+    config = PolicyArchitecture(name, TINY_SETTINGS[name], 0.5).config(PatchGrid(rows, cols), dim, selection,
+                                                                       backbone=backbone, position_dim=dim)
+    torch.manual_seed(seed)
+    return save_policy(build_policy(config), config, directory)
+
+
+def tiny_dinov2_policy(directory, variant: str = "sps", rate: float = 0.5, architecture=None):
+    """A tiny random policy over the embedded DINOv2 grid (16x16, D = 384): see tiny_policy."""
+    return tiny_policy(directory, 16, 16, 384, variant, rate, architecture=architecture)

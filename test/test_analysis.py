@@ -354,7 +354,7 @@ def test_analyze_command_on_a_rosbag2_with_the_embedded_dinov2(tmp_path, capsys)
 
     import yaml
 
-    from sps_driving import bagio, topics
+    from sps_driving import bagio, msgs, topics
     from sps_driving.cli import main
 
     rng = np.random.default_rng(13)
@@ -366,8 +366,8 @@ def test_analyze_command_on_a_rosbag2_with_the_embedded_dinov2(tmp_path, capsys)
             image[60:] = (90, 90, 90)  # road
             image[60:, 80 + 5 * i : 100 + 5 * i] = 255  # a lane marking that moves
             image[20:50, 20 * i : 20 * i + 30] = rng.integers(0, 256, 3)  # a coloured object
-            writer.write(topics.IMAGE, bagio.image_message(image, i * 33_000_000), i * 33_000_000)
-        broken = bagio.image_message(image, 4 * 33_000_000)
+            writer.write(topics.IMAGE, msgs.image_fields(image, i * 33_000_000, "camera"), i * 33_000_000)
+        broken = bagio.to_bag(msgs.image_fields(image, 4 * 33_000_000, "camera"))
         writer.write(topics.IMAGE, dataclasses.replace(broken, encoding="yuv422"), 4 * 33_000_000)
     config = tmp_path / "extractor.yaml"
     config.write_text(yaml.safe_dump({"input_size": [56, 84]}))

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from sps_driving import bagio, topics
+from sps_driving import bagio, msgs, topics
 from sps_driving.core.image import ImageError, from_rgb, to_rgb
 
 
@@ -49,23 +49,23 @@ def test_bag_roundtrip(tmp_path, storage):
     rgb = _frame()
     stamp = 1_700_000_000_123_456_789
     with bagio.BagWriter(path, storage) as bag:
-        bag.write(topics.IMAGE, bagio.image_message(rgb, stamp), stamp)
-        bag.write(topics.CAMERA_INFO, bagio.camera_info_message(6, 8, stamp, hfov_rad=math.radians(130)), stamp)
-        bag.write(topics.REFERENCE_COMMAND, bagio.command_message(0.1, -0.2, stamp), stamp + 1)
-        bag.write(topics.LANE_POSE, bagio.lane_pose_message(0.4, -0.3, stamp), stamp + 2)
-        bag.write(topics.OBSTACLE_RANGE, bagio.range_message(12.5, stamp), stamp + 3)
-        bag.write(topics.VEHICLE_TWIST, bagio.twist_message(9.0, stamp), stamp + 4)
+        bag.write(topics.IMAGE, msgs.image_fields(rgb, stamp, "camera"), stamp)
+        bag.write(topics.CAMERA_INFO, msgs.camera_info_fields(6, 8, stamp, "camera", math.radians(130)), stamp)
+        bag.write(topics.REFERENCE_COMMAND, msgs.command_fields(0.1, -0.2, stamp), stamp + 1)
+        bag.write(topics.LANE_POSE, msgs.lane_pose_fields(0.4, -0.3, stamp), stamp + 2)
+        bag.write(topics.OBSTACLE_RANGE, msgs.range_fields(12.5, stamp), stamp + 3)
+        bag.write(topics.VEHICLE_TWIST, msgs.twist_fields(9.0, stamp), stamp + 4)
     types = bagio.topic_types(path)
     assert types[topics.IMAGE] == "sensor_msgs/msg/Image"
     assert types[topics.REFERENCE_COMMAND] == "sensor_msgs/msg/JointState"
-    msgs = list(bagio.read_messages(path))
-    assert [m.topic for m in msgs][:1] == [topics.IMAGE] and len(msgs) == 6
-    img = msgs[0].msg
-    assert bagio.stamp_ns(img.header) == stamp
+    read = list(bagio.read_messages(path))
+    assert [m.topic for m in read][:1] == [topics.IMAGE] and len(read) == 6
+    img = read[0].msg
+    assert msgs.stamp_ns(img.header) == stamp
     np.testing.assert_array_equal(to_rgb(img.data, img.height, img.width, img.encoding, img.step), rgb)
-    cmd = next(m.msg for m in msgs if m.topic == topics.REFERENCE_COMMAND)
+    cmd = next(m.msg for m in read if m.topic == topics.REFERENCE_COMMAND)
     assert list(cmd.name) == list(topics.COMMAND_NAMES) and cmd.position.tolist() == [0.1, -0.2]
-    pose = next(m.msg for m in msgs if m.topic == topics.LANE_POSE).pose
+    pose = next(m.msg for m in read if m.topic == topics.LANE_POSE).pose
     assert pose.position.y == 0.4
     assert math.atan2(2 * pose.orientation.z * pose.orientation.w, 1 - 2 * pose.orientation.z**2) == pytest.approx(-0.3)
     only_cmd = list(bagio.read_messages(path, [topics.REFERENCE_COMMAND]))

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sps_driving import bench, cli
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
+from samples import tiny_dinov2_policy
 
 
 def qformer_flops(config, patches: int, fast: bool) -> int:
@@ -75,7 +76,25 @@ def test_bench_json_reports_rows_speedups_and_flops(capsys):
     assert naive["gflop"]["per_patch"] > 1.5 * dense["gflop"]["per_patch"]
     assert dense["gflop"]["per_patch"] > half["gflop"]["per_patch"] > third["gflop"]["per_patch"]
     assert half["gflop"]["projection"] == pytest.approx(dense["gflop"]["projection"] / 2)
-    assert dense["gflop"]["policy"] > 0
+    # the policy column is the shipped policy's architecture, a grid MLP: the same work at every rate
+    assert result["policy_architecture"] == {
+        "checkpoint": "models/sps50_dinov2", "architecture": "mlp", "policy": {"width": 256, "reduce": 16, "dropout": 0.1},
+        "max_steering_rad": 0.5, "selection": {"variant": "sps", "rate": 0.5, "seed": 0, "keep_probability": None}}
+    assert dense["gflop"]["policy"] > 0 and half["gflop"]["policy"] == dense["gflop"]["policy"]
+
+
+def test_bench_times_the_architecture_of_the_policy_it_is_given(tmp_path, capsys):
+    checkpoint = tiny_dinov2_policy(tmp_path / "spps", variant="spps")
+    argv = ["bench", "--blip2", "tiny", "--dinov2", "none", "--repeats", "1", "--rates", "1.0", "0.3",
+            "--naive-rates", "--policy", str(checkpoint), "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["policy_architecture"]["checkpoint"] == "spps"  # outside the repository: its name only
+    assert result["policy_architecture"]["architecture"] == "transformer"
+    assert result["policy_architecture"]["selection"]["variant"] == "spps"
+    dense, sparse = result["blip2"]["rows"]
+    # a sequence policy reads only the kept patches: less work at a lower rate
+    assert 0 < sparse["gflop"]["policy"] < 0.6 * dense["gflop"]["policy"]
 
 
 def test_tables_print_like_table_4(blip2, capsys):
@@ -112,9 +131,3 @@ def test_peak_memory_sees_a_large_allocation():
     with bench.PeakMemory("cpu") as quiet:
         torch.zeros(4).sum()
     assert quiet.peak_mib < 48
-
-
-def test_patch_count_is_sps_k():
-    assert [bench.patch_count(r, 256) for r in (1.0, 0.7, 0.5, 0.3)] == [256, 180, 128, 77]
-    with pytest.raises(ValueError):
-        bench.patch_count(0.0, 256)

@@ -7,7 +7,7 @@ import cv2
 import numpy as np
 import pytest
 
-from sps_driving import bagio, topics
+from sps_driving import bagio, msgs, topics
 from sps_driving.cli import main
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
 from sps_driving.train.cache import FeatureCache
@@ -35,14 +35,14 @@ def bag(tmp_path_factory):
     with bagio.BagWriter(path) as writer:
         for i in range(6):
             stamp = T0 + i * FRAME_NS
-            msg = bagio.image_message(image(i), stamp, encoding="bgr8" if i == 5 else "rgb8")
+            msg = bagio.to_bag(msgs.image_fields(image(i), stamp, "camera", "bgr8" if i == 5 else "rgb8"))
             if i == 4:
                 msg.data = msg.data[:100]
             writer.write(topics.IMAGE, msg, stamp)
             if i != 3:
                 command_stamp = stamp + (5_000_000 if i == 5 else 0)
-                writer.write(topics.REFERENCE_COMMAND, bagio.command_message(0.01 * i, 0.1 * i, command_stamp), command_stamp)
-        malformed = bagio.command_message(float("nan"), 0.0, T0 + 3 * FRAME_NS)
+                writer.write(topics.REFERENCE_COMMAND, msgs.command_fields(0.01 * i, 0.1 * i, command_stamp), command_stamp)
+        malformed = msgs.command_fields(float("nan"), 0.0, T0 + 3 * FRAME_NS)
         writer.write(topics.REFERENCE_COMMAND, malformed, T0 + 3 * FRAME_NS)
     return path
 
@@ -126,7 +126,7 @@ def test_mcap_bags_are_read_too(tmp_path, extractor):
     with bagio.BagWriter(path, storage="mcap") as writer:
         for i in range(2):
             stamp = T0 + i * FRAME_NS
-            writer.write(topics.IMAGE, bagio.image_message(image(i), stamp), stamp)
-            writer.write(topics.REFERENCE_COMMAND, bagio.command_message(0.05, -0.5, stamp), stamp)
+            writer.write(topics.IMAGE, msgs.image_fields(image(i), stamp, "camera"), stamp)
+            writer.write(topics.REFERENCE_COMMAND, msgs.command_fields(0.05, -0.5, stamp), stamp)
     assert extract([path], tmp_path / "cache", extractor) == {"drive_mcap": {"written": 2}}
     np.testing.assert_allclose(FeatureCache(tmp_path / "cache").targets, [[0.05, -0.5]] * 2, atol=1e-7)

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from sps_driving import cli, topics
-from sps_driving.bagio import TYPESTORE, BagWriter, header, twist_message
+from sps_driving.bagio import BagWriter, to_bag
+from sps_driving.msgs import Fields, Level, header_fields, twist_fields
 from sps_driving.interventions import OLD_VEHICLE_STATUS, analyze
 
 S = 1_000_000_000
@@ -30,15 +31,13 @@ SYSTEM_FLAGS = (
 
 def global_rpt(t, enabled, **flags):
     values = {name: flags.get(name, False) for name in GLOBAL_FLAGS}
-    return TYPESTORE.types["pacmod3_msgs/msg/GlobalRpt"](header=header(t), enabled=enabled, user_can_read_errors=3, **values)
+    return to_bag(Fields("pacmod3_msgs/msg/GlobalRpt", {"header": header_fields(t), "enabled": enabled, "user_can_read_errors": 3,
+                                                        **values}))
 
 
 def system_rpt(t, enabled, kind="Float", **flags):
     values = {name: flags.get(name, False) for name in SYSTEM_FLAGS}
-    zero = 0.0 if kind == "Float" else 0
-    return TYPESTORE.types[f"pacmod3_msgs/msg/SystemRpt{kind}"](
-        header=header(t), enabled=enabled, **values, manual_input=zero, command=zero, output=zero,
-    )
+    return to_bag(Fields(f"pacmod3_msgs/msg/SystemRpt{kind}", {"header": header_fields(t), "enabled": enabled, **values}))
 
 
 def write_field_test(path, storage, speed=True):
@@ -71,7 +70,7 @@ def write_field_test(path, storage, speed=True):
                 t, enabled and not overridden, override_active=overridden, pacmod_sys_fault_active=fault,
                 steering_can_timeout=timeout, supervisory_enable_required=True,
             ), t)
-            bag.write(topics.PACMOD_ENABLED, TYPESTORE.types["std_msgs/msg/Bool"](data=enabled and not overridden), at(topics.PACMOD_ENABLED))
+            bag.write(topics.PACMOD_ENABLED, Fields("std_msgs/msg/Bool", {"data": enabled and not overridden}), at(topics.PACMOD_ENABLED))
             t = at("/pacmod/steering_rpt")
             bag.write("/pacmod/steering_rpt", system_rpt(t, enabled, vehicle_fault=fault), t)
             t = at("/pacmod/brake_rpt")
@@ -82,7 +81,7 @@ def write_field_test(path, storage, speed=True):
             bag.write("/pacmod/turn_rpt", system_rpt(t, False, kind="Int"), t)
             if speed:
                 t = at(topics.PACMOD_SPEED_RPT)
-                bag.write(topics.VEHICLE_TWIST, twist_message(10.0, t), t)
+                bag.write(topics.VEHICLE_TWIST, twist_fields(10.0, t), t)
 
     def tick(name, topic="/pacmod/global_rpt"):
         return T0 + k[name] * TICK_NS + PHASE_MS[topic] * MS
@@ -130,12 +129,11 @@ def test_cli_prints_report_and_json(tmp_path, capsys):
 
 
 def diagnostics(name, values):
-    t = TYPESTORE.types
-    status = t["diagnostic_msgs/msg/DiagnosticStatus"](
-        level=0, name=name, message="", hardware_id="",
-        values=[t["diagnostic_msgs/msg/KeyValue"](key=k, value=v) for k, v in values.items()],
-    )
-    return t["diagnostic_msgs/msg/DiagnosticArray"](header=header(0), status=[status])
+    status = Fields("diagnostic_msgs/msg/DiagnosticStatus", {
+        "level": Level.OK, "name": name,
+        "values": [Fields("diagnostic_msgs/msg/KeyValue", {"key": k, "value": v}) for k, v in values.items()],
+    })
+    return Fields("diagnostic_msgs/msg/DiagnosticArray", {"header": header_fields(0), "status": [status]})
 
 
 @pytest.mark.parametrize("topic", [topics.DIAGNOSTICS, OLD_VEHICLE_STATUS])
@@ -171,7 +169,7 @@ def test_vehicle_interface_status_without_pacmod_reports(tmp_path, topic):
 
 def test_bag_without_reports_is_a_clear_error(tmp_path, capsys):
     with BagWriter(tmp_path / "empty", "sqlite3") as bag:
-        bag.write(topics.VEHICLE_TWIST, twist_message(1.0, T0), T0)
+        bag.write(topics.VEHICLE_TWIST, twist_fields(1.0, T0), T0)
     assert cli.main(["interventions", str(tmp_path / "empty")]) == 2
     assert "no engagement reports" in capsys.readouterr().out
     assert cli.main(["interventions", str(tmp_path / "missing")]) == 2

@@ -2,9 +2,14 @@
 every parameter it sets (directly or through the params file) is declared by that node with a
 value the node accepts, every argument it uses is declared, and remaps name topics the nodes use."""
 
-import ast
+import configparser
+import functools
 import importlib
+import pkgutil
 import re
+import subprocess
+import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -19,12 +24,27 @@ LAUNCH = ROOT / "launch" / "sps_driving.launch.xml"
 EVERY_NODE = "/**"  # the params file's section for every node that declares its parameters
 
 
-def setup_entry_points():
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NODES" for t in node.targets):
-            return {elt.value for elt in node.value.elts}
-    raise AssertionError("setup.py has no NODES list")
+@functools.cache
+def setup_entry_points() -> dict:
+    """{executable: "module:function"} of the console scripts setup.py declares, as a build sees them."""
+    with tempfile.TemporaryDirectory() as egg_base:
+        subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", egg_base], cwd=ROOT, check=True,
+                       capture_output=True)
+        parser = configparser.ConfigParser()
+        parser.read(Path(egg_base) / "sps_driving.egg-info" / "entry_points.txt")
+    return dict(parser["console_scripts"])
+
+
+def test_setup_builds_an_executable_for_every_node_and_the_tools_start_only_those():
+    from sps_driving.nodes import NODES
+    from sps_driving.replay import GRAPH_NODES as REPLAY_NODES
+    from sps_driving.sim.graph_eval import GRAPH_NODES as SIM_NODES
+
+    node_modules = {m.name for m in pkgutil.iter_modules([str(ROOT / "sps_driving" / "nodes")]) if m.name != "common"}
+    assert set(NODES) == node_modules
+    assert {k: v for k, v in setup_entry_points().items() if k != "sps-driving"} == {
+        name: f"sps_driving.nodes.{name}:main" for name in NODES}
+    assert set(REPLAY_NODES) <= set(NODES) and set(SIM_NODES) <= set(NODES)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +120,16 @@ def test_every_parameter_set_is_declared_and_allowed(launch):
             assert declared[name].convert(value) == value
 
 
+def test_the_car_runs_the_shipped_policy_by_default(launch):
+    from sps_driving.nodes import policy
+    from sps_driving.resources import SHIPPED_POLICY
+
+    sections, _ = params_file_sections()
+    arguments = {a.get("name"): a.get("default") for a in launch.findall("arg")}
+    assert sections["policy"]["checkpoint"] == policy.PARAMETERS["checkpoint"].default == SHIPPED_POLICY
+    assert arguments["checkpoint"] == f"$(find-pkg-share sps_driving)/{SHIPPED_POLICY}"
+
+
 def test_operator_arguments_typed_by_launch_reach_the_node_as_declared():
     """`selection_rate:=1` arrives as an int and `camera_source:=0` (a V4L2 index) as an int:
     the nodes take them as the number 1.0 and the string "0"."""
@@ -135,10 +165,10 @@ def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
 
 
 def test_params_file_sections_are_nodes_the_graph_can_start():
-    from sps_driving.graph import NODES
+    from sps_driving.nodes import NODES
 
     sections, every_node = params_file_sections()
-    assert set(sections) <= set(NODES) and set(NODES) <= setup_entry_points()
+    assert set(sections) <= set(NODES) and set(NODES) <= set(setup_entry_points())
     declared = {name: specs(importlib.import_module(f"sps_driving.nodes.{name}").PARAMETERS) for name in NODES}
     for name, section in sections.items():
         assert set(section) <= set(declared[name]), name

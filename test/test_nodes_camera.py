@@ -72,7 +72,7 @@ def test_missing_device_is_retried_not_fatal(tmp_path, probe):
         assert probe.spin_until(reconnecting, 15)
         assert graph.alive("camera_driver")
         level, message, values = probe.status("camera_driver")
-        assert level == 1 and int(values["dropped"]) > 0 and values["frames"] == "0"
+        assert level == msgs.Level.WARN and int(values["dropped"]) > 0 and values["frames"] == "0"
         assert graph.stop() == {"camera_driver": 0}  # Ctrl-C is a clean exit
     assert not probe.messages(topics.IMAGE)
 

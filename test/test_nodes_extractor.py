@@ -11,7 +11,8 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
-from ros_helpers import Probe, tiny_checkpoint
+from ros_helpers import Probe
+from samples import tiny_policy
 from sps_driving import msgs, topics
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
@@ -22,7 +23,7 @@ MAX_AGE = 0.5
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("extractor")
-    ckpt = tiny_checkpoint(tmp / "policy", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp / "policy", rows=8, cols=8, dim=384)
     (tmp / "extraction.yaml").write_text("input_size: [112, 112]\n")
     graph = Graph(
         ["selection", "extractor", "policy", "vehicle_interface"],
@@ -61,10 +62,10 @@ def send(image_pub, info_pub, msg=None):
     STAMP[0] += 33_333_333
     stamp = STAMP[0]
     if msg is None:
-        msg = msgs.rgb_to_image(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), stamp, "camera")
-    msg.header.stamp = msgs.ros_time(stamp)
+        msg = msgs.to_ros(msgs.image_fields(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), stamp, "camera"))
+    msg.header.stamp = msgs.to_ros(msgs.time_fields(stamp))
     image_pub.publish(msg)
-    info_pub.publish(msgs.camera_info(600, 960, stamp, "camera", math.radians(130)))
+    info_pub.publish(msgs.to_ros(msgs.camera_info_fields(600, 960, stamp, "camera", math.radians(130))))
     return stamp
 
 
@@ -73,9 +74,9 @@ def outcome(probe, stamp):
     if any(msgs.stamp_ns(m.header) == stamp for m in probe.messages(topics.POLICY_COMMAND)):
         return "command"
     for m in probe.messages(topics.STAGE_TIMING):
-        name, level, message, _ = msgs.diagnostic_values(m)[0]
-        if level == 1 and msgs.stamp_ns(m.header) == stamp:
-            return f"{name} {message}"
+        report = msgs.stage_reports(m)[0]
+        if report.dropped and msgs.stamp_ns(m.header) == stamp:
+            return f"{report.stage} dropped: {report.reason}"
     return None
 
 
@@ -84,7 +85,7 @@ def test_corrupt_frames_are_dropped_and_counted(rig):
     stamp = send(image, info)
     assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 120), graph.log("extractor")[-2000:]
     assert outcome(probe, stamp) == "command"
-    good = msgs.rgb_to_image(np.zeros((600, 960, 3), np.uint8), 0, "camera")
+    good = msgs.to_ros(msgs.image_fields(np.zeros((600, 960, 3), np.uint8), 0, "camera"))
     bad = {
         "wrong encoding": Image(height=600, width=960, encoding="16UC1", step=1920, data=bytes(600 * 1920)),
         "truncated": Image(height=600, width=960, encoding="rgb8", step=2880, data=bytes(1000)),
@@ -98,7 +99,7 @@ def test_corrupt_frames_are_dropped_and_counted(rig):
     # A selection decision for another grid (here from the test, with no CameraInfo for the frame).
     STAMP[0] += 33_333_333
     stamp = STAMP[0]
-    good.header.stamp = msgs.ros_time(stamp)
+    good.header.stamp = msgs.to_ros(msgs.time_fields(stamp))
     selection = probe.publisher(topics.SELECTION, Image, "selection")
     image.publish(good)
     selection.publish(msgs.selection_message(np.array([0, 5]), 4, 4, stamp, "camera"))
@@ -114,7 +115,7 @@ def test_corrupt_frames_are_dropped_and_counted(rig):
 
 def test_burst_keeps_only_the_newest_frame(rig):
     graph, probe, image, info = rig
-    frames = [msgs.rgb_to_image(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), 0, "camera") for _ in range(8)]
+    frames = [msgs.to_ros(msgs.image_fields(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), 0, "camera")) for _ in range(8)]
     stamps = [send(image, info, frame) for frame in frames]  # back to back, faster than any extraction
     assert probe.spin_until(lambda: outcome(probe, stamps[-1]) is not None, 60)
     probe.spin(0.5)

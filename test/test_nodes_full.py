@@ -11,9 +11,9 @@ from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped
 from sensor_msgs.msg import CameraInfo, JointState
 
-from ros_helpers import Probe, Rate, tiny_checkpoint
+from ros_helpers import Probe, Rate
+from samples import tiny_policy
 from sps_driving import msgs, topics
-from sps_driving.bagio import lane_pose_message
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
 pytestmark = pytest.mark.ros
@@ -25,7 +25,7 @@ def test_camera_to_car_drives_and_stops_on_failure(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(4):
         cv2.imwrite(str(frames / f"{i}.png"), rng.integers(0, 256, (600, 960, 3), dtype=np.uint8))
-    ckpt = tiny_checkpoint(tmp_path / "policy", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp_path / "policy", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     graph = Graph(
         ["camera_driver", "selection", "extractor", "policy", "vehicle_interface", "safety_monitor"],
@@ -45,7 +45,7 @@ def test_camera_to_car_drives_and_stops_on_failure(tmp_path):
     probe.record(topics.DIAGNOSTICS, DiagnosticArray, "status")
     lane = probe.publisher(topics.LANE_POSE, PoseStamped, "sensor_out")
     lateral = [0.0]
-    feed = Rate(0.05, lambda: lane.publish(msgs.from_bag(lane_pose_message(lateral[0], 0.0, 0), PoseStamped)))
+    feed = Rate(0.05, lambda: lane.publish(msgs.to_ros(msgs.lane_pose_fields(lateral[0], 0.0, 0))))
 
     def status():
         return ("vehicle_interface", *probe.status("vehicle_interface"))

@@ -12,7 +12,8 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
-from ros_helpers import Probe, tiny_checkpoint
+from ros_helpers import Probe
+from samples import tiny_policy
 from sps_driving import msgs, topics
 from sps_driving.core.policy import load_policy
 from sps_driving.core.selection import PatchSelector
@@ -26,7 +27,7 @@ MAX_AGE = 0.4
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    ckpt = tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "policy", dim=DIM)
+    ckpt = tiny_policy(tmp_path_factory.mktemp("ckpt") / "policy", dim=DIM)
     graph = Graph(
         ["selection", "policy", "vehicle_interface"],
         parameters={
@@ -62,7 +63,7 @@ def by_stamp(probe, topic):
 
 def play_frame(probe, info, descriptors, stamp, values_for):
     """Publish one frame's CameraInfo, wait for its selection, answer with descriptors, wait for the command."""
-    info.publish(msgs.camera_info(600, 960, stamp, "camera", math.radians(130)))
+    info.publish(msgs.to_ros(msgs.camera_info_fields(600, 960, stamp, "camera", math.radians(130))))
     assert probe.spin_until(lambda: stamp in by_stamp(probe, topics.SELECTION), 10), f"no selection for {stamp}"
     indices, shape = msgs.selection_from_message(by_stamp(probe, topics.SELECTION)[stamp])
     values = values_for(indices)
@@ -85,9 +86,9 @@ def test_each_frame_gets_a_stamped_command_matching_the_core(rig):
         steering, throttle = msgs.command_from_message(by_stamp(probe, topics.POLICY_COMMAND)[stamp])
         expected = policy.predict(values, indices)
         assert (steering, throttle) == pytest.approx(expected, abs=1e-6)
-    timings = [msgs.diagnostic_values(m)[0] for m in probe.messages(topics.STAGE_TIMING)]
-    assert {t[0] for t in timings} == {"selection", "policy"}
-    assert all(float(t[3]["compute_ms"]) >= 0 for t in timings)
+    timings = [msgs.stage_reports(m)[0] for m in probe.messages(topics.STAGE_TIMING)]
+    assert {t.stage for t in timings} == {"selection", "policy"}
+    assert all(not t.dropped and t.compute_ms >= 0 for t in timings)
 
 
 def test_bad_descriptors_are_dropped_and_counted(rig):
@@ -109,9 +110,9 @@ def test_bad_descriptors_are_dropped_and_counted(rig):
     assert got  # the node is alive and still serving
     def policy_timing():
         for m in probe.messages(topics.STAGE_TIMING):
-            name, _, _, values = msgs.diagnostic_values(m)[0]
-            if name == "policy" and msgs.stamp_ns(m.header) == stamp:
-                return values
+            report = msgs.stage_reports(m)[0]
+            if report.stage == "policy" and msgs.stamp_ns(m.header) == stamp:
+                return report.values
         return None
 
     assert probe.spin_until(lambda: policy_timing() is not None, 3)
@@ -139,7 +140,7 @@ def test_killing_the_policy_stops_the_car_within_the_command_age(rig):
         if now >= next_frame[0]:
             next_frame[0] = now + period
             stamp += 33_333_333
-            info.publish(msgs.camera_info(600, 960, stamp, "camera", math.radians(130)))
+            info.publish(msgs.to_ros(msgs.camera_info_fields(600, 960, stamp, "camera", math.radians(130))))
         for s, m in by_stamp(probe, topics.SELECTION).items():
             if s not in pending:
                 idx, _ = msgs.selection_from_message(m)

@@ -22,7 +22,6 @@ from std_srvs.srv import SetBool, Trigger
 
 from ros_helpers import Probe, Rate
 from sps_driving import msgs, topics
-from sps_driving.bagio import lane_pose_message, range_message, twist_message
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
 
 pytestmark = pytest.mark.ros
@@ -43,7 +42,7 @@ STOP_BRAKE = 0.5  # config/graph.yaml
 
 
 def lane_pose(lateral, heading):
-    return msgs.from_bag(lane_pose_message(lateral, heading, 0), PoseStamped)
+    return msgs.to_ros(msgs.lane_pose_fields(lateral, heading, 0))
 
 
 def start_rig(tmp_path, vehicle=VEHICLE, nodes=("vehicle_interface", "safety_monitor")):
@@ -86,12 +85,12 @@ class Inputs:
     def _publish(self):
         stamp = self.clock()
         if self.camera:
-            self.info.publish(msgs.camera_info(600, 960, stamp, "camera", math.radians(130)))
+            self.info.publish(msgs.to_ros(msgs.camera_info_fields(600, 960, stamp, "camera", math.radians(130))))
         if self.lane:
             self.pose.publish(lane_pose(self.lateral, self.heading))
-        self.twist.publish(msgs.from_bag(twist_message(3.0, stamp), TwistStamped))
+        self.twist.publish(msgs.to_ros(msgs.twist_fields(3.0, stamp)))
         if self.command:
-            self.cmd.publish(msgs.command_message(self.steering, self.throttle, stamp - int(self.age_s * 1e9)))
+            self.cmd.publish(msgs.to_ros(msgs.command_fields(self.steering, self.throttle, stamp - int(self.age_s * 1e9))))
 
 
 def vehicle(probe):
@@ -237,11 +236,11 @@ def test_lane_failure_and_an_obstacle_too_close_to_measure_stop(rig):
     events_before = len(probe.messages(topics.SAFETY_EVENTS))
     obstacle = probe.publisher(topics.OBSTACLE_RANGE, Range, "sensor_out")
     wait_for_subscribers(obstacle, 1, 10)  # a message sent before discovery matches is lost
-    obstacle.publish(msgs.from_bag(range_message(-math.inf, 0), Range))
+    obstacle.publish(msgs.to_ros(msgs.range_fields(-math.inf, 0)))
     assert run_until(probe, inputs, lambda: len(probe.messages(topics.SAFETY_EVENTS)) > events_before, 3)
     assert msgs.diagnostic_values(probe.messages(topics.SAFETY_EVENTS)[-1])[0][2] == "collision"
     assert run_until(probe, inputs, lambda: "safety_stop" in stop_reasons(probe), 3)
-    obstacle.publish(msgs.from_bag(range_message(math.inf, 0), Range))
+    obstacle.publish(msgs.to_ros(msgs.range_fields(math.inf, 0)))
     engage(probe, inputs)
 
 

@@ -34,7 +34,7 @@ def test_a_stepped_ros_clock_neither_stalls_the_watchdog_nor_goes_unnoticed(tmp_
 
         def publish_clock():  # at 100 Hz whatever the test loop does (service calls block it)
             while not running.wait(0.01):
-                clock_pub.publish(ClockMsg(clock=msgs.ros_time(clock())))
+                clock_pub.publish(ClockMsg(clock=msgs.to_ros(msgs.time_fields(clock()))))
 
         threading.Thread(target=publish_clock, daemon=True).start()
         tick = inputs.tick

@@ -13,7 +13,7 @@ import pytest
 from rosbags.rosbag2 import Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
-from sps_driving import bagio
+from sps_driving import bagio, msgs
 
 # astuff/pacmod3_msgs (ROS 2) GlobalRpt after its header, in order. The ROS 1 layout differs.
 UPSTREAM_GLOBAL_RPT = [
@@ -152,7 +152,7 @@ def test_reports_cross_processes_over_fast_dds_with_every_field():
 def bag_reports(t0):
     """One report of each PACMod 3 type, every field set to a value that tells it from its neighbours."""
     t = bagio.TYPESTORE.types
-    header = bagio.header(t0, "pacmod")
+    header = bagio.to_bag(msgs.header_fields(t0, "pacmod"))
     flags = {f: i % 3 == 1 for i, f in enumerate(UPSTREAM_GLOBAL_RPT[:-1])}
     system_flags = dict(
         enabled=True, override_active=False, command_output_fault=True, input_output_fault=False,
@@ -228,7 +228,7 @@ def test_a_bags_stored_definition_wins_over_ours(tmp_path, storage):
     old.register(get_types_from_msg(OLD_GLOBAL_RPT, name))
     t0 = 1_700_000_000 * 10**9
     old_flags = [field for field, _ in old.fielddefs[name][1]][1:]  # after the header, all bool
-    recorded = [old.types[name](header=bagio.header(t0 + i), **{f: f == flag for f in old_flags}) for i, flag in enumerate(old_flags)]
+    recorded = [old.types[name](header=bagio.to_bag(msgs.header_fields(t0 + i)), **{f: f == flag for f in old_flags}) for i, flag in enumerate(old_flags)]
     system_rpt = bag_reports(t0)["/pacmod/steering_rpt"]
     writer = Writer(tmp_path / "old", version=9, storage_plugin=bagio.STORAGES[storage])
     with writer:

@@ -169,12 +169,12 @@ def test_the_cnn_refuses_what_it_cannot_read():
     ]:
         with pytest.raises(ValueError, match=match):
             build_policy(config)
-    with pytest.raises(ValueError, match="architecture cnn reads the whole grid"):
-        TrainConfig(cache="c", out="o", architecture="cnn", variant="mspps")
-    with pytest.raises(ValueError, match="unknown architecture"):
-        TrainConfig(cache="c", out="o", architecture="rnn")
+    with pytest.raises(ValueError, match="cnn policy reads the whole grid"):
+        TrainConfig.from_yaml(cache="c", out="o", architecture="cnn", variant="mspps")
+    with pytest.raises(ValueError, match="unknown policy architecture"):
+        TrainConfig.from_yaml(cache="c", out="o", architecture="rnn")
     # heads belong to the transformer: a cnn width need not divide by them
-    assert TrainConfig(cache="c", out="o", architecture="cnn", width=30, dropout=0.2).policy_settings() == {"width": 30, "dropout": 0.2}
+    assert TrainConfig.from_yaml(cache="c", out="o", architecture="cnn", width=30, dropout=0.2).policy_settings() == {"width": 30, "dropout": 0.2}
 
 
 def test_outputs_have_the_transformers_bounds_and_dropped_patches_are_zeros():
@@ -245,7 +245,7 @@ def test_cnn_learns_from_a_pixels_cache_and_its_checkpoint_round_trips(pixels_ca
     cache = FeatureCache(pixels_cache)
     assert (cache.grid.rows, cache.grid.cols, cache.descriptor_dim) == (4, 4, 147)
     out = tmp_path / "nofm"
-    summary = train(TrainConfig(cache=str(pixels_cache), out=str(out), variant="sps", rate=0.5, epochs=8, **TINY_CNN))
+    summary = train(TrainConfig.from_yaml(cache=str(pixels_cache), out=str(out), variant="sps", rate=0.5, epochs=8, **TINY_CNN))
     history = [h["validation_loss"] for h in summary["history"]]
     assert min(history) < 0.7 * history[0], f"validation loss should fall: {history}"
     recorded = json.loads((out / "config.json").read_text())

@@ -184,9 +184,13 @@ def test_loading_errors_name_the_path(tmp_path):
         load_policy(tmp_path / "bad_json")
 
 
-def test_policy_timing_benchmark_runs(capsys):
+def test_policy_timing_times_the_shipped_architecture_or_the_one_asked_for(capsys):
     from sps_driving.train.policy_timing import main
 
     assert main(["--rows", "2", "--cols", "3", "--descriptor-dim", "4", "--repeats", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "spps  rate 0.3" in printed and printed.count(" ms\n") == 6
+    assert printed.startswith("mlp policy (width 256, reduce 16, dropout 0.1; the architecture of models/sps50_dinov2)")
+    assert "sps   rate 0.3" in printed and printed.count(" ms\n") == 3  # a grid MLP takes no sequence
+    assert main(["--architecture", "transformer", "--rows", "2", "--cols", "3", "--descriptor-dim", "4", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("transformer policy") and "spps  rate 0.3" in printed and printed.count(" ms\n") == 6

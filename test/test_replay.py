@@ -10,7 +10,8 @@ import pytest
 from rclpy.serialization import serialize_message
 
 from sps_driving import msgs, topics
-from sps_driving.bagio import TYPESTORE, BagWriter, command_message, image_message, lane_pose_message, read_messages
+from sps_driving.bagio import TYPESTORE, BagWriter, read_messages, to_bag
+from sps_driving.msgs import Level, command_fields, image_fields, lane_pose_fields
 from sps_driving.replay import Record, build_report, default_output, format_report, match_reference
 
 MS = 1_000_000
@@ -23,9 +24,9 @@ def as_bag(msg, msgtype):
 
 def timing(stamp, stage, compute_ms=None, dropped=None):
     if dropped:
-        arr = msgs.diagnostics(stamp, stage, 1, f"dropped: {dropped}", {})
+        arr = msgs.stage_drop_message(stamp, stage, dropped, {})
     else:
-        arr = msgs.diagnostics(stamp, stage, 0, "", {"compute_ms": compute_ms})
+        arr = msgs.stage_timing_message(stamp, stage, compute_ms, {})
     return as_bag(arr, "diagnostic_msgs/msg/DiagnosticArray")
 
 
@@ -40,15 +41,15 @@ def test_report_counts_errors_latency_and_overhead():
         records.append(Record(topics.SELECTION, enter + 2 * MS, as_bag(msgs.selection_message([0, 1], 2, 2, s, "c"), "sensor_msgs/msg/Image")))
         desc = msgs.descriptors_message(np.zeros((2, 3), np.float32), np.array([0, 1]), s, "c")
         records.append(Record(topics.DESCRIPTORS, enter + 50 * MS, as_bag(desc, "sensor_msgs/msg/PointCloud2")))
-        records.append(Record(topics.POLICY_COMMAND, enter + 60 * MS, command_message(*predicted[i], s)))
+        records.append(Record(topics.POLICY_COMMAND, enter + 60 * MS, to_bag(command_fields(*predicted[i], s))))
         records.append(Record(topics.STAGE_TIMING, enter + 50 * MS, timing(s, "extractor", 45.0)))
         records.append(Record(topics.STAGE_TIMING, enter + 60 * MS, timing(s, "policy", 5.0 + i)))
     records.append(Record(topics.STAGE_TIMING, frames[stamps[3]] + 5 * MS, timing(stamps[3], "extractor", dropped="bad image")))
-    event = msgs.diagnostics(0, "safety_monitor", 2, "lane_boundary", {"failure": "lane_boundary", "interventions": 1})
+    event = msgs.diagnostics(0, "safety_monitor", Level.ERROR, "lane_boundary", {"failure": "lane_boundary", "interventions": 1})
     records.append(Record(topics.SAFETY_EVENTS, t0, as_bag(event, "diagnostic_msgs/msg/DiagnosticArray")))
-    status = msgs.diagnostics(0, "safety_monitor", 2, "", {"interventions": 1})
+    status = msgs.diagnostics(0, "safety_monitor", Level.ERROR, "", {"interventions": 1})
     records.append(Record(topics.DIAGNOSTICS, t0, as_bag(status, "diagnostic_msgs/msg/DiagnosticArray")))
-    vehicle = msgs.diagnostics(0, "vehicle_interface", 1, "", {"interventions": 2, "stop_reasons": "safety_stop,camera_timeout"})
+    vehicle = msgs.diagnostics(0, "vehicle_interface", Level.WARN, "", {"interventions": 2, "stop_reasons": "safety_stop,camera_timeout"})
     records.append(Record(topics.DIAGNOSTICS, t0, as_bag(vehicle, "diagnostic_msgs/msg/DiagnosticArray")))
     # References: exact stamp for frames 0 and 1, 10 ms off for frame 2 (matched), none for 3.
     reference = {stamps[0]: (0.0, 0.2), stamps[1]: (0.3, 0.0), stamps[2] + 10 * MS: (0.0, 0.0)}
@@ -74,7 +75,7 @@ def test_report_counts_errors_latency_and_overhead():
 
 
 def status(name, values):
-    return as_bag(msgs.diagnostics(0, name, 0, "", values), "diagnostic_msgs/msg/DiagnosticArray")
+    return as_bag(msgs.diagnostics(0, name, Level.OK, "", values), "diagnostic_msgs/msg/DiagnosticArray")
 
 
 def test_report_accounts_for_every_image_and_weighs_stopping_by_time():
@@ -84,7 +85,7 @@ def test_report_accounts_for_every_image_and_weighs_stopping_by_time():
     t0 = 50 * s
     stamps = [7 * s + i * 33 * MS for i in range(5)]
     frames = {stamp: t0 + i * s for i, stamp in enumerate(stamps)}
-    records = [Record(topics.POLICY_COMMAND, frames[stamps[i]] + 100 * MS, command_message(0.0, 0.0, stamps[i])) for i in (0, 1, 4)]
+    records = [Record(topics.POLICY_COMMAND, frames[stamps[i]] + 100 * MS, to_bag(command_fields(0.0, 0.0, stamps[i]))) for i in (0, 1, 4)]
     # Frame 2: the extractor drops it and a later stage reports it too: one drop, the first reason.
     records.append(Record(topics.STAGE_TIMING, frames[stamps[2]] + 10 * MS, timing(stamps[2], "extractor", dropped="stale")))
     records.append(Record(topics.STAGE_TIMING, frames[stamps[2]] + 20 * MS, timing(stamps[2], "policy", dropped="late")))
@@ -134,14 +135,14 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     """Frames of an mcap bag through the five node processes (real DINOv2 at 112 px, a tiny random
     policy); every frame gets a command that equals the core run in-process on the same frames. A
     second image with an already played stamp is held back and counted as a drop."""
-    from ros_helpers import tiny_checkpoint
+    from samples import tiny_policy
 
     from sps_driving import cli
     from sps_driving.core.backbones import load_extractor
     from sps_driving.core.policy import load_policy
     from sps_driving.core.selection import PatchSelector
 
-    ckpt = tiny_checkpoint(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     rng = np.random.default_rng(0)
     t0 = 1_700_000_000_000_000_000
@@ -150,11 +151,11 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
         for i in range(4):
             t = t0 + i * 33_333_333
             images[t] = rng.integers(0, 256, (600, 960, 3), dtype=np.uint8)
-            bag.write(topics.IMAGE, image_message(images[t], t, encoding="bgr8"), t)
-            bag.write(topics.REFERENCE_COMMAND, command_message(0.0, 0.1, t), t)
-            bag.write(topics.LANE_POSE, lane_pose_message(0.2, 0.0, t), t)
+            bag.write(topics.IMAGE, image_fields(images[t], t, "camera", "bgr8"), t)
+            bag.write(topics.REFERENCE_COMMAND, command_fields(0.0, 0.1, t), t)
+            bag.write(topics.LANE_POSE, lane_pose_fields(0.2, 0.0, t), t)
             if i == 1:  # another image with the same stamp, other pixels
-                bag.write(topics.IMAGE, image_message(255 - images[t], t, encoding="bgr8"), t + 1)
+                bag.write(topics.IMAGE, image_fields(255 - images[t], t, "camera", "bgr8"), t + 1)
     out = tmp_path / "out"
     code = cli.main([
         "replay", str(tmp_path / "drive"), "--out", str(out), "--json", "--checkpoint", str(ckpt),
@@ -186,18 +187,18 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys, m
     """12 frames at 30 fps, far faster than CPU extraction: the extractor skips to the newest frame.
     The bag was recorded with a vendor camera driver's topic name, mapped to the graph's. Without
     --out the output bag goes to out/replay/ under the current folder."""
-    from ros_helpers import tiny_checkpoint
+    from samples import tiny_policy
 
     from sps_driving import cli
 
-    ckpt = tiny_checkpoint(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     rng = np.random.default_rng(1)
     t0 = 1_700_000_000_000_000_000
     with BagWriter(tmp_path / "drive", "sqlite3") as bag:
         for i in range(12):
             t = t0 + i * 33_333_333
-            bag.write("/flir_camera/image_raw", image_message(rng.integers(0, 256, (600, 960, 3), dtype=np.uint8), t), t)
+            bag.write("/flir_camera/image_raw", image_fields(rng.integers(0, 256, (600, 960, 3), dtype=np.uint8), t, "camera"), t)
     # The node processes import the package this test imported, wherever the current folder is.
     import sps_driving
 
@@ -225,22 +226,22 @@ def test_default_output_is_outside_the_bag_tree():
 
 
 def test_replay_refuses_bad_inputs_with_clear_errors(tmp_path, capsys):
-    from ros_helpers import tiny_checkpoint
+    from samples import tiny_policy
 
     from sps_driving import cli
 
     assert cli.main(["replay", str(tmp_path / "missing")]) == 2
     assert "no bag at" in capsys.readouterr().out
     with BagWriter(tmp_path / "no_images", "sqlite3") as bag:
-        bag.write(topics.LANE_POSE, lane_pose_message(0.0, 0.0, 1), 1)
+        bag.write(topics.LANE_POSE, lane_pose_fields(0.0, 0.0, 1), 1)
     assert cli.main(["replay", str(tmp_path / "no_images")]) == 2
     assert "no sensor_msgs/Image frames on /camera/image_raw" in capsys.readouterr().out
     with BagWriter(tmp_path / "drive", "sqlite3") as bag:
-        bag.write(topics.IMAGE, image_message(np.zeros((4, 4, 3), np.uint8), 1), 1)
+        bag.write(topics.IMAGE, image_fields(np.zeros((4, 4, 3), np.uint8), 1, "camera"), 1)
     assert cli.main(["replay", str(tmp_path / "drive"), "--checkpoint", str(tmp_path / "none")]) == 2
     out = capsys.readouterr().out
     assert "no policy checkpoint at" in out and "policy.safetensors and config.json" in out
-    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    ckpt = tiny_policy(tmp_path / "ckpt")
     (tmp_path / "taken").mkdir()
     assert cli.main(["replay", str(tmp_path / "drive"), "--checkpoint", str(ckpt), "--out", str(tmp_path / "taken")]) == 2
     assert "exists" in capsys.readouterr().out

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from ros_helpers import Probe, tiny_checkpoint
+from ros_helpers import Probe
+from samples import tiny_policy
 from sps_driving import security, topics
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
 
@@ -173,7 +174,7 @@ def test_each_node_creates_only_endpoints_its_enclave_allows(policy, tmp_path):
     import numpy as np
 
     cv2.imwrite(str(frames / "000.png"), np.zeros((60, 96, 3), np.uint8))
-    ckpt = tiny_checkpoint(tmp_path / "policy", dim=16)
+    ckpt = tiny_policy(tmp_path / "policy", dim=16)
     graph = Graph(
         ["camera_driver", "selection", "policy", "vehicle_interface", "safety_monitor", "failsafe"],
         parameters={

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.selection import PatchSelector, SelectionConfig, scaled_keep_probabilities
+from sps_driving.core.selection import PatchSelector, SelectionConfig, kept_count, scaled_keep_probabilities
 
 GRID = PatchGrid(16, 16)
 STAMPS = [1_700_000_000_000_000_000 + i * 33_333_333 for i in range(2000)]
@@ -30,6 +30,15 @@ def test_exact_count_variants_keep_exactly_ceil_rate_times_n(variant, rate, grid
     masks = sel.sample_masks(64, torch.Generator().manual_seed(1))
     assert masks.shape == (64, grid.n) and masks.dtype == torch.bool
     assert torch.all(masks.sum(dim=1) == expected_k)
+
+
+def test_kept_count_is_sps_k_without_float_error():
+    assert [kept_count(r, 256) for r in (1.0, 0.7, 0.5, 0.3)] == [256, 180, 128, 77]
+    assert kept_count(0.7, 10) == 7  # 0.7 * 10 is 7.000000000000001 in floating point
+    assert kept_count(1e-12, 256) == 1
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="rate"):
+            kept_count(bad, 256)
 
 
 @pytest.mark.parametrize("variant", ["sps", "threshold", "spps", "mspps"])

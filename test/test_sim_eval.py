@@ -2,12 +2,15 @@
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from sps_driving.cli import main
-from sps_driving.sim.evaluate import interval95, method_name, rate_curves, summarize, table_rows, write_tables
+from sps_driving.sim.statistics import interval95, paired_difference
+from sps_driving.sim.tables import method_name, paired_against_da, rate_curves, summarize, table_rows, write_tables
 from sps_driving.sim.scenarios import SCENARIO_NAMES
 from samples import tiny_dinov2_policy
 
@@ -92,12 +95,38 @@ def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_pa
     assert curves["SPS"] == [pytest.approx((0.3, 0.65, 0.65)), pytest.approx((0.5, 0.7, 0.7)), pytest.approx((1.0, 0.6, 0.6))]
     assert set(curves) == {"SPS", "SPPS"}
     assert (tmp_path / "accuracy_vs_rate.png").stat().st_size > 1000
+    details = (tmp_path / "details.md").read_text()
+    assert "| SPS-50 | +10.0 | [+10.0, +10.0] | 14 | 0 | 14 |" in details
+    assert "| No-FM | -30.0 | [-30.0, -30.0] | 0 | 14 | 14 |" in details
 
 
-def test_interval_and_method_names():
-    mean, half = interval95([1.0, 0.0, 1.0, 0.0])
-    assert mean == 0.5 and half == pytest.approx(3.18 * np.std([1, 0, 1, 0], ddof=1) / 2)
+def test_interval_is_scipys_t_interval():
+    scores = [0.18, 1.0, 0.415, 0.52, 0.97, 0.33, 0.61]
+    mean, half = interval95(scores)
+    low, high = stats.t.interval(0.95, len(scores) - 1, loc=np.mean(scores), scale=stats.sem(scores))
+    assert mean == pytest.approx(np.mean(scores)) and (mean - half, mean + half) == pytest.approx((low, high), rel=1e-12)
+    # the printed tables' two decimals: t(0.975, 3) = 3.18
+    assert interval95([1.0, 0.0, 1.0, 0.0]) == (0.5, pytest.approx(3.182446 * np.std([1, 0, 1, 0], ddof=1) / 2))
     assert interval95([0.4]) == (0.4, 0.0)
+
+
+def test_paired_difference_against_da_over_the_same_ood_episodes():
+    rows = []
+    for i, scenario in enumerate(SCENARIO_NAMES):
+        for episode in range(3):
+            rows.append(_row("DA", scenario, 0.5, episode))
+            rows.append(_row("SPS-50", scenario, 0.5 + 0.1 * (episode != 1) + (0.5 if i == 0 else 0.0), episode))
+    rows.append(_row("SPS-30", SCENARIO_NAMES[1], 0.9))  # one pair only: left out
+    (paired,) = paired_against_da(rows).items()
+    method, d = paired
+    assert method == "SPS-50" and d.pairs == 14 * 3 and (d.wins, d.losses) == (28, 0)  # the ID row is not counted
+    assert d.mean == pytest.approx(0.2 / 3) and d.low <= d.mean <= d.high and 0 < d.low and d.high <= 0.1 + 1e-12
+    again = paired_difference([0.2, 0.9, 0.4, 0.7, 0.1], [0.3, 0.5, 0.4, 0.2, 0.3])
+    assert again == paired_difference([0.2, 0.9, 0.4, 0.7, 0.1], [0.3, 0.5, 0.4, 0.2, 0.3]), "seeded"
+    assert (again.wins, again.losses, again.pairs) == (2, 2, 5)
+
+
+def test_method_names():
     assert method_name({"selection": {"variant": "sps", "rate": 1.0}}) == "DA"
     assert method_name({"selection": {"variant": "sps", "rate": 0.5}}) == "SPS-50"
     assert method_name({"selection": {"variant": "mspps", "rate": 0.3}}) == "MSPPS-30"
@@ -107,18 +136,19 @@ def test_interval_and_method_names():
 
 def test_policy_eval_with_the_dinov2_extractor(tmp_path):
     """The whole in-process loop (renderer -> DINOv2 -> SPS selection -> policy -> vehicle) with a
-    tiny random GridPolicy (real architecture, random weights) over a short episode."""
+    tiny random grid MLP (the shipped architecture, random weights) over a short episode."""
     tiny_dinov2_policy(tmp_path / "policy")
     out = tmp_path / "eval"
     assert main(["eval", "--policy", str(tmp_path / "policy"), "--episodes", "1", "--episode-s", "0.5", "--workers", "1",
                  "--out", str(out), "--scenarios", SCENARIO_NAMES[2]]) == 0
     (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert row["method"] == "SPS-50" and row["dropped_frames"] == 0
+    assert row["policy"] == "policy"  # outside the repository: the folder's name, no path of this machine
     assert 0.0 <= row["score"] <= 1.0 and row["distance_m"] > 0
 
 
 def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path):
-    from sps_driving.sim.evaluate import PolicyDriver
+    from sps_driving.sim.episodes import PolicyDriver
 
     tiny_dinov2_policy(tmp_path / "policy", variant="spps", rate=0.3)
     driver = PolicyDriver(str(tmp_path / "policy"))
@@ -128,3 +158,18 @@ def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path
     assert all(np.isfinite(first)) and driver.drops == 0
     assert driver(np.zeros((0, 0, 3), np.uint8), 2_000) == first
     assert driver.drops == 1
+
+
+def test_results_name_policies_without_machine_paths_and_read_older_absolute_ones(tmp_path):
+    from sps_driving.resources import SOURCE_ROOT, portable_path, recorded_path, shipped_policy
+    from sps_driving.sim.results import read_results
+
+    assert portable_path(shipped_policy()) == "models/sps50_dinov2"
+    assert portable_path(SOURCE_ROOT / "runs" / "q" / "sps50") == "runs/q/sps50"
+    assert portable_path(tmp_path / "runs" / "sps30") == "sps30"
+    assert recorded_path("models/sps50_dinov2") == shipped_policy()
+    assert recorded_path("/data/old_machine/runs/q/da") == Path("/data/old_machine/runs/q/da")
+    committed = [SOURCE_ROOT / "docs" / "results" / "results.jsonl", SOURCE_ROOT / "docs" / "results" / "graph" / "results.jsonl"]
+    for path in committed:
+        rows = read_results(path)
+        assert rows and all(not Path(row["policy"]).is_absolute() for row in rows), path

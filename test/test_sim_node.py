@@ -57,7 +57,7 @@ def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
             assert all(lane == lanes[0] for lane in lanes)
             # Steer hard left: the lateral offset grows, the safety driver resets, the episode ends.
             while not results.exists() and time.monotonic() < deadline:
-                command_pub.publish(msgs.command_message(0.3, 0.0, 0))
+                command_pub.publish(msgs.to_ros(msgs.command_fields(0.3, 0.0, 0)))
                 rclpy.spin_once(node, timeout_sec=0.05)
             assert max(lat for lat, _ in lanes) > 0.5 and all(r > 0 for r in ranges)
             (result,) = [json.loads(line) for line in results.read_text().splitlines()]
@@ -83,7 +83,7 @@ def test_graph_eval_scales_the_stacks_wall_clock_settings():
 
 @pytest.mark.ros
 def test_eval_through_the_live_graph(tmp_path):
-    """`sps-driving eval --graph`: sim_world and the on-car nodes drive a tiny random GridPolicy (real
+    """`sps-driving eval --graph`: sim_world and the on-car nodes drive a tiny random grid MLP (the shipped
     architecture, random weights) over the embedded DINOv2; the episode lands in results.jsonl."""
     from samples import tiny_dinov2_policy
     from sps_driving.cli import main

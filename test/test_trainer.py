@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from sps_driving.core.policy import load_policy, save_policy
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
-from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, l2_loss, loss_scale, split_frames, target_std, train
+from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig, evaluate_checkpoint, l2_loss, loss_scale, split_frames, target_std, train
 
 ROWS, COLS, D = 3, 4, 8
 TINY = dict(architecture="transformer", width=16, depth=1, heads=2, dropout=0.0, batch_size=16)
@@ -40,18 +41,25 @@ def cache_dir(tmp_path_factory):
 
 
 def config(cache_dir, out, **kwargs):
-    return TrainConfig(cache=str(cache_dir), out=str(out), **{**TINY, **kwargs})
+    return TrainConfig.from_yaml(cache=str(cache_dir), out=str(out), **{**TINY, **kwargs})
 
 
-def test_python_defaults_match_config_train_yaml(tmp_path):
-    assert TrainConfig.from_yaml(cache="c", out="o") == TrainConfig(cache="c", out="o")
+def test_settings_come_from_config_train_yaml(tmp_path):
+    section = yaml.safe_load(TRAIN_CONFIG.read_text())["train"]
+    cfg = TrainConfig.from_yaml(cache="c", out="o")
+    assert {name: getattr(cfg, name) for name in section} == section
+    assert TrainConfig.from_yaml(cache="c", out="o", rate=0.3, epochs=None).rate == 0.3  # None: not given
     with pytest.raises(ValueError, match="unknown training settings \\['learning_rate'\\]"):
         TrainConfig.from_yaml(cache="c", out="o", learning_rate=0.1)
+    partial = tmp_path / "train.yaml"
+    partial.write_text(yaml.safe_dump({"train": {k: v for k, v in section.items() if k != "lr"}}))
+    with pytest.raises(ValueError, match="\\['lr'\\] are missing"):
+        TrainConfig.from_yaml(partial, cache="c", out="o")
     for bad, match in [(dict(rate=0.0), "rate"), (dict(architecture="transformer", width=30, heads=4), "multiple of heads"),
                        (dict(loss_weights=[1.0]), "loss_weights"), (dict(batch_size=0), "batch_size"),
                        (dict(plateau_factor=1.0), "plateau_factor")]:
         with pytest.raises(ValueError, match=match):
-            TrainConfig(cache="c", out="o", **bad)
+            TrainConfig.from_yaml(cache="c", out="o", **bad)
 
 
 def test_split_holds_out_whole_sources_or_the_last_frames(cache_dir, tmp_path):
@@ -118,10 +126,10 @@ def test_mlp_policy_standardizes_with_training_statistics_and_learns(tmp_path):
     from sps_driving.train.trainer import descriptor_statistics
 
     cache_dir = make_cache(tmp_path / "cache", frames_per_source=120)
-    cfg = TrainConfig(cache=str(cache_dir), out=str(tmp_path / "m"), width=32, reduce=4, batch_size=32, epochs=12, lr=3e-3)
+    cfg = TrainConfig.from_yaml(cache=str(cache_dir), out=str(tmp_path / "m"), width=32, reduce=4, batch_size=32, epochs=12, lr=3e-3)
     assert cfg.architecture == "mlp"  # the default
-    with pytest.raises(ValueError, match="architecture mlp reads the whole grid.*as a sequence"):
-        TrainConfig(cache="c", out="o", variant="spps")  # on a zero-filled grid spps would be sps
+    with pytest.raises(ValueError, match="mlp policy reads the whole grid.*as a sequence"):
+        TrainConfig.from_yaml(cache="c", out="o", variant="spps")  # on a zero-filled grid spps would be sps
     summary = train(cfg)
     history = [h["validation_loss"] for h in summary["history"]]
     assert min(history) < 0.7 * history[0], f"validation loss should fall: {history}"
@@ -216,7 +224,7 @@ def test_torchrun_two_cpu_processes_train_with_ddp(cache_dir, tmp_path):
 def test_training_on_several_caches_records_them_and_splits_by_prefixed_source(tmp_path):
     first = make_cache(tmp_path / "day1", sources=("drive_a", "drive_b"), frames_per_source=12, seed=1)
     second = make_cache(tmp_path / "day2", sources=("drive_a", "drive_b"), frames_per_source=12, seed=2)
-    summary = train(TrainConfig(cache=[str(first), str(second)], out=str(tmp_path / "m"), **TINY, epochs=1,
+    summary = train(TrainConfig.from_yaml(cache=[str(first), str(second)], out=str(tmp_path / "m"), **TINY, epochs=1,
                                 validation_fraction=0.25))
     recorded = json.loads((tmp_path / "m" / "config.json").read_text())
     assert recorded["training"]["cache"] == [str(first.resolve()), str(second.resolve())]

@@ -23,7 +23,7 @@ positive), bounded to +-max_steering_rad by tanh scaling; throttle is in [-1, 1]
 brake) by tanh (`BoundedHead`, shared by all). Both are finite for finite inputs.
 
 A checkpoint is a directory with `policy.safetensors` (the module's state dict) and
-`config.json`. The config records: format, architecture ("transformer" when absent), backbone,
+`config.json`. The config (`PolicyArchitecture.config` builds it) records: format, architecture ("transformer" when absent), backbone,
 grid {rows, cols}, descriptor_dim D, position_dim P (sequence policies), selection {variant,
 rate, seed, keep_probability}, policy (transformer: {width, depth, heads, mlp_ratio, dropout};
 mlp: {width, reduce, dropout}; cnn: {width, dropout}), output {max_steering_rad}, and whatever the trainer adds (training data,
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -50,12 +51,16 @@ from sps_driving.core.selection import PatchSelector, SelectionConfig
 POLICY_FORMAT = "sps_driving.policy/1"
 WEIGHTS_FILE = "policy.safetensors"
 CONFIG_FILE = "config.json"
-POLICY_KEYS = ("width", "depth", "heads", "mlp_ratio", "dropout")  # values: config/train.yaml
-CNN_POLICY_KEYS = ("width", "dropout")
-MLP_POLICY_KEYS = ("width", "reduce", "dropout")
-# config "architecture" -> its policy settings; checkpoints without the key are transformers
-ARCHITECTURES = {"transformer": POLICY_KEYS, "cnn": CNN_POLICY_KEYS, "mlp": MLP_POLICY_KEYS}
-DEFAULT_ARCHITECTURE = "transformer"
+# config "architecture" -> the names of its policy settings (config "policy"; values: config/train.yaml)
+TRANSFORMER_SETTINGS = ("width", "depth", "heads", "mlp_ratio", "dropout")
+MLP_SETTINGS = ("width", "reduce", "dropout")
+CNN_SETTINGS = ("width", "dropout")
+ARCHITECTURES = {"transformer": TRANSFORMER_SETTINGS, "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS}
+# The architecture that can read the kept tokens as a sequence (spps, mspps); the others read the
+# whole grid with zeros at dropped patches, where spps would equal sps.
+SEQUENCE_ARCHITECTURE = "transformer"
+# Checkpoints written before config "architecture" existed are all transformers.
+UNRECORDED_ARCHITECTURE = "transformer"
 # PilotNet's convolutions (Bojarski et al. 2016): (out channels, kernel px, stride)
 PILOTNET_CONVS = ((24, 5, 2), (36, 5, 2), (48, 5, 2), (64, 3, 1), (64, 3, 1))
 
@@ -107,8 +112,6 @@ class _TransformerPolicy(nn.Module):
 
 
 class GridPolicy(_DenseGridInput, _TransformerPolicy):
-    kind = "grid"
-
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, depth: int, heads: int,
                  mlp_ratio: float, dropout: float, max_steering_rad: float):
         super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad)
@@ -122,8 +125,6 @@ class GridPolicy(_DenseGridInput, _TransformerPolicy):
 
 
 class SequencePolicy(_TransformerPolicy):
-    kind = "sequence"
-
     def __init__(self, position_table: torch.Tensor, descriptor_dim: int, width: int, depth: int, heads: int,
                  mlp_ratio: float, dropout: float, max_steering_rad: float):
         super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad)
@@ -150,8 +151,6 @@ class CnnPolicy(_DenseGridInput, nn.Module):
     mean pixel after normalization). PilotNet's five convolutions (ReLU, padded so any grid
     works) and a two-layer MLP of `width` units feed the shared bounded head.
     """
-
-    kind = "grid"
 
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, dropout: float, max_steering_rad: float):
         super().__init__()
@@ -194,8 +193,6 @@ class GridMlpPolicy(_DenseGridInput, nn.Module):
     lives in the small ones. For sps and threshold; spps and mspps, which feed the kept tokens
     as a sequence, need the transformer (on a zero-filled grid spps would equal sps).
     """
-
-    kind = "grid"
 
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, reduce: int, dropout: float,
                  max_steering_rad: float):
@@ -241,6 +238,76 @@ def _require(config: dict, key: str):
     return config[key]
 
 
+def architecture_of(config: dict) -> str:
+    """A policy config's architecture (see UNRECORDED_ARCHITECTURE for checkpoints without one)."""
+    return config.get("architecture", UNRECORDED_ARCHITECTURE)
+
+
+def check_architecture(architecture: str, selection: SelectionConfig) -> None:
+    """Raise ValueError unless `architecture` is known and can take `selection`'s variant."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown policy architecture {architecture!r}; expected one of {list(ARCHITECTURES)}")
+    if architecture != SEQUENCE_ARCHITECTURE and selection.sparse_sequence:
+        raise ValueError(f"a {architecture} policy reads the whole grid (zeros at dropped patches): use variant sps or "
+                         f"threshold, not {selection.variant}, which feeds the kept tokens as a sequence "
+                         f"(architecture {SEQUENCE_ARCHITECTURE})")
+
+
+@dataclass(frozen=True)
+class PolicyArchitecture:
+    """What a policy is, apart from the grid it reads: architecture, its settings and the output bound.
+
+    The one builder of the policy config that `build_policy` reads (`config`): the trainer makes
+    its checkpoints with it, and the timing tools time a checkpoint's architecture (`of`) on any
+    backbone's grid with it.
+    """
+
+    name: str
+    settings: dict  # exactly ARCHITECTURES[name]
+    max_steering_rad: float  # rad; steering output bound
+
+    def __post_init__(self) -> None:
+        if self.name not in ARCHITECTURES:
+            raise ValueError(f"unknown policy architecture {self.name!r}; expected one of {list(ARCHITECTURES)}")
+        if set(self.settings) != set(ARCHITECTURES[self.name]):
+            raise ValueError(f"{self.name} policy settings must be exactly {list(ARCHITECTURES[self.name])}, "
+                             f"got {sorted(self.settings)}")
+        if not self.max_steering_rad > 0:
+            raise ValueError(f"max_steering_rad must be positive, got {self.max_steering_rad}")
+
+    @classmethod
+    def of(cls, config: dict) -> "PolicyArchitecture":
+        """The architecture of a policy config (a checkpoint's config.json)."""
+        output = _require(config, "output")
+        if "max_steering_rad" not in output:
+            raise ValueError("policy config output needs max_steering_rad")
+        return cls(architecture_of(config), dict(_require(config, "policy")), float(output["max_steering_rad"]))
+
+    def config(self, grid: PatchGrid, descriptor_dim: int, selection: SelectionConfig, backbone: Optional[str] = None,
+               position_dim: Optional[int] = None) -> dict:
+        """The policy config of this architecture on a `grid` of `descriptor_dim` descriptors.
+
+        position_dim (P of the backbone's position table) lets a sequence policy be built without
+        the table itself (zeros, e.g. for timing).
+        """
+        check_architecture(self.name, selection)
+        config = {
+            "backbone": backbone,
+            "grid": {"rows": grid.rows, "cols": grid.cols},
+            "descriptor_dim": int(descriptor_dim),
+            "selection": selection.to_dict(),
+            "architecture": self.name,
+            "policy": dict(self.settings),
+            "output": {"max_steering_rad": self.max_steering_rad},
+        }
+        if position_dim is not None and selection.sparse_sequence:
+            config["position_dim"] = int(position_dim)
+        return config
+
+    def describe(self) -> dict:
+        return {"architecture": self.name, "policy": dict(self.settings), "max_steering_rad": self.max_steering_rad}
+
+
 def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> nn.Module:
     """A fresh policy module for `config` (see the module docstring for its keys).
 
@@ -251,34 +318,23 @@ def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> n
     grid = PatchGrid(int(grid_cfg["rows"]), int(grid_cfg["cols"]))
     descriptor_dim = int(_require(config, "descriptor_dim"))
     selection = SelectionConfig.from_dict(_require(config, "selection"))
-    architecture = config.get("architecture", DEFAULT_ARCHITECTURE)
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"unknown policy architecture {architecture!r}; expected one of {list(ARCHITECTURES)}")
-    dims = _require(config, "policy")
-    if set(dims) != set(ARCHITECTURES[architecture]):
-        raise ValueError(f"{architecture} policy settings must be exactly {list(ARCHITECTURES[architecture])}, "
-                         f"got {sorted(dims)}")
-    output = _require(config, "output")
-    if "max_steering_rad" not in output:
-        raise ValueError("policy config output needs max_steering_rad")
-    if architecture != "transformer" and selection.sparse_sequence:
-        raise ValueError(f"a {architecture} policy reads the whole grid (zeros at dropped patches): use variant sps or "
-                         f"threshold, not {selection.variant}, which feeds the kept tokens as a sequence (transformer)")
-    if architecture == "cnn":
+    architecture = PolicyArchitecture.of(config)
+    check_architecture(architecture.name, selection)
+    dims, max_steering_rad = architecture.settings, architecture.max_steering_rad
+    if architecture.name == "cnn":
         if config.get("backbone") != PIXELS_BACKBONE:
             raise ValueError(f"a cnn policy reads the {PIXELS_BACKBONE!r} backbone's pooled pixels, "
                              f"not {config.get('backbone')!r} descriptors")
         return CnnPolicy(grid, descriptor_dim, width=int(dims["width"]), dropout=float(dims["dropout"]),
-                         max_steering_rad=float(output["max_steering_rad"]))
-    if architecture == "mlp":
+                         max_steering_rad=max_steering_rad)
+    if architecture.name == "mlp":
         if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
             raise ValueError(f"mlp policy needs width >= 2 and reduce >= 1, got {dims}")
         return GridMlpPolicy(grid, descriptor_dim, width=int(dims["width"]), reduce=int(dims["reduce"]),
-                             dropout=float(dims["dropout"]), max_steering_rad=float(output["max_steering_rad"]))
+                             dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad)
     common = dict(
         descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
-        mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]),
-        max_steering_rad=float(output["max_steering_rad"]),
+        mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad,
     )
     if not selection.sparse_sequence:
         return GridPolicy(grid, **common)

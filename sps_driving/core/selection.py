@@ -2,7 +2,7 @@
 
 Variants (`SelectionConfig.variant`):
 
-- ``"sps"``: exactly k = ceil(rate * N) patch indices, uniformly without replacement. Dropped
+- ``"sps"``: exactly k = ceil(rate * N) patch indices (`kept_count`), uniformly without replacement. Dropped
   patches become zeros in the H' x W' x D grid the policy sees (eq. 4).
 - ``"threshold"`` (v1): every patch is kept independently with probability ``rate`` (eq. 5), so
   the count fluctuates around rate * N.
@@ -48,6 +48,13 @@ EXACT_COUNT_VARIANTS = ("sps", "spps")
 
 # rate * N is computed in floating point: 0.7 * 10 = 7.000000000000001 must give k = 7, not 8.
 _CEIL_SLACK = 1e-9
+
+
+def kept_count(rate: float, n: int) -> int:
+    """k = ceil(rate * N): how many of N patches the exact-count variants keep (at least one)."""
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"selection rate must be in (0, 1], got {rate}")
+    return max(1, min(n, math.ceil(rate * n - _CEIL_SLACK)))
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,7 @@ class PatchSelector:
         self.config = config
         self.grid = grid
         n = grid.n
-        self.count = min(n, math.ceil(config.rate * n - _CEIL_SLACK))  # k for the exact-count variants
+        self.count = kept_count(config.rate, n)  # k for the exact-count variants
         if config.variant == "mspps" and config.keep_probability is not None:
             weights = np.asarray(config.keep_probability, dtype=np.float64)
             if weights.shape != (grid.rows, grid.cols):

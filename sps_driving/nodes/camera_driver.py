@@ -146,9 +146,9 @@ class CameraDriver(Node):
         self._failing_since_ns = None
         if (frame.shape[1], frame.shape[0]) != self.size:
             frame = cv2.resize(frame, self.size, interpolation=cv2.INTER_AREA)
-        image = msgs.rgb_to_image(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB), stamp, self.frame_id)
+        image = msgs.to_ros(msgs.image_fields(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB), stamp, self.frame_id))
         self.image_pub.publish(image)
-        self.info_pub.publish(msgs.camera_info(frame.shape[0], frame.shape[1], stamp, self.frame_id, self.hfov_rad))
+        self.info_pub.publish(msgs.to_ros(msgs.camera_info_fields(frame.shape[0], frame.shape[1], stamp, self.frame_id, self.hfov_rad)))
         self.counters["frames"] += 1
 
     def _publish_status(self) -> None:

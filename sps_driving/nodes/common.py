@@ -175,11 +175,11 @@ class StageTimer:
 
     def publish(self, stamp: int, started_s: float, counters: dict) -> None:
         compute_ms = (time.perf_counter() - started_s) * 1e3
-        self.publisher.publish(msgs.diagnostics(stamp, self.stage, 0, "", {"compute_ms": f"{compute_ms:.3f}", **counters}))
+        self.publisher.publish(msgs.stage_timing_message(stamp, self.stage, compute_ms, counters))
 
     def dropped(self, stamp: int, reason: str, counters: dict) -> None:
-        """A frame this stage will not pass on (level WARN, the reason as message)."""
-        self.publisher.publish(msgs.diagnostics(stamp, self.stage, 1, f"dropped: {reason}", dict(counters)))
+        """A frame this stage will not pass on (msgs.stage_drop_message)."""
+        self.publisher.publish(msgs.stage_drop_message(stamp, self.stage, reason, counters))
 
 
 def run(node_class, args=None) -> int:

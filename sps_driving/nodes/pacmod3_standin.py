@@ -104,7 +104,7 @@ class PacmodStandInNode(Node):
 
     def _publish(self, reports) -> None:
         pacmod = self.pacmod
-        header = msgs.header(now_ns(self), "pacmod")
+        header = msgs.to_ros(msgs.header_fields(now_ns(self), "pacmod"))
 
         def flags(r):
             return dict(

@@ -14,9 +14,10 @@ from sensor_msgs.msg import JointState, PointCloud2
 
 from sps_driving import msgs, topics
 from sps_driving.nodes.common import Param, StageTimer, declare, run
+from sps_driving.resources import SHIPPED_POLICY
 
 PARAMETERS = {
-    "checkpoint": Param("models/sps50_dinov2", "policy folder with policy.safetensors and config.json"),
+    "checkpoint": Param(SHIPPED_POLICY, "policy folder with policy.safetensors and config.json"),
     "device": Param("cpu", "torch device: cpu or cuda"),
 }
 
@@ -48,7 +49,7 @@ class PolicyNode(Node):
             self.stage_timer.dropped(stamp, str(exc), self.counters)
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
             return
-        self.publisher.publish(msgs.command_message(steering, throttle, stamp))
+        self.publisher.publish(msgs.to_ros(msgs.command_fields(steering, throttle, stamp)))
         self.counters["frames"] += 1
         self.stage_timer.publish(stamp, started, self.counters)
 

@@ -27,7 +27,7 @@ from geometry_msgs.msg import PoseStamped, TwistStamped
 from rclpy.node import Node
 from sensor_msgs.msg import CameraInfo, Image, JointState, Range
 
-from sps_driving import bagio, msgs, topics
+from sps_driving import msgs, topics
 from sps_driving.nodes.common import Param, declare, now_ns, run
 from sps_driving.sim.config import load_sim_config
 from sps_driving.sim.live import LiveSim
@@ -114,12 +114,12 @@ class SimWorldNode(Node):
     def _publish_observation(self) -> None:
         obs = self.sim.observe()
         stamp = now_ns(self)
-        self.image_pub.publish(msgs.rgb_to_image(obs.image, stamp, self.frame_id))
-        self.info_pub.publish(msgs.camera_info(obs.image.shape[0], obs.image.shape[1], stamp, self.frame_id, self.hfov))
-        self.lane_pub.publish(msgs.from_bag(bagio.lane_pose_message(obs.lateral_offset_m, obs.heading_error_rad, stamp), PoseStamped))
-        self.range_pub.publish(msgs.from_bag(bagio.range_message(obs.obstacle_gap_m, stamp), Range))
-        self.twist_pub.publish(msgs.from_bag(bagio.twist_message(obs.speed_mps, stamp), TwistStamped))
-        self.reference_pub.publish(msgs.command_message(obs.expert_steering, obs.expert_throttle, stamp))
+        self.image_pub.publish(msgs.to_ros(msgs.image_fields(obs.image, stamp, self.frame_id)))
+        self.info_pub.publish(msgs.to_ros(msgs.camera_info_fields(obs.image.shape[0], obs.image.shape[1], stamp, self.frame_id, self.hfov)))
+        self.lane_pub.publish(msgs.to_ros(msgs.lane_pose_fields(obs.lateral_offset_m, obs.heading_error_rad, stamp)))
+        self.range_pub.publish(msgs.to_ros(msgs.range_fields(obs.obstacle_gap_m, stamp)))
+        self.twist_pub.publish(msgs.to_ros(msgs.twist_fields(obs.speed_mps, stamp)))
+        self.reference_pub.publish(msgs.to_ros(msgs.command_fields(obs.expert_steering, obs.expert_throttle, stamp)))
 
     def _finish_episode(self, result: dict) -> None:
         self.get_logger().info(
@@ -136,7 +136,7 @@ class SimWorldNode(Node):
             msgs.diagnostics(
                 now_ns(self),
                 self.NODE_NAME,
-                0,
+                msgs.Level.OK,
                 message,
                 {
                     "episode": self.sim.episode,

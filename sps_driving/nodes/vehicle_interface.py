@@ -327,7 +327,7 @@ class VehicleInterface(LifecycleNode):
     def _send(self, command) -> None:
         stamp = command.source_stamp_ns if command.source_stamp_ns is not None else now_ns(self)
         self.backend.send(command, stamp)
-        self.heartbeat.publish(msgs.command_message(command.steering_rad, command.throttle, stamp))
+        self.heartbeat.publish(msgs.to_ros(msgs.command_fields(command.steering_rad, command.throttle, stamp)))
 
     def _publish_status(self, command) -> None:
         reasons = ",".join(r.value for r in command.reasons)

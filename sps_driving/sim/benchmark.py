@@ -1,5 +1,5 @@
 """Simulator speed: rendering frames/s per scenario, and the full in-process closed-loop step
-(render -> selection -> DINOv2 descriptors -> policy -> vehicle) with a given policy or a random one of the trained size.
+(render -> selection -> DINOv2 descriptors -> policy -> vehicle) with a given policy or the shipped one.
 
     python -m sps_driving.sim.benchmark [--policy DIR] [--device cpu] [--steps 30]
 
@@ -9,11 +9,11 @@ Prints numbers; timings depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
 import numpy as np
 
+from sps_driving.resources import shipped_policy
 from sps_driving.sim.config import frame_stamp_ns, load_sim_config, set_render_width
 from sps_driving.sim.expert import Expert
 from sps_driving.sim.scenarios import SCENARIOS, get_scenario
@@ -37,25 +37,9 @@ def render_rate(config: dict, scenario, frames: int) -> tuple[float, float]:
     return build_s, frames / (time.perf_counter() - start)
 
 
-def random_policy(directory: str) -> str:
-    """An SPS-50 GridPolicy of the training config's size with random weights, for timing only."""
-    import torch
-    import yaml
-
-    from sps_driving.core.policy import POLICY_KEYS, build_policy, save_policy
-    from sps_driving.train.extract import TRAIN_CONFIG
-
-    train = yaml.safe_load(TRAIN_CONFIG.read_text())["train"]
-    config = {"backbone": "dinov2_vits14", "grid": {"rows": 16, "cols": 16}, "descriptor_dim": 384,
-              "selection": {"variant": "sps", "rate": 0.5, "seed": 0}, "policy": {k: train[k] for k in POLICY_KEYS},
-              "output": {"max_steering_rad": train["max_steering_rad"]}}
-    torch.manual_seed(0)
-    save_policy(build_policy(config), config, directory)
-    return directory
-
-
 def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
-    from sps_driving.sim.evaluate import PolicyDriver
+    from sps_driving.core.policy import architecture_of
+    from sps_driving.sim.episodes import PolicyDriver
     from sps_driving.sim.render import get_renderer
 
     renderer = get_renderer(config)
@@ -75,12 +59,12 @@ def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
                 times[name].append(value)
     total = np.sum([times[n] for n in times], axis=0)
     return {"steps_per_s": 1.0 / float(np.median(total)), **{f"{n}_ms": 1e3 * float(np.median(v)) for n, v in times.items()},
-            "method": driver.policy.config["selection"]}
+            "method": driver.policy.config["selection"], "architecture": architecture_of(driver.policy.config)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", help="policy folder (default: a random SPS-50 GridPolicy of the training config's size)")
+    parser.add_argument("--policy", help="policy folder (default: the shipped one, models/sps50_dinov2)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--frames", type=int, default=60, help="rendered frames per scenario")
     parser.add_argument("--steps", type=int, default=20, help="closed-loop steps timed")
@@ -99,10 +83,8 @@ def main(argv=None) -> int:
     for scenario in SCENARIOS:
         build_s, fps = render_rate(config, scenario, args.frames)
         print(f"  {scenario.name:34s} scene build {build_s:5.2f} s   {fps:6.0f} frames/s")
-    with tempfile.TemporaryDirectory() as tmp:
-        policy = args.policy or random_policy(tmp)
-        r = step_rate(config, policy, args.device, args.steps)
-    print(f"closed-loop step on {args.device} ({r['method']}): {r['steps_per_s']:.2f} steps/s "
+    r = step_rate(config, args.policy or str(shipped_policy()), args.device, args.steps)
+    print(f"closed-loop step on {args.device} ({r['architecture']}, {r['method']}): {r['steps_per_s']:.2f} steps/s "
           f"(render {r['render_ms']:.1f} ms, select+extract+policy {r['drive_ms']:.1f} ms, vehicle+failures {r['world_ms']:.1f} ms; medians)")
     return 0
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sps_driving import bagio, topics
+from sps_driving import bagio, msgs, topics
 from sps_driving.sim.config import frame_stamp_ns, load_sim_config, set_render_width
 from sps_driving.sim.expert import Disturbance, Expert
 from sps_driving.sim.scenarios import get_scenario
@@ -50,12 +50,12 @@ def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, e
             stamp = frame_stamp_ns(config, episode_index, k)
             image = renderer.render(world)
             clean = expert.command(world)
-            bag.write(topics.IMAGE, bagio.image_message(image, stamp), stamp)
-            bag.write(topics.CAMERA_INFO, bagio.camera_info_message(image.shape[0], image.shape[1], stamp, hfov_rad=hfov), stamp)
-            bag.write(topics.REFERENCE_COMMAND, bagio.command_message(clean.steering, clean.throttle, stamp), stamp)
-            bag.write(topics.VEHICLE_TWIST, bagio.twist_message(world.state.speed, stamp), stamp)
-            bag.write(topics.LANE_POSE, bagio.lane_pose_message(world.lane.lateral, world.lane.heading_error, stamp), stamp)
-            bag.write(topics.OBSTACLE_RANGE, bagio.range_message(world.nearest_gap(), stamp), stamp)
+            bag.write(topics.IMAGE, msgs.image_fields(image, stamp, "camera"), stamp)
+            bag.write(topics.CAMERA_INFO, msgs.camera_info_fields(image.shape[0], image.shape[1], stamp, "camera", hfov), stamp)
+            bag.write(topics.REFERENCE_COMMAND, msgs.command_fields(clean.steering, clean.throttle, stamp), stamp)
+            bag.write(topics.VEHICLE_TWIST, msgs.twist_fields(world.state.speed, stamp), stamp)
+            bag.write(topics.LANE_POSE, msgs.lane_pose_fields(world.lane.lateral, world.lane.heading_error, stamp), stamp)
+            bag.write(topics.OBSTACLE_RANGE, msgs.range_fields(world.nearest_gap(), stamp), stamp)
             applied = disturbance.apply(clean, world.dt) if disturb else clean
             world.step(applied.steering, applied.throttle)
     result = world.result(steps * world.dt).as_dict()

@@ -12,6 +12,7 @@ light vertices) and rain and snow are drawn in image space, seeded per frame.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cv2
 import numpy as np
@@ -326,7 +327,7 @@ def _build_static(config: dict, episode: Episode, rng: np.random.Generator) -> l
         else:
             _urban_ground(mesh, road, s, right_edge, left_edge, extent, sc, rng)
         emissive = Mesh()
-        _scenery(mesh, emissive, road, s0, s1, right_edge, left_edge, sc, night, rng)
+        _scenery(_Chunk(mesh, emissive, road, s0, s1, right_edge, left_edge, sc, night, rng))
         node = mesh.node(f"chunk{ci}")
         if not emissive.empty:
             lit = emissive.node("emissive")
@@ -420,94 +421,115 @@ def _clear_of_road(road, x: float, y: float, clearance: float) -> bool:
     return float(np.min((road.x - x) ** 2 + (road.y - y) ** 2)) >= clearance**2
 
 
-def _scenery(mesh, emissive, road, s0, s1, right_edge, left_edge, sc, night, rng) -> None:
-    if sc.scene == "rural":
-        _trees(mesh, road, s0, s1, right_edge, left_edge, sc, rng)
+@dataclass
+class _Chunk:
+    """One chunk of road being built: what its scenery is drawn into and where."""
+
+    mesh: Mesh  # lit geometry
+    emissive: Mesh  # self-lit geometry (street lamps and windows at night)
+    road: object  # sim.road.Road
+    s0: float  # start along the road, m
+    s1: float  # end along the road, m
+    right_edge: float  # lateral offset of the right road edge, m (left positive)
+    left_edge: float  # lateral offset of the left road edge, m
+    scenario: object  # sim.scenarios.Scenario
+    night: bool
+    rng: np.random.Generator  # the scene's draws, in build order
+
+
+def _scenery(chunk: _Chunk) -> None:
+    if chunk.scenario.scene == "rural":
+        _trees(chunk)
         # Wooden utility poles along the left side.
-        for s in np.arange(math.ceil(s0 / 40.0) * 40.0, s1, 40.0):
-            x, y = road.point(s, left_edge + 3.0)
-            mesh.prism((x, y, 0.0), 0.13, 0.11, 8.5, (0.35, 0.26, 0.18), sides=5)
-            h = float(road.heading_at(s))
-            mesh.box((x, y, 8.0), (0.15, 2.2, 0.12), (0.35, 0.26, 0.18), yaw=h)
+        for s in np.arange(math.ceil(chunk.s0 / 40.0) * 40.0, chunk.s1, 40.0):
+            x, y = chunk.road.point(s, chunk.left_edge + 3.0)
+            chunk.mesh.prism((x, y, 0.0), 0.13, 0.11, 8.5, (0.35, 0.26, 0.18), sides=5)
+            h = float(chunk.road.heading_at(s))
+            chunk.mesh.box((x, y, 8.0), (0.15, 2.2, 0.12), (0.35, 0.26, 0.18), yaw=h)
     else:
-        _buildings(mesh, emissive, road, s0, s1, right_edge, left_edge, sc, night, rng)
-        for s in np.arange(math.ceil(s0 / 25.0) * 25.0, s1, 25.0):
-            h = float(road.heading_at(s))
-            for side, edge in ((-1, right_edge), (1, left_edge)):
-                x, y = road.point(s, edge + side * 0.6)
-                mesh.prism((x, y, 0.15), 0.1, 0.08, 7.5, (0.25, 0.27, 0.3), sides=5)
-                lx, ly = road.point(s, edge - side * 1.0)
+        _buildings(chunk)
+        for s in np.arange(math.ceil(chunk.s0 / 25.0) * 25.0, chunk.s1, 25.0):
+            h = float(chunk.road.heading_at(s))
+            for side, edge in ((-1, chunk.right_edge), (1, chunk.left_edge)):
+                x, y = chunk.road.point(s, edge + side * 0.6)
+                chunk.mesh.prism((x, y, 0.15), 0.1, 0.08, 7.5, (0.25, 0.27, 0.3), sides=5)
+                lx, ly = chunk.road.point(s, edge - side * 1.0)
                 head = (lx, ly, 7.5)
-                (emissive if night else mesh).box(head, (0.8, 0.35, 0.15), (1.0, 0.92, 0.7) if night else (0.75, 0.75, 0.7), yaw=h)
-        if sc.season != "winter":
-            for s in np.arange(s0 + rng.uniform(0, 12), s1, 12.0):
-                x, y = road.point(s, right_edge - 2.4)
-                mesh.prism((x, y, 0.15), 0.12, 0.1, 2.2, TRUNK, sides=5)
-                mesh.blob((x, y, 3.0), (1.3, 1.3, 1.2), CROWNS[sc.season][0] if CROWNS[sc.season] else TRUNK)
+                lamp = (1.0, 0.92, 0.7) if chunk.night else (0.75, 0.75, 0.7)
+                (chunk.emissive if chunk.night else chunk.mesh).box(head, (0.8, 0.35, 0.15), lamp, yaw=h)
+        if chunk.scenario.season != "winter":
+            for s in np.arange(chunk.s0 + chunk.rng.uniform(0, 12), chunk.s1, 12.0):
+                x, y = chunk.road.point(s, chunk.right_edge - 2.4)
+                chunk.mesh.prism((x, y, 0.15), 0.12, 0.1, 2.2, TRUNK, sides=5)
+                crowns = CROWNS[chunk.scenario.season]
+                chunk.mesh.blob((x, y, 3.0), (1.3, 1.3, 1.2), crowns[0] if crowns else TRUNK)
 
 
-def _trees(mesh, road, s0, s1, right_edge, left_edge, sc, rng) -> None:
-    crowns = CROWNS[sc.season]
-    count = int(rng.poisson((s1 - s0) / 4.0))
+def _trees(chunk: _Chunk) -> None:
+    crowns = CROWNS[chunk.scenario.season]
+    count = int(chunk.rng.poisson((chunk.s1 - chunk.s0) / 4.0))
     for _ in range(count):
-        s = rng.uniform(s0, s1)
-        side = -1 if rng.random() < 0.5 else 1
-        edge = right_edge if side < 0 else left_edge
-        offset = rng.uniform(7.0, 45.0) if rng.random() < 0.8 else rng.uniform(45.0, 70.0)
-        x, y = road.point(s, edge + side * offset)
-        if not _clear_of_road(road, x, y, min(offset, 8.0) + abs(edge)):
+        s = chunk.rng.uniform(chunk.s0, chunk.s1)
+        side = -1 if chunk.rng.random() < 0.5 else 1
+        edge = chunk.right_edge if side < 0 else chunk.left_edge
+        offset = chunk.rng.uniform(7.0, 45.0) if chunk.rng.random() < 0.8 else chunk.rng.uniform(45.0, 70.0)
+        x, y = chunk.road.point(s, edge + side * offset)
+        if not _clear_of_road(chunk.road, x, y, min(offset, 8.0) + abs(edge)):
             continue
-        height = rng.uniform(5.0, 12.0)
-        if rng.random() < 0.3:
+        height = chunk.rng.uniform(5.0, 12.0)
+        if chunk.rng.random() < 0.3:
             # Conifer: green all year, snow-dusted in winter.
-            color = CONIFER if sc.season != "winter" else (0.75, 0.8, 0.82)
-            mesh.prism((x, y, 0.0), 0.2, 0.15, height * 0.25, TRUNK, sides=5)
-            mesh.prism((x, y, height * 0.2), height * 0.22, 0.0, height * 0.8, np.asarray(color) * rng.uniform(0.85, 1.1), sides=7)
+            color = CONIFER if chunk.scenario.season != "winter" else (0.75, 0.8, 0.82)
+            chunk.mesh.prism((x, y, 0.0), 0.2, 0.15, height * 0.25, TRUNK, sides=5)
+            shade = chunk.rng.uniform(0.85, 1.1)
+            chunk.mesh.prism((x, y, height * 0.2), height * 0.22, 0.0, height * 0.8, np.asarray(color) * shade, sides=7)
         else:
-            mesh.prism((x, y, 0.0), 0.22, 0.15, height * 0.6, TRUNK, sides=5)
+            chunk.mesh.prism((x, y, 0.0), 0.22, 0.15, height * 0.6, TRUNK, sides=5)
             if crowns:
-                color = np.asarray(crowns[int(rng.integers(len(crowns)))]) * rng.uniform(0.85, 1.1)
-                r = height * rng.uniform(0.25, 0.35)
-                mesh.blob((x, y, height * 0.65), (r, r, r * 0.9), color)
+                color = np.asarray(crowns[int(chunk.rng.integers(len(crowns)))]) * chunk.rng.uniform(0.85, 1.1)
+                r = height * chunk.rng.uniform(0.25, 0.35)
+                chunk.mesh.blob((x, y, height * 0.65), (r, r, r * 0.9), color)
             else:
                 for k in range(4):  # bare branches
-                    a = k * math.pi / 2 + rng.uniform(0, 1)
-                    mesh.box((x + 0.8 * math.cos(a), y + 0.8 * math.sin(a), height * 0.65), (2.0, 0.12, 0.12), TRUNK, yaw=a, pitch=-0.6)
-    if sc.season in ("summer", "fall"):
-        for _ in range(int(rng.poisson((s1 - s0) / 15.0))):  # hay bales in the fields
-            s, side = rng.uniform(s0, s1), (-1 if rng.random() < 0.5 else 1)
-            edge = right_edge if side < 0 else left_edge
-            x, y = road.point(s, edge + side * rng.uniform(8.0, 50.0))
-            if _clear_of_road(road, x, y, 7.0):
-                mesh.prism((x, y, 0.0), 0.8, 0.8, 1.2, (0.8, 0.7, 0.38), sides=8)
+                    a = k * math.pi / 2 + chunk.rng.uniform(0, 1)
+                    branch = (x + 0.8 * math.cos(a), y + 0.8 * math.sin(a), height * 0.65)
+                    chunk.mesh.box(branch, (2.0, 0.12, 0.12), TRUNK, yaw=a, pitch=-0.6)
+    if chunk.scenario.season in ("summer", "fall"):
+        for _ in range(int(chunk.rng.poisson((chunk.s1 - chunk.s0) / 15.0))):  # hay bales in the fields
+            s, side = chunk.rng.uniform(chunk.s0, chunk.s1), (-1 if chunk.rng.random() < 0.5 else 1)
+            edge = chunk.right_edge if side < 0 else chunk.left_edge
+            x, y = chunk.road.point(s, edge + side * chunk.rng.uniform(8.0, 50.0))
+            if _clear_of_road(chunk.road, x, y, 7.0):
+                chunk.mesh.prism((x, y, 0.0), 0.8, 0.8, 1.2, (0.8, 0.7, 0.38), sides=8)
 
 
-def _buildings(mesh, emissive, road, s0, s1, right_edge, left_edge, sc, night, rng) -> None:
-    for side, edge in ((-1, right_edge), (1, left_edge)):
-        s = s0 + rng.uniform(0.0, 3.0)
-        while s < s1:
+def _buildings(chunk: _Chunk) -> None:
+    for side, edge in ((-1, chunk.right_edge), (1, chunk.left_edge)):
+        s = chunk.s0 + chunk.rng.uniform(0.0, 3.0)
+        while s < chunk.s1:
+            rng = chunk.rng
             frontage, depth, height = rng.uniform(8.0, 22.0), rng.uniform(8.0, 16.0), rng.uniform(6.0, 36.0)
-            setback = 5.5 + rng.uniform(0.0, 2.0)
+            setback = 5.5 + chunk.rng.uniform(0.0, 2.0)
             mid_s = s + frontage / 2.0
-            x, y = road.point(mid_s, edge + side * (setback + depth / 2.0))
-            yaw = float(road.heading_at(mid_s))
-            if _clear_of_road(road, x, y, abs(edge) + setback + depth / 2.0 - 1.0):
-                color = np.asarray(BUILDINGS[int(rng.integers(len(BUILDINGS)))]) * rng.uniform(0.85, 1.1)
-                mesh.box((x, y, height / 2.0), (frontage, depth, height), color, yaw=yaw)
-                _windows(mesh, emissive, road, mid_s, edge + side * (setback - 0.05), side, frontage, height, yaw, night, rng)
-            s += frontage + rng.uniform(1.0, 5.0)
+            x, y = chunk.road.point(mid_s, edge + side * (setback + depth / 2.0))
+            yaw = float(chunk.road.heading_at(mid_s))
+            if _clear_of_road(chunk.road, x, y, abs(edge) + setback + depth / 2.0 - 1.0):
+                color = np.asarray(BUILDINGS[int(chunk.rng.integers(len(BUILDINGS)))]) * chunk.rng.uniform(0.85, 1.1)
+                chunk.mesh.box((x, y, height / 2.0), (frontage, depth, height), color, yaw=yaw)
+                _windows(chunk, mid_s, edge + side * (setback - 0.05), side, frontage, height, yaw)
+            s += frontage + chunk.rng.uniform(1.0, 5.0)
 
 
-def _windows(mesh, emissive, road, s, lateral, side, frontage, height, yaw, night, rng) -> None:
+def _windows(chunk: _Chunk, s: float, lateral: float, side: int, frontage: float, height: float, yaw: float) -> None:
     """Window panes on the facade that faces the road, drawn two-sided as flat quads."""
     u, z = np.meshgrid(np.arange(-frontage / 2 + 1.5, frontage / 2 - 1.0, 3.0), np.arange(3.0, height - 1.0, 3.5))
-    fx, fy = road.point(s, lateral)
+    fx, fy = chunk.road.point(s, lateral)
     centers = np.stack([fx + u.ravel() * math.cos(yaw), fy + u.ravel() * math.sin(yaw), z.ravel()], axis=1)
     # Facades on the right of the road face left (+90 deg), those on the left face right.
     facing = yaw if side < 0 else yaw + math.pi
-    lit = rng.random(len(centers)) < (0.35 if night else 0.0)
-    mesh.quads(centers[~lit], (1.4, 1.6), facing, GLASS)
-    emissive.quads(centers[lit], (1.4, 1.6), facing, LIT_WINDOW)
+    lit = chunk.rng.random(len(centers)) < (0.35 if chunk.night else 0.0)
+    chunk.mesh.quads(centers[~lit], (1.4, 1.6), facing, GLASS)
+    chunk.emissive.quads(centers[lit], (1.4, 1.6), facing, LIT_WINDOW)
 
 
 # ------------------------------------------------------------------------------ actors

@@ -111,8 +111,9 @@ def bag_frame_count(path: Path, topic: str) -> Optional[int]:
 
 def bag_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterator[LabelledFrame]:
     """Camera frames of a bag, each labelled with the nearest reference command by header stamp."""
-    from sps_driving.bagio import read_messages, stamp_ns
+    from sps_driving.bagio import read_messages
     from sps_driving.core.image import ImageError, to_rgb
+    from sps_driving.msgs import stamp_ns
 
     command_stamps, command_values = [], []
     for message in read_messages(path, [settings.command_topic]):

@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -46,7 +46,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from sps_driving.core.policy import (
-    ARCHITECTURES, DEFAULT_ARCHITECTURE, build_policy, load_policy, read_policy_config, save_policy,
+    ARCHITECTURES, PolicyArchitecture, architecture_of, build_policy, check_architecture, load_policy,
+    read_policy_config, save_policy,
 )
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.resources import config_path
@@ -64,42 +65,39 @@ DescriptorTransform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 @dataclass
 class TrainConfig:
+    """Training settings. Their defaults, with units, are config/train.yaml's `train:` section:
+    make one with `from_yaml`, which puts the command line's choices on top."""
+
     cache: str | list  # one feature cache directory, or several trained on as one
     out: str
-    variant: str = "sps"
-    rate: float = 0.5
-    seed: int = 0
-    keep_probability: Optional[list] = None
-    architecture: str = "mlp"
-    width: int = 256
-    reduce: int = 16
-    depth: int = 2
-    heads: int = 4
-    mlp_ratio: float = 2.0
-    dropout: float = 0.1
-    max_steering_rad: float = 0.5
-    epochs: int = 100
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    plateau_patience: int = 10
-    plateau_factor: float = 0.5
-    min_lr: float = 1e-6
-    early_stop_patience: int = 25
-    loss_weights: list = field(default_factory=lambda: [1.0, 1.0])
-    validation_fraction: float = 0.1
-    num_workers: int = 0
-    device: str = "auto"
-    resume: bool = False
+    variant: str
+    rate: float
+    seed: int
+    keep_probability: Optional[list]
+    architecture: str
+    width: int
+    reduce: int
+    depth: int
+    heads: int
+    mlp_ratio: float
+    dropout: float
+    max_steering_rad: float
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    plateau_patience: int
+    plateau_factor: float
+    min_lr: float
+    early_stop_patience: int
+    loss_weights: list
+    validation_fraction: float
+    num_workers: int
+    device: str
+    resume: bool = False  # a run mode, not a setting: --resume
 
     def __post_init__(self) -> None:
-        selection = self.selection()  # raises on a bad variant, rate, seed or keep_probability
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"unknown architecture {self.architecture!r}; expected one of {list(ARCHITECTURES)}")
-        if self.architecture != "transformer" and selection.sparse_sequence:
-            raise ValueError(f"architecture {self.architecture} reads the whole grid (zeros at dropped patches): use "
-                             f"variant sps or threshold, not {self.variant}, which feeds the kept tokens as a "
-                             f"sequence (--architecture transformer)")
+        check_architecture(self.architecture, self.selection())  # and the variant, rate, seed, keep_probability
         for name in ("width", "reduce", "depth", "heads", "epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -118,9 +116,13 @@ class TrainConfig:
         """The `train:` section of config/train.yaml, with `overrides` (None values ignored) on top."""
         section = (yaml.safe_load(Path(path).read_text()) or {}).get("train", {})
         section.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
+        fields = dataclasses.fields(cls)
+        unknown = set(section) - {f.name for f in fields}
         if unknown:
             raise ValueError(f"unknown training settings {sorted(unknown)} (from {path} or the command line)")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in section]
+        if missing:
+            raise ValueError(f"training settings {missing} are missing: {path} has no value for them")
         return cls(**section)
 
     def selection(self) -> SelectionConfig:
@@ -129,6 +131,9 @@ class TrainConfig:
     def policy_settings(self) -> dict:
         """The settings of this architecture's policy (the checkpoint's "policy")."""
         return {key: getattr(self, key) for key in ARCHITECTURES[self.architecture]}
+
+    def policy_architecture(self) -> PolicyArchitecture:
+        return PolicyArchitecture(self.architecture, self.policy_settings(), self.max_steering_rad)
 
 
 # ---- data split and loss ----------------------------------------------------------------------
@@ -322,15 +327,10 @@ def _resolved_caches(cache: str | list) -> str | list:
 
 
 def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx: np.ndarray) -> dict:
+    config = cfg.policy_architecture().config(cache.grid, cache.descriptor_dim, cfg.selection(), backbone=cache.backbone)
     return {
-        "backbone": cache.backbone,
+        **config,
         "extractor": cache.meta.get("extractor"),
-        "grid": {"rows": cache.grid.rows, "cols": cache.grid.cols},
-        "descriptor_dim": cache.descriptor_dim,
-        "selection": cfg.selection().to_dict(),
-        "architecture": cfg.architecture,
-        "policy": cfg.policy_settings(),
-        "output": {"max_steering_rad": cfg.max_steering_rad},
         "units": {"steering": "front road-wheel angle, rad, left positive", "throttle": "[-1, 1], negative = brake"},
         "training": {
             "cache": _resolved_caches(cfg.cache),
@@ -398,7 +398,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         last_config = read_policy_config(last_dir)
         policy = load_policy(last_dir).module
         config["policy"], config["output"] = last_config["policy"], last_config["output"]
-        config["architecture"] = last_config.get("architecture", DEFAULT_ARCHITECTURE)
+        config["architecture"] = architecture_of(last_config)
         if "init_checkpoint" in last_config["training"]:
             config["training"]["init_checkpoint"] = last_config["training"]["init_checkpoint"]
     elif init_checkpoint is not None:
@@ -406,7 +406,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         check_init_checkpoint(init_config, cache, selection, init_checkpoint)
         policy = load_policy(init_checkpoint).module
         config["policy"], config["output"] = init_config["policy"], init_config["output"]
-        config["architecture"] = init_config.get("architecture", DEFAULT_ARCHITECTURE)
+        config["architecture"] = architecture_of(init_config)
         config["training"]["init_checkpoint"] = str(Path(init_checkpoint).resolve())
     else:
         policy = build_policy(config, cache.position_table())
