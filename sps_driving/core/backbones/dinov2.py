@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from sps_driving.core.backbones import UNMASKED_FALLOFF, patch_indices
-from sps_driving.core.backbones.qformer import layer_norm_fp32
+from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 from sps_driving.core.backbones.vit_masked import MaskedViT, block_forward, resolve_dtype
 from sps_driving.core.grid import FALLOFFS, PatchGrid
 from sps_driving.core.image import normalized_pixels
