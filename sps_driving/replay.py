@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving import msgs, topics
+from sps_driving.extractors import FACT_KEYS
 from sps_driving.graph import VEHICLE_WITHOUT_CAR
 
 # Stage outputs whose receive time minus the frame's entry time is that stage's latency.
@@ -136,6 +137,7 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
     commands = {}
     compute: dict = {}
     reported_drops: dict = {}  # stamp -> the first drop reported for it
+    extractor_runs: dict = {}  # what the extractor runs (backend, runtime, precision, threads), from its timing
     failure_counts: dict = {}
     safety_interventions = 0
     vehicle_interventions = 0
@@ -151,6 +153,8 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
             for name, level, message, values in msgs.diagnostic_values(rec.msg):
                 if level == 0 and "compute_ms" in values:
                     compute.setdefault(name, {})[msgs.stamp_ns(rec.msg.header)] = float(values["compute_ms"])
+                    if name == "extractor":
+                        extractor_runs.update({k: v for k, v in values.items() if k in FACT_KEYS})
                 elif message.startswith("dropped"):
                     reason = message.split(":", 1)[-1].strip()
                     reported_drops.setdefault(msgs.stamp_ns(rec.msg.header), f"{name}: {reason[:80]}")
@@ -214,6 +218,7 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
         "vehicle_stop_reasons": stop_reasons,
         "latency_ms": latency_ms,
         "compute_ms": compute_ms,
+        "extractor": extractor_runs,
     }
 
 
@@ -243,6 +248,10 @@ def format_report(r: dict) -> str:
         f"vehicle stopping {num(r['vehicle_stopping_fraction'], '.0%')} of the time from first to last frame"
         f" (stop reasons in status reports: {reasons})"
     )
+    runs = r.get("extractor") or {}
+    if runs:
+        lines.append(f"extractor: backend {runs.get('backend')}, {runs.get('runtime')}, {runs.get('precision')}, "
+                     f"{runs.get('threads')} thread(s)")
     lines.append("latency ms (from the frame entering the graph)   p50      p99      n")
     for stage, stats in r["latency_ms"].items():
         lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")
@@ -439,7 +448,7 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
     """Per-node parameters over the params file for a replay."""
     params = {
         "selection": {"checkpoint": str(checkpoint)},
-        "extractor": {},
+        "extractor": {"checkpoint": str(checkpoint)},
         "policy": {"checkpoint": str(checkpoint)},
         # Nothing real is driven: engage at once so the vehicle interface's decisions are recorded.
         # The bag's stamps are old, so the camera-to-command latency check is off.

@@ -108,7 +108,7 @@ def test_cli_export_and_parity_with_random_weights(tmp_path, capsys):
 
 
 def test_dinov2_export_matches_torch(tmp_path, image):
-    dinov2 = load_extractor({"backbone": "dinov2_vits14", "device": "cpu", "dtype": "float32"})
+    dinov2 = load_extractor({"backbone": "dinov2_vits14", "backend": "torch", "device": "cpu", "dtype": "float32"})
     export_onnx(dinov2, tmp_path)
     runtime = load_runtime_extractor({"backbone": "dinov2_vits14", "backend": "onnxruntime", "export_dir": str(tmp_path)})
     indices = np.array([0, 17, 100, 255, 128])

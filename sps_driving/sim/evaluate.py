@@ -71,15 +71,12 @@ def method_name(policy_config: dict) -> str:
 class PolicyDriver:
     """Camera frame -> selected patches -> descriptors -> policy command."""
 
-    def __init__(self, policy_dir: str, device: str = "cpu"):
-        from sps_driving.core.backbones import load_extractor
+    def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None):
         from sps_driving.core.policy import load_policy
+        from sps_driving.extractors import extractor_for_policy
 
         self.policy = load_policy(policy_dir, device=device)
-        extractor_config = dict(self.policy.config.get("extractor") or {"backbone": self.policy.config.get("backbone", "dinov2_vits14")})
-        if extractor_config.get("backbone", "dinov2_vits14") == "dinov2_vits14":
-            extractor_config["device"] = device
-        self.extractor = load_extractor(extractor_config)
+        self.extractor = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}).extractor
         if self.extractor.grid != self.policy.grid or self.extractor.dim != self.policy.descriptor_dim:
             raise ValueError(
                 f"policy {policy_dir} expects a {self.policy.grid.rows}x{self.policy.grid.cols}x{self.policy.descriptor_dim} "
@@ -147,7 +144,7 @@ def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: 
 
         torch.set_num_threads(threads)
         _WORKER["renderer"] = get_renderer(config)
-        _WORKER["driver"] = PolicyDriver(policy_dir, device)
+        _WORKER["driver"] = PolicyDriver(policy_dir, device, threads)
 
 
 def _run_task(task: tuple[str, int]) -> dict:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sps_driving.core.backbones import resolve_device
 from sps_driving.core.backbones.fp32_norm import keep_layer_norms_fp32
 from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_embeddings
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
@@ -65,12 +66,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 class Blip2WeightsMissing(FileNotFoundError):
     pass
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_weights_dtype(name: str, device: torch.device) -> torch.dtype:
