@@ -71,12 +71,12 @@ def method_name(policy_config: dict) -> str:
 class PolicyDriver:
     """Camera frame -> selected patches -> descriptors -> policy command."""
 
-    def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None):
+    def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None):
         from sps_driving.core.policy import load_policy
         from sps_driving.extractors import extractor_for_policy
 
         self.policy = load_policy(policy_dir, device=device)
-        self.extractor = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}).extractor
+        self.extractor = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}, backbone_config).extractor
         if self.extractor.grid != self.policy.grid or self.extractor.dim != self.policy.descriptor_dim:
             raise ValueError(
                 f"policy {policy_dir} expects a {self.policy.grid.rows}x{self.policy.grid.cols}x{self.policy.descriptor_dim} "
@@ -135,7 +135,7 @@ def run_episode(config: dict, scenario_name: str, episode_index: int, driver=Non
 _WORKER: dict = {}
 
 
-def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: int) -> None:
+def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: int, backbone_config: Optional[str]) -> None:
     _WORKER["config"] = config
     if policy_dir is not None:
         import torch
@@ -144,7 +144,7 @@ def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: 
 
         torch.set_num_threads(threads)
         _WORKER["renderer"] = get_renderer(config)
-        _WORKER["driver"] = PolicyDriver(policy_dir, device, threads)
+        _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config)
 
 
 def _run_task(task: tuple[str, int]) -> dict:
@@ -214,7 +214,8 @@ class _Recorder:
         self.sink.close()
 
 
-def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu") -> list[dict]:
+def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
+             backbone_config: Optional[str] = None) -> list[dict]:
     """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
@@ -222,7 +223,7 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
     if not tasks:
         return []
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
-    init = (config, settings.policy_dir, device, threads)
+    init = (config, settings.policy_dir, device, threads, backbone_config)
     record = _Recorder(settings, path, len(tasks))
     try:
         if workers <= 1:
@@ -450,6 +451,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder: results.jsonl, table1/table2 .csv and .md, details.md, accuracy_vs_rate.png")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
+    parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. precision: int8)")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
     parser.add_argument("--graph", action="store_true",
                         help="drive through the live ROS 2 graph (sim_world node + the on-car nodes) instead of in process; "
@@ -485,6 +487,8 @@ def run(args) -> int:
     if args.graph:
         if args.expert:
             raise SystemExit("eval: --graph drives with a policy; the expert runs in process")
+        if args.backbone_config:
+            raise SystemExit("eval: --backbone-config is for the in-process run; --graph takes config/graph.yaml's")
         if not (math.isfinite(args.real_time_factor) and args.real_time_factor > 0):
             raise SystemExit(f"eval: --real-time-factor must be positive, got {args.real_time_factor}")
         from sps_driving.sim.graph_eval import GRAPH_SUFFIX
@@ -500,7 +504,7 @@ def run(args) -> int:
     if args.graph:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:
-        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device)
+        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device, args.backbone_config)
     # Tables compare methods under the same settings: rows of other profiles stay in the file only.
     same = (settings.episode_s, settings.width, settings.height)
     rows = [r for r in read_results(out / RESULTS_FILE) if (r["episode_s"], r["width"], r["height"]) == same]
