@@ -56,19 +56,28 @@ def torch_reference(config: dict):
                            "export_dir": None})
 
 
-def parity(reference, runtime, image: np.ndarray | None = None, tolerance: float = PARITY_TOLERANCE) -> dict:
-    """Every patch's descriptor of `runtime` against `reference` on `image` (default: a seeded
-    random camera frame): max |difference|, min cosine, descriptor scale, ok."""
-    if image is None:
-        image = np.random.default_rng(PARITY_SEED).integers(0, 256, PARITY_FRAME, dtype=np.uint8)
+def parity(reference, runtime, images: list | None = None, tolerance: float = PARITY_TOLERANCE) -> dict:
+    """Every patch's descriptor of `runtime` against `reference` on `images` (default: one seeded
+    random camera frame): max |difference|, cosines, relative error |got - expected| / |expected|
+    (per frame, over all patches; mean and max), descriptor scale, and ok (max |difference| within
+    tolerance)."""
+    if images is None:
+        images = [np.random.default_rng(PARITY_SEED).integers(0, 256, PARITY_FRAME, dtype=np.uint8)]
     indices = np.arange(reference.grid.n)
-    expected = reference.descriptors(reference.encode(image), indices)
-    got = runtime.descriptors(runtime.encode(image), indices)
-    diff = float(np.abs(got - expected).max())
-    norms = np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-12
-    cosine = float(np.min(np.sum(got * expected, 1) / norms))
-    return {"max_abs_diff": diff, "min_cosine": cosine, "descriptor_scale": float(np.abs(expected).max()),
-            "tolerance": tolerance, "ok": diff <= tolerance}
+    diff, cosines, relative, scale = 0.0, [], [], 0.0
+    for image in images:
+        expected = reference.descriptors(reference.encode(image), indices)
+        got = runtime.descriptors(runtime.encode(image), indices)
+        diff = max(diff, float(np.abs(got - expected).max()))
+        norms = np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-12
+        cosines.append(np.sum(got * expected, 1) / norms)
+        relative.append(float(np.linalg.norm(got - expected) / np.linalg.norm(expected)))
+        scale = max(scale, float(np.abs(expected).max()))
+    cosines = np.concatenate(cosines)
+    return {"frames": len(images), "max_abs_diff": diff, "min_cosine": float(cosines.min()),
+            "mean_cosine": float(cosines.mean()), "relative_error": float(np.mean(relative)),
+            "max_relative_error": float(np.max(relative)), "descriptor_scale": scale, "tolerance": tolerance,
+            "ok": diff <= tolerance}
 
 
 def parity_of(config: dict, reference=None) -> dict:
