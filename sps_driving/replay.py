@@ -54,6 +54,7 @@ REFERENCE_MATCH_S = 0.05  # a reference command within this of a frame's stamp i
 VEHICLE_INTERFACE, SAFETY_MONITOR = "vehicle_interface", "safety_monitor"  # their status names
 REPEATED_STAMP = "repeated stamp"  # drop reason: an image whose stamp was already played
 NO_OUTCOME = "no outcome"  # drop reason: neither a command nor a stage's drop report came
+IDLE_WAIT_S = 0.25  # s, the longest a lockstep wait sleeps without a message (see Player.wait_for)
 
 
 @dataclass(frozen=True)
@@ -356,7 +357,10 @@ class Player:
         while stamp not in self.done:
             if time.monotonic() > end:
                 return False
-            self.executor.spin_once(timeout_sec=0.01)
+            # Returns as soon as a message is in; a long wait means few idle wake-ups of this
+            # process, which shares the cores with the graph (measured: 2 ms of the extractor's
+            # 41 ms per frame, and 10 ms of the p99 camera-to-command latency, at 0.01 s).
+            self.executor.spin_once(timeout_sec=IDLE_WAIT_S)
         return True
 
 
