@@ -196,13 +196,12 @@ def _torch(config: dict, why: str) -> tuple[dict, str]:
 
 def _export(config: dict) -> tuple[Path, dict]:
     """The export directory of `config` and its parity record (made and checked on first use)."""
+    from sps_driving.core.backbones.runtimes import read_parity
     from sps_driving.export.cache import ensure_export, parity_of
 
-    if config.get("export_dir"):
-        return Path(config["export_dir"]), parity_of(config)
+    if config.get("export_dir"):  # an export made by hand: checked now, it has no record
+        return Path(config["export_dir"]), read_parity(config["export_dir"]) or parity_of(config)
     export_dir = ensure_export(config)
-    from sps_driving.core.backbones.runtimes import read_parity
-
     return export_dir, read_parity(export_dir)
 
 
