@@ -185,3 +185,12 @@ def test_the_policy_helper_gives_a_policys_own_extractor():
     pixels = extractor_for_policy({"backbone": "pixels", "extractor": {"backbone": "pixels", "input_size": [112, 112],
                                                                        "pixel_pool": 2}})
     assert (pixels.extractor.name, pixels.extractor.dim, pixels.extractor.grid.rows) == ("pixels", 147, 8)
+
+
+def test_the_runtime_leaves_the_callers_arithmetic_alone(cache, frame):
+    """onnxruntime's flush-to-zero for subnormal attention weights stays on its own threads: this
+    thread still computes subnormal floats (a simulation or a test beside the extractor)."""
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    extractor = open_extractor({**SMALL, "cache_dir": str(cache)}).extractor
+    extractor.descriptors(extractor.encode(frame), np.arange(64))
+    assert tiny * np.float32(0.5) != 0 and np.nextafter(np.float64(0), np.float64(1)) > 0

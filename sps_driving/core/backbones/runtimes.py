@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,17 +226,24 @@ class OnnxRuntimeExtractor(ExportedExtractor):
         # Idle pool threads sleep instead of busy-waiting for the next op or frame: on a few cores
         # shared with the graph's other processes, spinning threads take the CPU they need.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.backbone = ort.InferenceSession(str(self.export_dir / backbone_file), options, providers=providers)
-        self.patches = ort.InferenceSession(str(self.export_dir / PATCHES_FILE), options, providers=providers)
+        # set_denormal_as_zero also switches the thread that creates a session to flush-to-zero,
+        # for every float computed there afterwards: the sessions are made and run on a thread
+        # of their own, so the caller's arithmetic (a simulation, tests) stays IEEE.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxruntime")
+        self.backbone, self.patches = self._thread.submit(lambda: tuple(
+            ort.InferenceSession(str(self.export_dir / name), options, providers=providers)
+            for name in (backbone_file, PATCHES_FILE)
+        )).result()
         self.provider = self.backbone.get_providers()[0]
         self._version = ort.__version__
 
     def encode(self, image_rgb: np.ndarray) -> ExportedFrame:
-        (tokens,) = self.backbone.run(["tokens"], {"pixel_values": self.pixels(image_rgb)})
+        pixels = self.pixels(image_rgb)
+        (tokens,) = self._thread.submit(self.backbone.run, ["tokens"], {"pixel_values": pixels}).result()
         return ExportedFrame(tokens)
 
     def run_patches(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        return self.patches.run(["descriptors"], inputs)[0]
+        return self._thread.submit(self.patches.run, ["descriptors"], inputs).result()[0]
 
     def runtime_facts(self) -> dict:
         device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
