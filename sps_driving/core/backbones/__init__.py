@@ -44,6 +44,7 @@ DESCRIPTOR_KEYS = ("backbone", "input_size", "masked_layer", "falloff", "alpha",
 # Where the same weights are on this machine: the checkpoint's record unless given here.
 WEIGHTS_KEYS = ("model_path", "head_path")  # head_path: BLIP-2's
 # Every other key says how and where descriptors are computed (backend, device, threads, ...).
+TORCH_PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # as runtime_facts says them
 CONFIG_NAME = "extraction.yaml"
 # The DINOv2-style keys the pixels backbone uses; the file's other keys do not apply to it.
 PIXELS_KEYS = ("input_size", "pixel_pool")
@@ -78,8 +79,9 @@ def resolve_config(config: Mapping | str | Path | None = None) -> dict:
 
     For DINOv2 and pixels every key must be a known one (a typo is an error, not a silent
     default), and the result holds only the keys that backbone reads (pixels: PIXELS_KEYS, so
-    e.g. a device given for every backbone is dropped); BLIP-2 gets the given keys plus backbone
-    and backend, and applies its own defaults.
+    e.g. a device given for every backbone is dropped); BLIP-2 gets the given keys plus backbone,
+    backend and precision, and applies its own defaults. Backend auto becomes torch where only
+    torch computes the descriptors (`torch_only_reason`).
     """
     given = _read_yaml(config) if isinstance(config, (str, Path)) else dict(config or {})
     defaults = default_config()
@@ -161,9 +163,6 @@ def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor
     from .dinov2 import DinoV2Extractor
 
     return DinoV2Extractor.from_config(config)
-
-
-TORCH_PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
 def runtime_facts(extractor: PatchExtractor) -> dict:
