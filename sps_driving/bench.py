@@ -20,6 +20,14 @@ with torch's FLOP counter: matmul FLOPs per frame of each part, and the achieved
 
 Peak memory is the largest rise during the stage: resident memory sampled every 2 ms on CPU,
 torch's allocator peak on CUDA.
+
+`--graph` times the extractor the car runs instead, on a recorded drive (default the bundled
+data/demo_drive, with the shipped policy's selection): standalone in this process (decoding,
+encode and descriptors of the selected patches, the work the node times per frame), then the
+whole live graph replaying the drive in lockstep (`sps-driving replay`): its throughput, the
+camera-to-command latency and the extractor node's own compute time, and their ratio to
+standalone. Both use the settings the node uses (sps_driving.extractors); standalone and graph
+alternate `--repeats` times, so load on the machine affects both alike.
 """
 
 from __future__ import annotations
@@ -60,10 +68,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peak-gflops", type=float, default=DEFAULT_PEAK_GFLOPS, help="machine peak for the efficiency column")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--graph", action="store_true",
+                        help="the extractor standalone and in the live graph (lockstep replay of --bag), side by side")
+    parser.add_argument("--bag", type=Path, help="--graph: drive to replay (default: the bundled data/demo_drive)")
+    parser.add_argument("--checkpoint", type=Path, help="--graph: policy folder (default: the shipped models/sps50_dinov2)")
+    parser.add_argument("--backbone-config", type=Path, help="--graph: extraction settings file (e.g. precision: int8)")
     parser.add_argument("--out", help="also write the JSON result to this file")
 
 
 def run(args) -> int:
+    if args.graph:
+        return run_graph(args)
     _count_cpu_attention_flops()
     repeats = args.repeats or (2 if args.quick else 3)
     dims = args.blip2 or ("tiny" if args.quick else "real")
@@ -76,13 +91,15 @@ def run(args) -> int:
         result["blip2"]["dims"] = f"checkpoint {args.blip2_model_path}" if args.blip2_model_path else dims
         result["blip2"]["mask"] = {key: fast.options[key] for key in ("falloff", "alpha", "suppression", "cls_mask")}
     if args.dinov2 != "none":
-        from sps_driving.core.backbones import load_extractor, resolve_config
+        from sps_driving.core.backbones import load_extractor, resolve_config, runtime_facts
         from sps_driving.export.cli import random_dinov2
 
-        config = {"backbone": "dinov2_vits14", "device": args.device, "dtype": args.dtype}
+        # torch: the FLOP counter sees torch ops only (`--graph` times the backend the car runs)
+        config = {"backbone": "dinov2_vits14", "backend": "torch", "device": args.device, "dtype": args.dtype}
         dinov2 = load_extractor(config) if args.dinov2 == "embedded" else random_dinov2("real", resolve_config(config), args.seed)
         dinov2.model.requires_grad_(False)  # frozen; the FLOP counter's module tracker needs no autograd
         result["dinov2"] = bench_extractor(dinov2, image, args.rates, repeats, args.seed, args.policy)
+        result["dinov2"]["runtime"] = runtime_facts(dinov2)
     add_efficiency(result, args.peak_gflops)
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
@@ -393,3 +410,105 @@ def _rss() -> int:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
         return 0
+
+
+# ------------------------------------------------------------------ --graph
+
+
+def run_graph(args) -> int:
+    from sps_driving.resources import package_path
+
+    bag = args.bag or package_path("data/demo_drive")
+    checkpoint = args.checkpoint or package_path("models/sps50_dinov2")
+    result = bench_graph(bag, checkpoint, args.backbone_config, args.repeats or 3)
+    text = json.dumps(result, indent=None if args.json else 2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else format_graph(result))
+    return 0
+
+
+def bag_frames(bag: Path) -> list:
+    """(stamp ns, Image message) of every camera frame of `bag`."""
+    from sps_driving import msgs, topics
+    from sps_driving.bagio import read_messages
+
+    return [(msgs.stamp_ns(item.msg.header), item.msg) for item in read_messages(bag, [topics.IMAGE])]
+
+
+def time_standalone(extractor, selector, frames: list) -> list[float]:
+    """Per-frame ms of what the extractor node computes for a frame: decode, encode, descriptors of
+    the policy's selection."""
+    from sps_driving import msgs
+
+    times = []
+    for stamp, image in frames:
+        start = time.perf_counter()
+        extractor.descriptors(extractor.encode(msgs.image_to_rgb(image)), selector.select(stamp))
+        times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repeats: int) -> dict:
+    import tempfile
+
+    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.selection import PatchSelector, SelectionConfig
+    from sps_driving.core.grid import PatchGrid
+    from sps_driving.extractors import extractor_for_policy
+    from sps_driving.replay import replay_bag
+
+    policy = read_policy_config(checkpoint)
+    opened = extractor_for_policy(policy, config_file=backbone_config)
+    selector = PatchSelector(SelectionConfig.from_dict(policy["selection"]), PatchGrid(policy["grid"]["rows"], policy["grid"]["cols"]))
+    frames = bag_frames(bag)
+    time_standalone(opened.extractor, selector, frames[:3])  # warm-up
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="sps_bench_graph_") as scratch:
+        for repeat in tqdm(range(repeats), desc="bench --graph", unit="repeat"):
+            standalone = float(np.median(time_standalone(opened.extractor, selector, frames)))
+            report = replay_bag(bag, Path(scratch) / f"replay_{repeat}", checkpoint=checkpoint, backbone_config=backbone_config)
+            graph = report["compute_ms"].get("extractor", {}).get("p50")
+            runs.append({
+                "standalone_ms": standalone,
+                "standalone_fps": 1e3 / standalone,
+                "graph_extractor_ms": graph,
+                "graph_fps": report["throughput_fps"],
+                "camera_to_command_p50_ms": report["latency_ms"]["camera_to_command"]["p50"],
+                "camera_to_command_p99_ms": report["latency_ms"]["camera_to_command"]["p99"],
+                "policy_ms": report["compute_ms"].get("policy", {}).get("p50"),
+                "frames_out": report["frames_out"],
+                "frames_in": report["frames_in"],
+                "graph_over_standalone": None if graph is None else graph / standalone,
+                "graph_extractor": report["extractor"],
+            })
+    summary = {}
+    for key in ("standalone_ms", "standalone_fps", "graph_extractor_ms", "graph_fps", "camera_to_command_p50_ms",
+                "camera_to_command_p99_ms", "graph_over_standalone"):
+        values = [run[key] for run in runs if run[key] is not None]
+        summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))} if values else None
+    facts = {key: value for key, value in opened.facts.items()}
+    return {"bag": str(bag), "frames": len(frames), "checkpoint": str(checkpoint), "policy_architecture": policy.get("architecture"),
+            "backbone_config": str(backbone_config) if backbone_config else None, "repeats": repeats,
+            "standalone_extractor": facts, "runs": runs, "summary": summary, "load_average": list(os.getloadavg())}
+
+
+def format_graph(result: dict) -> str:
+    facts = result["standalone_extractor"]
+    lines = [f"{result['bag']} ({result['frames']} frames) through {result['checkpoint']}, {result['repeats']} repeat(s), "
+             f"load average {' '.join(f'{v:.2f}' for v in result['load_average'])}",
+             f"extractor: backend {facts['backend']} ({facts['choice']}), {facts['runtime']}, {facts['precision']}, "
+             f"{facts['threads']} thread(s)",
+             f"{'':28}{'median':>10}{'min':>10}{'max':>10}"]
+    names = {"standalone_ms": "standalone extractor [ms]", "graph_extractor_ms": "in the graph [ms]",
+             "graph_over_standalone": "graph / standalone", "standalone_fps": "standalone [frames/s]",
+             "graph_fps": "graph lockstep [frames/s]", "camera_to_command_p50_ms": "camera->command p50 [ms]",
+             "camera_to_command_p99_ms": "camera->command p99 [ms]"}
+    for key, label in names.items():
+        stats = result["summary"][key]
+        if stats:
+            lines.append(f"{label:28}{stats['median']:>10.2f}{stats['min']:>10.2f}{stats['max']:>10.2f}")
+    ran = {tuple(sorted(run["graph_extractor"].items())) for run in result["runs"]}
+    for item in ran:
+        lines.append("graph's extractor ran: " + ", ".join(f"{k} {v}" for k, v in item))
+    return "\n".join(lines)

@@ -68,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
     from sps_driving.sim.results import RESULTS_FILE, EvalSettings, read_results
     from sps_driving.sim.tables import method_name, write_tables
 
+    from sps_driving.extractors import extractor_for_policy
+
     print(f"\n== 2/2 closed loop: {args.episodes} episode(s) of {args.episode_s:g} s in {', '.join(args.scenarios)}")
+    # What each evaluation worker (one thread each) runs: the settings of the graph's extractor.
+    print(extractor_for_policy(checkpoint, {"device": "cpu", "threads": 1}).describe(), flush=True)
     config = load_sim_config(profile="quick")
     config["episode_s"] = float(args.episode_s)
     cam = config["camera"]

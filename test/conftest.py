@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,11 @@ os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(Path(__file__).resolv
 # Node processes and the test process share two cores: busy-waiting OpenMP threads would make
 # every torch process several times slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Exports made on first use (backend auto) go to a cache of the test run's own, which its node
+# processes share: the tests neither read nor fill the user's cache.
+if "SPS_DRIVING_CACHE_DIR" not in os.environ:
+    os.environ["SPS_DRIVING_CACHE_DIR"] = tempfile.mkdtemp(prefix="sps_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["SPS_DRIVING_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")

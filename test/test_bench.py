@@ -131,3 +131,37 @@ def test_peak_memory_sees_a_large_allocation():
     with bench.PeakMemory("cpu") as quiet:
         torch.zeros(4).sum()
     assert quiet.peak_mib < 48
+
+
+@pytest.mark.ros
+def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_path, capsys):
+    """`bench --graph` on a 4-frame drive (DINOv2 at 112 px, a tiny policy): both sides ran the
+    same backend, and the ratio is the graph's extractor time over standalone's. No speed asserted."""
+    from samples import tiny_policy
+
+    from sps_driving import msgs, topics
+    from sps_driving.bagio import BagWriter
+
+    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
+    rng = np.random.default_rng(0)
+    with BagWriter(tmp_path / "drive", "sqlite3") as bag:
+        for i in range(4):
+            t = 1_700_000_000_000_000_000 + i * 33_333_333
+            bag.write(topics.IMAGE, msgs.image_fields(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8), t, "camera"), t)
+    argv = ["bench", "--graph", "--bag", str(tmp_path / "drive"), "--checkpoint", str(ckpt), "--backbone-config",
+            str(tmp_path / "extraction.yaml"), "--repeats", "1", "--json", "--out", str(tmp_path / "graph.json")]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / "graph.json").read_text())
+    (run,) = result["runs"]
+    assert run["frames_in"] == run["frames_out"] == result["frames"] == 4
+    standalone = result["standalone_extractor"]
+    assert standalone["backend"] == "onnxruntime" and standalone["choice"].startswith("auto")
+    assert {k: run["graph_extractor"][k] for k in ("backend", "runtime", "precision")} == {
+        k: str(standalone[k]) for k in ("backend", "runtime", "precision")}
+    assert run["graph_over_standalone"] == pytest.approx(run["graph_extractor_ms"] / run["standalone_ms"])
+    assert run["camera_to_command_p99_ms"] >= run["camera_to_command_p50_ms"] > 0
+    assert result["summary"]["graph_over_standalone"]["median"] == pytest.approx(run["graph_over_standalone"])
+    text = bench.format_graph(result)
+    assert "graph / standalone" in text and "camera->command p99" in text

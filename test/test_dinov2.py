@@ -116,7 +116,9 @@ def test_position_table_is_what_the_backbone_adds(model, input_size, grid):
 
 
 def test_load_extractor_defaults_come_from_config_yaml():
-    extractor = load_extractor()
+    with pytest.raises(ValueError, match="backend auto .*open_extractor"):
+        load_extractor()  # the default backend auto: core loads what exists, it never exports
+    extractor = load_extractor({"backend": "torch"})
     assert isinstance(extractor, DinoV2Extractor)
     assert extractor.name == "dinov2_vits14" and extractor.dim == 384
     assert (extractor.grid.rows, extractor.grid.cols) == (16, 16)
@@ -125,7 +127,8 @@ def test_load_extractor_defaults_come_from_config_yaml():
     assert config["input_size"] == [224, 336] and config["masked_layer"] == 5 and config["falloff"] == "hard"
     assert config["backend"] == "onnxruntime" and config["export_dir"] == "x"
     # BLIP-2 applies its own defaults: only the given keys reach it
-    assert resolve_config({"backbone": "blip2", "dim": 32}) == {"backbone": "blip2", "backend": "torch", "dim": 32}
+    # (auto is torch for BLIP-2: it is not exported on first use)
+    assert resolve_config({"backbone": "blip2", "dim": 32}) == {"backbone": "blip2", "backend": "torch", "precision": "fp32", "dim": 32}
 
 
 def test_from_config_takes_a_given_model():
@@ -142,7 +145,7 @@ def test_from_config_takes_a_given_model():
 
 def test_load_extractor_reads_a_yaml_file(tmp_path):
     path = tmp_path / "extraction.yaml"
-    path.write_text("input_size: [224, 336]\nmasked_layer: 10\n")
+    path.write_text("backend: torch\ninput_size: [224, 336]\nmasked_layer: 10\n")
     extractor = load_extractor(path)
     assert (extractor.grid.rows, extractor.grid.cols) == (16, 24)
     assert extractor.encoder.masked_layer == 10
@@ -162,7 +165,7 @@ def test_load_extractor_reads_a_yaml_file(tmp_path):
 )
 def test_bad_config_is_a_clear_error(config, message):
     with pytest.raises(ValueError, match=message):
-        load_extractor(config)
+        load_extractor({"backend": "torch", **config})
 
 
 def test_bfloat16_descriptors_are_finite_and_close_to_float32(extractor):

@@ -113,6 +113,21 @@ def test_corrupt_frames_are_dropped_and_counted(rig):
         assert math.isfinite(s) and math.isfinite(t) and abs(s) <= 0.35 + 1e-9 and -0.8 <= t <= 0.3
 
 
+def test_a_frame_without_a_decision_is_dropped_after_the_timeout(rig):
+    """No decision within selection_timeout_s (5 s here) drops the frame with that reason, and the
+    next frame is computed as usual."""
+    graph, probe, image, info = rig
+    STAMP[0] += 33_333_333
+    stamp = STAMP[0]
+    frame = msgs.rgb_to_image(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), stamp, "camera")
+    image.publish(frame)  # no CameraInfo: the selection node never decides
+    assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 30)
+    assert outcome(probe, stamp) == "extractor dropped: no selection"
+    following = send(image, info)
+    assert probe.spin_until(lambda: outcome(probe, following) is not None, 60)
+    assert outcome(probe, following) == "command"
+
+
 def test_burst_keeps_only_the_newest_frame(rig):
     graph, probe, image, info = rig
     frames = [msgs.to_ros(msgs.image_fields(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), 0, "camera")) for _ in range(8)]

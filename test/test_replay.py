@@ -173,7 +173,9 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
         assert report["latency_ms"][stage]["count"] == 4 and report["latency_ms"][stage]["p50"] > 0
     recorded = {msgs.stamp_ns(m.msg.header): msgs.command_from_message(m.msg) for m in read_messages(out, [topics.POLICY_COMMAND])}
     assert set(recorded) == set(images)
-    extractor = load_extractor({"input_size": [112, 112]})
+    # The graph ran the default backend (auto: the onnxruntime export); the core runs torch.
+    assert report["extractor"]["backend"] == "onnxruntime" and report["extractor"]["precision"] == "fp32", report
+    extractor = load_extractor({"input_size": [112, 112], "backend": "torch"})
     policy = load_policy(ckpt)
     selector = PatchSelector(policy.selection, policy.grid)
     for stamp, rgb in images.items():

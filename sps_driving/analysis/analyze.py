@@ -22,7 +22,7 @@ from tqdm import tqdm
 from sps_driving.analysis.redundancy import AnalysisSettings, RedundancyAnalysis
 from sps_driving.core.grid import PatchGrid
 from sps_driving.resources import config_path
-from sps_driving.train.extract import extractor_config_from_args
+from sps_driving.train.extract import extraction_settings_from_args
 
 CONFIG_NAME = "analysis.yaml"
 
@@ -120,9 +120,9 @@ def open_sources(inputs: list[Path], stride: int, args: argparse.Namespace) -> l
             raise FileNotFoundError(f"{path} does not exist")
         if is_rosbag(path):
             if extractor is None:
-                from sps_driving.core.backbones import load_extractor
+                from sps_driving.extractors import open_extractor
 
-                extractor = load_extractor(extractor_config_from_args(args))
+                extractor = open_extractor(extraction_settings_from_args(args)).extractor
             sources.append(_bag_source(path, stride, extractor, args.image_topic))
         else:
             sources.append(_cache_source(path, stride))

@@ -3,6 +3,7 @@
   sps-driving export onnx --backbone blip2 --model-path models/blip2-itm-vit-g --out models/export/blip2
   sps-driving export onnx --backbone dinov2_vits14 --out models/export/dinov2_vits14
   sps-driving export tensorrt --export-dir models/export/blip2          (GPU machines, needs tensorrt)
+  sps-driving export int8 --export-dir models/export/dinov2_vits14     (onnxruntime's dynamic int8 backbone)
   sps-driving export parity --export-dir models/export/blip2 --backend onnxruntime --backbone blip2 ...
 
 `--random-weights tiny|real` builds BLIP-2 with random weights (for timing and checks without a
@@ -33,9 +34,14 @@ def add_arguments(parser) -> None:
                      help="optimization profile of the patch batch")
     trt.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace [GiB]")
     trt.add_argument("--force", action="store_true", help="rebuild even if a cached engine exists")
+    int8 = sub.add_parser("int8", help="quantize an export's backbone graph to int8 (onnxruntime, dynamic)")
+    int8.add_argument("--export-dir", required=True)
     parity = sub.add_parser("parity", help="compare an exported runtime with the fp32 torch extractor")
     _add_extractor_arguments(parity)
-    parity.add_argument("--export-dir", help="export directory (onnxruntime, tensorrt)")
+    parity.add_argument("--export-dir", help="export directory (onnxruntime, tensorrt); DINOv2 on onnxruntime: "
+                        "default the export cache's, made on first use")
+    parity.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime: the int8 backbone graph")
+    parity.add_argument("--bag", type=Path, help="compare on every camera frame of this rosbag2 (default: one random frame)")
     parity.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default="onnxruntime",
                         help="torch: the torch extractor itself at --device/--dtype (e.g. cuda float16)")
     parity.add_argument("--device", default="auto", help="device of the runtime under test (auto | cpu | cuda)")
@@ -98,6 +104,8 @@ def run(args) -> int:
         return _run_onnx(args)
     if args.export_command == "tensorrt":
         return _run_tensorrt(args)
+    if args.export_command == "int8":
+        return _run_int8(args)
     return _run_parity(args)
 
 
@@ -142,8 +150,52 @@ def _run_tensorrt(args) -> int:
     return 0
 
 
+def _run_int8(args) -> int:
+    from sps_driving.core.backbones.runtimes import RuntimeMissing, read_export
+    from sps_driving.export.cache import ensure_int8
+
+    try:
+        read_export(args.export_dir, {"export_dir": args.export_dir})
+    except RuntimeMissing as error:
+        print(error, file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    path = ensure_int8(Path(args.export_dir))
+    print(f"{path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s); "
+          "run it with precision: int8 and export_dir: " + args.export_dir)
+    return 0
+
+
+def runtime_config(args) -> dict:
+    """The exported runtime under test: --export-dir, else (DINOv2, onnxruntime) the export cache's."""
+    from sps_driving.core.backbones import resolve_config
+
+    given = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    config = {**given, "backbone": args.backbone, "backend": args.backend, "device": args.device, "precision": args.precision}
+    if args.model_path:
+        config["model_path"] = args.model_path
+    if args.export_dir:
+        config["export_dir"] = args.export_dir
+    elif args.backend == "onnxruntime" and args.backbone == "dinov2_vits14" and not args.random_weights:
+        from sps_driving.export.cache import ensure_export
+
+        config["export_dir"] = str(ensure_export(resolve_config({**config, "device": "cpu"})))
+    else:
+        raise SystemExit(f"--export-dir is needed for backend {args.backend} of {args.backbone}")
+    return config
+
+
+def rgb_frames(bag: Path) -> list:
+    """uint8 RGB frames of the camera topic of a rosbag2."""
+    from sps_driving import msgs, topics
+    from sps_driving.bagio import read_messages
+
+    return [msgs.image_to_rgb(item.msg) for item in read_messages(bag, [topics.IMAGE])]
+
+
 def _run_parity(args) -> int:
     from sps_driving.core.backbones.runtimes import load_runtime_extractor
+    from sps_driving.export.cache import parity
 
     if args.backend == "torch":
         import torch
@@ -151,21 +203,19 @@ def _run_parity(args) -> int:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         runtime = torch_extractor(args, device=device, dtype=args.dtype)
     else:
-        if not args.export_dir:
-            raise SystemExit(f"--export-dir is needed for backend {args.backend}")
-        runtime = load_runtime_extractor(
-            {"backbone": args.backbone, "backend": args.backend, "export_dir": args.export_dir, "device": args.device})
+        config = runtime_config(args)
+        if args.precision == "int8":
+            from sps_driving.export.cache import ensure_int8
+
+            ensure_int8(Path(config["export_dir"]))
+        runtime = load_runtime_extractor(config)
     reference = torch_extractor(args)
-    image = np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)
-    indices = np.arange(reference.grid.n)
-    expected = reference.descriptors(reference.encode(image), indices)
-    got = runtime.descriptors(runtime.encode(image), indices)
-    diff = float(np.abs(got - expected).max())
-    cosine = float(np.min(np.sum(got * expected, 1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-12)))
-    backend = f"torch {args.dtype} {runtime.device}" if args.backend == "torch" else args.backend
-    result = {"backbone": reference.name, "backend": backend, "max_abs_diff": diff, "min_cosine": cosine,
-              "descriptor_scale": float(np.abs(expected).max()), "tolerance": args.tolerance, "ok": diff <= args.tolerance}
+    images = rgb_frames(args.bag) if args.bag else [np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)]
+    backend = f"torch {args.dtype} {runtime.device}" if args.backend == "torch" else f"{args.backend} {args.precision}"
+    result = {"backbone": reference.name, "backend": backend, **parity(reference, runtime, images, args.tolerance)}
     print(json.dumps(result) if args.json else
-          f"{reference.name} {backend} vs torch fp32 cpu: max |diff| {diff:.3g} (tolerance {args.tolerance:g}), "
-          f"min cosine {cosine:.6f}, descriptor scale {result['descriptor_scale']:.3g} -> {'OK' if result['ok'] else 'FAIL'}")
+          f"{reference.name} {backend} vs torch fp32 cpu on {result['frames']} frame(s): max |diff| {result['max_abs_diff']:.3g} "
+          f"(tolerance {args.tolerance:g}), relative error {result['relative_error']:.3g} (max {result['max_relative_error']:.3g}), "
+          f"cosine min {result['min_cosine']:.6f} mean {result['mean_cosine']:.6f}, descriptor scale "
+          f"{result['descriptor_scale']:.3g} -> {'OK' if result['ok'] else 'FAIL'}")
     return 0 if result["ok"] else 1

@@ -5,6 +5,12 @@ one worker thread computes the newest frame whose decision has arrived. A frame 
 it was computed, or whose decision never came, is dropped and counted, as is a frame that cannot
 be decoded or gives non-finite descriptors. Output: a PointCloud2 (sps_driving.msgs) with the
 frame's stamp and the computed patch indices.
+
+Extraction settings come from the parameters, the policy `checkpoint`, the `backbone_config` file
+and config/extraction.yaml, in that order (sps_driving.extractors): with a checkpoint the
+descriptors are the ones its policy was trained on, and a parameter or file that says otherwise
+stops the node with both values named. The node logs the backend, runtime, precision and threads
+it runs, and sends them with every frame's timing.
 """
 
 from __future__ import annotations
@@ -14,38 +20,40 @@ import time
 from collections import OrderedDict
 
 import numpy as np
-import yaml
 from rclpy.node import Node
 from sensor_msgs.msg import Image, PointCloud2
 
 from sps_driving import msgs, topics
-from sps_driving.core.backbones import BACKBONES, BACKENDS
+from sps_driving.core.backbones import BACKBONES, BACKEND_CHOICES
 from sps_driving.core.image import ImageError
+from sps_driving.extractors import FACT_KEYS
 from sps_driving.nodes.common import Param, StageTimer, declare, run
 
+UNSET = "empty: the checkpoint's, else backbone_config's, else config/extraction.yaml's"
 PARAMETERS = {
-    "backend": Param("torch", "extraction runtime; onnxruntime and tensorrt run an export (`sps-driving export`)", choices=BACKENDS),
-    "backbone": Param("dinov2_vits14", "patch-descriptor backbone: dinov2_vits14 is embedded, blip2 needs model_path, pixels is the No-FM baseline", choices=BACKBONES),
+    "checkpoint": Param("", "policy folder; when set, the backbone and extraction settings its policy was trained with (a parameter or backbone_config value that differs is an error)"),
+    "backend": Param("", f"extraction runtime: auto (the fastest that matches torch), torch, onnxruntime, tensorrt; {UNSET}", choices=("", *BACKEND_CHOICES)),
+    "backbone": Param("", f"patch-descriptor backbone: dinov2_vits14 is embedded, blip2 needs model_path, pixels is the No-FM baseline; {UNSET}", choices=("", *BACKBONES)),
     "backbone_config": Param("", "YAML file of further extraction settings (keys of config/extraction.yaml); empty: its defaults"),
-    "model_path": Param("", "local weights (DINOv2 ONNX file or BLIP-2 folder); empty: the embedded DINOv2 file"),
-    "device": Param("cpu", "torch device: cpu or cuda"),
+    "model_path": Param("", f"local weights (DINOv2 ONNX file or BLIP-2 folder); {UNSET} (the embedded DINOv2 file)"),
+    "device": Param("", f"cpu, cuda or auto (cuda when there is a GPU); {UNSET}"),
     "selection_timeout_s": Param(0.5, "time a frame waits for its selection decision before it is dropped", "s", above=0.0),
 }
+EXTRACTION_PARAMETERS = ("backend", "backbone", "model_path", "device")
 _KEPT_DECISIONS = 90  # selection decisions remembered (3 s at 30 fps)
 
 
-def load_backbone(p: dict):
-    """The PatchExtractor for the node's parameters, over config/extraction.yaml or `backbone_config`."""
-    from sps_driving.core.backbones import load_extractor
+def load_backbone(p: dict, logger):
+    """The extractor of the node's parameters, checkpoint and backbone_config (sps_driving.extractors)."""
+    from sps_driving.extractors import extraction_settings, open_extractor
 
-    config = {}
-    if p["backbone_config"]:
-        with open(p["backbone_config"]) as f:
-            config = yaml.safe_load(f) or {}
-    config.update(backbone=p["backbone"], backend=p["backend"], device=p["device"])
-    if p["model_path"]:
-        config["model_path"] = p["model_path"]
-    return load_extractor(config)
+    settings = extraction_settings({k: p[k] for k in EXTRACTION_PARAMETERS}, p["checkpoint"], p["backbone_config"])
+    for warning in settings.warnings:
+        logger.warning(warning)
+    opened = open_extractor(settings)
+    logger.info(opened.describe())
+    logger.info(f"extraction settings: {settings.describe()}")
+    return opened
 
 
 class ExtractorNode(Node):
@@ -54,7 +62,12 @@ class ExtractorNode(Node):
     def __init__(self):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
-        self.extractor = load_backbone(p)
+        opened = load_backbone(p, self.get_logger())
+        self.extractor = opened.extractor
+        # Sent with every frame's timing: the replay report and the benchmark say what ran.
+        self.facts = {key: str(opened.facts[key]) for key in FACT_KEYS}
+        # The first frame through a runtime pays for its allocations: a blank one, not the camera's.
+        self.extractor.descriptors(self.extractor.encode(np.zeros((224, 224, 3), np.uint8)), np.arange(self.extractor.grid.n))
         self.selection_timeout_s = p["selection_timeout_s"]
         self.counters = {"frames": 0, "dropped_stale": 0, "dropped_no_selection": 0, "dropped_invalid": 0}
         self._lock = threading.Condition()
@@ -68,8 +81,6 @@ class ExtractorNode(Node):
         self.create_subscription(Image, topics.IMAGE, self._on_image, msgs.qos("image"))
         self.worker = threading.Thread(target=self._work, name="extractor", daemon=True)
         self.worker.start()
-        grid = self.extractor.grid
-        self.get_logger().info(f"{self.extractor.name}: {grid.rows}x{grid.cols} patches, D={self.extractor.dim}")
 
     def _on_image(self, msg: Image) -> None:
         with self._lock:
@@ -130,7 +141,7 @@ class ExtractorNode(Node):
             try:
                 rgb = msgs.image_to_rgb(msg)
                 values = self.extractor.descriptors(self.extractor.encode(rgb), indices)
-            except (ImageError, ValueError, RuntimeError) as exc:  # RuntimeError: torch (e.g. out of memory)
+            except (ImageError, ValueError, RuntimeError, ArithmeticError) as exc:  # RuntimeError: torch (e.g. out of memory); ArithmeticError: non-finite output of a runtime
                 self._drop_invalid(stamp, str(exc))
                 continue
             if not np.all(np.isfinite(values)):
@@ -138,7 +149,7 @@ class ExtractorNode(Node):
                 continue
             self.publisher.publish(msgs.descriptors_message(values, indices, stamp, msg.header.frame_id))
             self.counters["frames"] += 1
-            self.stage_timer.publish(stamp, started, self.counters)
+            self.stage_timer.publish(stamp, started, {**self.counters, **self.facts})
 
     def _drop_invalid(self, stamp: int, why: str) -> None:
         self.counters["dropped_invalid"] += 1
@@ -149,6 +160,8 @@ class ExtractorNode(Node):
         with self._lock:
             self._running = False
             self._lock.notify()
+        # The frame in hand finishes first: a runtime's thread pool torn down under it aborts the process.
+        self.worker.join(timeout=10.0)
         return super().destroy_node()
 
 

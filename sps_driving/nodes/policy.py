@@ -18,7 +18,7 @@ from sps_driving.resources import SHIPPED_POLICY
 
 PARAMETERS = {
     "checkpoint": Param(SHIPPED_POLICY, "policy folder with policy.safetensors and config.json"),
-    "device": Param("cpu", "torch device: cpu or cuda"),
+    "device": Param("cpu", "torch device: cpu, cuda or auto (cuda when there is a GPU)"),
 }
 
 
@@ -28,9 +28,10 @@ class PolicyNode(Node):
     def __init__(self):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
+        from sps_driving.core.backbones import resolve_device
         from sps_driving.core.policy import load_policy
 
-        self.policy = load_policy(p["checkpoint"], device=p["device"])
+        self.policy = load_policy(p["checkpoint"], device=str(resolve_device(p["device"])))
         self.counters = {"frames": 0, "dropped_invalid": 0}
         self.publisher = self.create_publisher(JointState, topics.POLICY_COMMAND, msgs.qos("stream"))
         self.stage_timer = StageTimer(self, self.NODE_NAME)

@@ -22,15 +22,12 @@ EVAL_SEED_BASE = 0
 class PolicyDriver:
     """Camera frame -> selected patches -> descriptors -> policy command."""
 
-    def __init__(self, policy_dir: str, device: str = "cpu"):
-        from sps_driving.core.backbones import load_extractor
+    def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None):
         from sps_driving.core.policy import load_policy
+        from sps_driving.extractors import extractor_for_policy
 
         self.policy = load_policy(policy_dir, device=device)
-        extractor_config = dict(self.policy.config.get("extractor") or {"backbone": self.policy.config.get("backbone", "dinov2_vits14")})
-        if extractor_config.get("backbone", "dinov2_vits14") == "dinov2_vits14":
-            extractor_config["device"] = device
-        self.extractor = load_extractor(extractor_config)
+        self.extractor = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}, backbone_config).extractor
         if self.extractor.grid != self.policy.grid or self.extractor.dim != self.policy.descriptor_dim:
             raise ValueError(
                 f"policy {policy_dir} expects a {self.policy.grid.rows}x{self.policy.grid.cols}x{self.policy.descriptor_dim} "
@@ -89,7 +86,7 @@ def run_episode(config: dict, scenario_name: str, episode_index: int, driver=Non
 _WORKER: dict = {}
 
 
-def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: int) -> None:
+def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: int, backbone_config: Optional[str]) -> None:
     _WORKER["config"] = config
     if policy_dir is not None:
         import torch
@@ -98,7 +95,7 @@ def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: 
 
         torch.set_num_threads(threads)
         _WORKER["renderer"] = get_renderer(config)
-        _WORKER["driver"] = PolicyDriver(policy_dir, device)
+        _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config)
 
 
 def _run_task(task: tuple[str, int]) -> dict:
@@ -107,11 +104,11 @@ def _run_task(task: tuple[str, int]) -> dict:
 
 
 def run_episodes(config: dict, policy_dir: Optional[str], tasks: list[tuple[str, int]], workers: int, device: str,
-                 record: Callable[[dict], None]) -> None:
+                 record: Callable[[dict], None], backbone_config: Optional[str] = None) -> None:
     """Run (scenario, episode index) `tasks` with the policy at `policy_dir` (None: the expert) in
     `workers` processes, handing each finished episode's result to `record` as it comes."""
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
-    init = (config, policy_dir, device, threads)
+    init = (config, policy_dir, device, threads, backbone_config)
     if workers <= 1:
         _init_worker(*init)
         for task in tasks:

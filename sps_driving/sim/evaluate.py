@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Optional
 
 from sps_driving.sim.config import PROFILES, load_sim_config
 from sps_driving.sim.episodes import run_episodes
@@ -25,7 +26,8 @@ from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, write_tables
 
 
-def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu") -> list[dict]:
+def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
+             backbone_config: Optional[str] = None) -> list[dict]:
     """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
@@ -34,7 +36,7 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
         return []
     record = Recorder(settings, path, len(tasks))
     try:
-        run_episodes(config, settings.policy_dir, tasks, workers, device, record)
+        run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config)
     finally:
         record.close()
     return record.rows
@@ -83,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder: results.jsonl, table1/table2 .csv and .md, details.md, accuracy_vs_rate.png")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
+    parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. precision: int8)")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
     parser.add_argument("--graph", action="store_true",
                         help="drive through the live ROS 2 graph (sim_world node + the on-car nodes) instead of in process; "
@@ -118,6 +121,8 @@ def run(args) -> int:
     if args.graph:
         if args.expert:
             raise SystemExit("eval: --graph drives with a policy; the expert runs in process")
+        if args.backbone_config:
+            raise SystemExit("eval: --backbone-config is for the in-process run; --graph takes config/graph.yaml's")
         if not (math.isfinite(args.real_time_factor) and args.real_time_factor > 0):
             raise SystemExit(f"eval: --real-time-factor must be positive, got {args.real_time_factor}")
         from sps_driving.sim.graph_eval import GRAPH_SUFFIX
@@ -133,7 +138,7 @@ def run(args) -> int:
     if args.graph:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:
-        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device)
+        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device, args.backbone_config)
     # Tables compare methods under the same settings: rows of other profiles stay in the file only.
     same = (settings.episode_s, settings.width, settings.height)
     rows = [r for r in read_results(out / RESULTS_FILE) if (r["episode_s"], r["width"], r["height"]) == same]

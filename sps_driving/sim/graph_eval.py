@@ -41,7 +41,7 @@ def graph_parameters(base: dict, policy_dir: Path, sim_config: Path, scenario: s
     """Per-node overrides of `base` (the params file's {node: parameters}) for one scenario."""
     params = {
         "selection": {"checkpoint": str(policy_dir)},
-        "extractor": {"device": device},
+        "extractor": {"checkpoint": str(policy_dir), "device": device},
         "policy": {"checkpoint": str(policy_dir), "device": device},
         # The world's own speed limit, not the car's field-test cap: scenarios cruise at 8-12 m/s.
         "vehicle_interface": {**VEHICLE_WITHOUT_CAR, "max_speed_mps": float(world_max_speed_mps)},

@@ -231,15 +231,12 @@ def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patc
     return None
 
 
-def extractor_config_from_args(args) -> dict:
-    config = {}
-    if args.extractor_config:
-        config = yaml.safe_load(Path(args.extractor_config).read_text()) or {}
-    for key in ("backbone", "model_path", "device"):
-        value = getattr(args, key)
-        if value is not None:
-            config[key] = value
-    return config
+def extraction_settings_from_args(args):
+    """--backbone, --model-path, --device over --extractor-config over config/extraction.yaml."""
+    from sps_driving.extractors import extraction_settings
+
+    options = {key: getattr(args, key) for key in ("backbone", "model_path", "device")}
+    return extraction_settings(options, config_file=args.extractor_config, parameter_source="option")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -258,7 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from dataclasses import replace
 
-    from sps_driving.core.backbones import load_extractor, resolve_config
+    from sps_driving.extractors import open_extractor
 
     try:
         settings = ExtractSettings.from_yaml(args.config)
@@ -267,9 +264,13 @@ def run(args) -> int:
         if args.command_topic:
             settings = replace(settings, command_topic=args.command_topic)
         check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
-        config = resolve_config(extractor_config_from_args(args))
-        extractor = load_extractor(config)
-        report = extract(args.inputs, args.out, extractor, config, settings, args.overwrite)
+        extraction = extraction_settings_from_args(args)
+        for warning in extraction.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        opened = open_extractor(extraction)
+        extractor = opened.extractor
+        print(opened.describe())
+        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite)
     except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output
         print(f"error: {error}", file=sys.stderr)
         return 2

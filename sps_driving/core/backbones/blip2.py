@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sps_driving.core.backbones import resolve_device
+from sps_driving.core.backbones.fp32_norm import keep_layer_norms_fp32
 from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_embeddings
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
 from sps_driving.core.backbones.vit_masked import resolve_dtype
@@ -66,33 +68,10 @@ class Blip2WeightsMissing(FileNotFoundError):
     pass
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def resolve_weights_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
     return resolve_dtype(name)
-
-
-def keep_layer_norms_fp32(module: nn.Module) -> None:
-    """Make every LayerNorm compute in fp32 whatever the weights' dtype (fp16 LayerNorm overflows).
-    The weights keep their dtype: transformers' Q-Former takes its compute dtype from them."""
-    for norm in module.modules():
-        if isinstance(norm, nn.LayerNorm):
-            norm.forward = _fp32_layer_norm_forward(norm)
-
-
-def _fp32_layer_norm_forward(norm: nn.LayerNorm):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        weight = None if norm.weight is None else norm.weight.float()
-        bias = None if norm.bias is None else norm.bias.float()
-        return F.layer_norm(x.float(), norm.normalized_shape, weight, bias, norm.eps).to(x.dtype)
-
-    return forward
 
 
 class DescriptorHead(nn.Module):

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sps_driving.core.backbones import UNMASKED_FALLOFF, patch_indices
-from sps_driving.core.backbones.qformer import layer_norm_fp32
+from sps_driving.core.backbones import UNMASKED_FALLOFF, patch_indices, resolve_device
+from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 from sps_driving.core.backbones.vit_masked import MaskedViT, block_forward, resolve_dtype
 from sps_driving.core.grid import FALLOFFS, PatchGrid
 from sps_driving.core.image import normalized_pixels
@@ -200,7 +200,7 @@ class DinoV2Extractor:
         self.input_size = (height, width)
         self.grid = PatchGrid(height // patch, width // patch)
         self.dim = model.config.hidden_size
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if falloff not in (*FALLOFFS, UNMASKED_FALLOFF):

@@ -91,6 +91,10 @@ class PixelExtractor:
     def descriptors(self, state: PixelState, indices: np.ndarray) -> np.ndarray:
         return state.patches[patch_indices(indices, self.grid.n)]
 
+    def runtime_facts(self) -> dict:
+        """No model: cv2 resizes and numpy pools, on one thread."""
+        return {"backend": "torch", "runtime": f"numpy {np.__version__}", "precision": "fp32", "threads": 1, "device": "cpu"}
+
     def position_table(self) -> np.ndarray:
         """[N, 64] a fixed 2-D sin-cos table: raw pixels carry no position embedding of their own."""
         return sincos_position_table(self.grid)

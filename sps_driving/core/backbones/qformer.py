@@ -25,11 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-def layer_norm_fp32(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    return F.layer_norm(
-        x.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps
-    ).to(x.dtype)
+from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 
 
 _SMALLEST_NORMAL = torch.finfo(torch.float32).tiny

@@ -1,4 +1,5 @@
-"""Exported per-patch extractors behind the PatchExtractor protocol: onnxruntime and TensorRT.
+"""Exported per-patch extractors behind the PatchExtractor protocol: onnxruntime and TensorRT, and
+where their exports are.
 
 Both read an export directory written by `sps-driving export onnx` (see
 sps_driving/export/onnx_export.py for its layout): the backbone graph runs once per frame, the
@@ -6,15 +7,27 @@ per-patch graph once per batch of kept patches with the eq. 1 bias as an input. 
 are built from those graphs by `sps-driving export tensorrt` and cached by GPU, TensorRT version
 and model hash. onnxruntime(-gpu) and tensorrt are optional: imported only when chosen.
 
-Config keys (beside backbone and backend): export_dir (default models/export/<backbone>),
-device ("auto" | "cpu" | "cuda"; onnxruntime picks CUDAExecutionProvider when available),
-max_patch_batch (patches per call; TensorRT: at most the engine profile's maximum), and the mask
-settings falloff, alpha, suppression (default: the values at export time).
+Config keys (beside backbone and backend): export_dir (default: this model's entry in the export
+cache, `cached_export_dir`), cache_dir, device ("auto" | "cpu" | "cuda"; onnxruntime picks
+CUDAExecutionProvider when available), precision ("int8": the backbone graph quantized by
+`sps-driving export int8`, onnxruntime only), threads (onnxruntime's intra-op threads; None = the
+cores this process may use), max_patch_batch (patches per call; TensorRT: at most the engine
+profile's maximum), and the mask settings falloff, alpha, suppression (default: the values at
+export time).
+
+The export cache holds one folder per DINOv2 model file (its sha256), export settings and the
+versions that make an export and check it (CACHE_FORMAT, torch, onnxruntime). A folder appears
+only complete, with PARITY_FILE (how far the export is from torch): it is built in a scratch
+folder and renamed into place (sps_driving/export/cache.py builds it; this module only finds it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,25 +38,79 @@ from sps_driving.core.grid import PatchGrid
 
 META_FILE = "export.json"
 BACKBONE_FILE = "backbone.onnx"
+BACKBONE_INT8_FILE = "backbone.int8.onnx"
 PATCHES_FILE = "patches.onnx"
 POSITION_FILE = "position_table.npy"
+PARITY_FILE = "parity.json"  # {"max_abs_diff", "tolerance", "ok", ...}: the export against torch fp32
 ENGINE_DIR = "engines"
 DEFAULT_MAX_PATCH_BATCH = 256  # patches per per-patch call (the full 16x16 grid)
+CACHE_VARIABLE = "SPS_DRIVING_CACHE_DIR"
+CACHE_FORMAT = 1  # raise when the export or its parity check changes: older cache entries are then not used
+# The settings an export is made and checked with (the mask is an input, but parity was checked at these).
+EXPORT_KEYS = ("input_size", "masked_layer", "falloff", "alpha", "suppression")
 
 
 class RuntimeMissing(FileNotFoundError):
     """An export, engine or runtime library is missing; the message names the command that builds it."""
 
 
-def default_export_dir(backbone: str) -> Path:
-    return Path("models") / "export" / backbone
-
-
-def export_command(config: dict) -> str:
+def export_command(config: dict, out: str | Path = "DIR") -> str:
     backbone = config.get("backbone", "dinov2_vits14")
-    out = config.get("export_dir") or default_export_dir(backbone)
     model = f" --model-path {config['model_path']}" if config.get("model_path") else ""
     return f"sps-driving export onnx --backbone {backbone}{model} --out {out}"
+
+
+def cache_root(config: dict) -> Path:
+    """The export cache: config cache_dir, else $SPS_DRIVING_CACHE_DIR, else the user's cache folder."""
+    if config.get("cache_dir"):
+        return Path(config["cache_dir"]).expanduser()
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sps_driving"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_export_dir(config: dict) -> Path:
+    """Where the export cache keeps the export of `config`'s model (DINOv2 only; it may not exist yet)."""
+    if config.get("backbone", "dinov2_vits14") != "dinov2_vits14":
+        raise RuntimeMissing(
+            f"exports of {config['backbone']} are not made on first use: build one with "
+            f"`{export_command(config)}` and set export_dir to DIR"
+        )
+    import onnxruntime
+    import torch
+
+    from sps_driving.core.backbones.dinov2 import resolve_onnx_path
+
+    settings = {key: config[key] for key in EXPORT_KEYS}
+    settings["input_size"] = [int(v) for v in settings["input_size"]]
+    key = {
+        "model_sha256": file_sha256(resolve_onnx_path(config.get("model_path"))),
+        "settings": settings,
+        "format": CACHE_FORMAT,
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root(config) / "exports" / f"{config['backbone']}-{digest}"
+
+
+def read_parity(export_dir: str | Path) -> dict | None:
+    """The parity record of an export (None when it has none, e.g. one made by `sps-driving export onnx`)."""
+    path = Path(export_dir) / PARITY_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def export_dir_of(config: dict) -> Path:
+    """config's export_dir, else its entry in the export cache."""
+    return Path(config["export_dir"]) if config.get("export_dir") else cached_export_dir(config)
 
 
 def read_export(export_dir: str | Path, config: dict) -> dict:
@@ -51,11 +118,18 @@ def read_export(export_dir: str | Path, config: dict) -> dict:
     meta_path = export_dir / META_FILE
     missing = [p for p in (meta_path, export_dir / BACKBONE_FILE, export_dir / PATCHES_FILE) if not p.is_file()]
     if missing:
-        raise RuntimeMissing(
-            f"no exported extractor in {export_dir}/ (missing {', '.join(p.name for p in missing)}): "
-            f"build it with `{export_command(config)}`"
-        )
+        how = (f"sps_driving.extractors.open_extractor (every node and tool) makes it on first use, or `{export_command(config)}`"
+               " then set export_dir to DIR") if not config.get("export_dir") else f"build it with `{export_command(config, export_dir)}`"
+        raise RuntimeMissing(f"no exported extractor in {export_dir}/ (missing {', '.join(p.name for p in missing)}): {how}")
     return json.loads(meta_path.read_text())
+
+
+def available_threads() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -134,19 +208,47 @@ class OnnxRuntimeExtractor(ExportedExtractor):
             providers.insert(0, "CUDAExecutionProvider")
         elif str(device).startswith("cuda"):
             raise RuntimeMissing("device cuda with backend onnxruntime needs `pip install onnxruntime-gpu`")
+        self.precision = config.get("precision") or "fp32"
+        backbone_file = BACKBONE_INT8_FILE if self.precision == "int8" else BACKBONE_FILE
+        if not (self.export_dir / backbone_file).is_file():
+            raise RuntimeMissing(
+                f"no int8 backbone graph in {self.export_dir}/: build it with `sps-driving export int8 --export-dir "
+                f"{self.export_dir}` (sps_driving.extractors.open_extractor builds it on first use)"
+            )
+        self.threads = int(config.get("threads") or available_threads())
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # suppressed tokens (finite r) leave subnormal probabilities, which are very slow on CPUs
         options.add_session_config_entry("session.set_denormal_as_zero", "1")
-        self.backbone = ort.InferenceSession(str(self.export_dir / BACKBONE_FILE), options, providers=providers)
-        self.patches = ort.InferenceSession(str(self.export_dir / PATCHES_FILE), options, providers=providers)
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1  # the graphs are one chain of ops: nothing runs beside it
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Idle pool threads sleep instead of busy-waiting for the next op or frame: on a few cores
+        # shared with the graph's other processes, spinning threads take the CPU they need.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # set_denormal_as_zero also switches the thread that creates a session to flush-to-zero,
+        # for every float computed there afterwards: the sessions are made and run on a thread
+        # of their own, so the caller's arithmetic (a simulation, tests) stays IEEE.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxruntime")
+        self.backbone, self.patches = self._thread.submit(lambda: tuple(
+            ort.InferenceSession(str(self.export_dir / name), options, providers=providers)
+            for name in (backbone_file, PATCHES_FILE)
+        )).result()
+        self.provider = self.backbone.get_providers()[0]
+        self._version = ort.__version__
 
     def encode(self, image_rgb: np.ndarray) -> ExportedFrame:
-        (tokens,) = self.backbone.run(["tokens"], {"pixel_values": self.pixels(image_rgb)})
+        pixels = self.pixels(image_rgb)
+        (tokens,) = self._thread.submit(self.backbone.run, ["tokens"], {"pixel_values": pixels}).result()
         return ExportedFrame(tokens)
 
     def run_patches(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        return self.patches.run(["descriptors"], inputs)[0]
+        return self._thread.submit(self.patches.run, ["descriptors"], inputs).result()[0]
+
+    def runtime_facts(self) -> dict:
+        device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
+        return {"backend": "onnxruntime", "runtime": f"onnxruntime {self._version} {self.provider}",
+                "precision": self.precision, "threads": self.threads, "device": device, "export_dir": str(self.export_dir)}
 
 
 class TensorRTExtractor(ExportedExtractor):
@@ -161,8 +263,6 @@ class TensorRTExtractor(ExportedExtractor):
             raise RuntimeMissing("backend tensorrt needs `pip install tensorrt` and a CUDA build of torch") from error
         if not torch.cuda.is_available():
             raise RuntimeMissing("backend tensorrt needs a CUDA GPU; use backend onnxruntime or torch here")
-        from sps_driving.export.tensorrt import EngineRunner, engine_path
-
         fp16 = bool(config.get("fp16", True))
         engines = {}
         for graph in (BACKBONE_FILE, PATCHES_FILE):
@@ -176,6 +276,7 @@ class TensorRTExtractor(ExportedExtractor):
             engines[graph] = EngineRunner(path)
         self.backbone, self.patches = engines[BACKBONE_FILE], engines[PATCHES_FILE]
         self.max_patch_batch = min(self.max_patch_batch, self.patches.max_batch("bias"))
+        self.fp16 = fp16
 
     def encode(self, image_rgb: np.ndarray) -> ExportedFrame:
         return ExportedFrame(self.backbone.run({"pixel_values": self.pixels(image_rgb)})["tokens"])
@@ -183,11 +284,85 @@ class TensorRTExtractor(ExportedExtractor):
     def run_patches(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         return self.patches.run(inputs)["descriptors"].float().cpu().numpy()
 
+    def runtime_facts(self) -> dict:
+        import tensorrt
+
+        return {"backend": "tensorrt", "runtime": f"tensorrt {tensorrt.__version__}", "precision": "fp16" if self.fp16 else "fp32",
+                "threads": None, "device": "cuda", "export_dir": str(self.export_dir)}
+
+
+def tensorrt_logger():
+    import tensorrt as trt
+
+    return trt.Logger(trt.Logger.WARNING)
+
+
+def engine_path(onnx_path: str | Path, fp16: bool = True) -> Path:
+    """Where the engine of `onnx_path` for this GPU, TensorRT version and precision lives (beside
+    the graph, in ENGINE_DIR): a different GPU or TensorRT never loads a stale engine."""
+    import tensorrt as trt
+    import torch
+
+    onnx_path = Path(onnx_path)
+    meta = json.loads((onnx_path.parent / META_FILE).read_text())
+    model_hash = meta["model_hash"][onnx_path.name]
+    gpu = torch.cuda.get_device_name()
+    key = hashlib.sha256(f"{gpu}|{trt.__version__}|{fp16}|{model_hash}".encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+    precision = "fp16" if fp16 else "fp32"
+    return onnx_path.parent / ENGINE_DIR / f"{onnx_path.stem}-{slug}-trt{trt.__version__}-{precision}-{key}.engine"
+
+
+class EngineRunner:
+    """One deserialized engine, run on torch CUDA tensors (inputs may be numpy or torch)."""
+
+    def __init__(self, path: str | Path):
+        import tensorrt as trt
+        import torch
+
+        self._trt, self._torch = trt, torch
+        self.engine = trt.Runtime(tensorrt_logger()).deserialize_cuda_engine(Path(path).read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"could not load TensorRT engine {path}: rebuild it with `sps-driving export tensorrt`")
+        self.context = self.engine.create_execution_context()
+        self.names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.inputs = [n for n in self.names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in self.names if n not in self.inputs]
+
+    def _dtype(self, name: str):
+        trt, torch = self._trt, self._torch
+        table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32, trt.int64: torch.int64}
+        if hasattr(trt, "bfloat16"):
+            table[trt.bfloat16] = torch.bfloat16
+        return table[self.engine.get_tensor_dtype(name)]
+
+    def max_batch(self, name: str) -> int:
+        return int(self.engine.get_tensor_profile_shape(name, 0)[2][0])
+
+    def run(self, inputs: dict) -> dict:
+        torch = self._torch
+        held = []
+        for name in self.inputs:
+            tensor = torch.as_tensor(inputs[name]).to(device="cuda", dtype=self._dtype(name)).contiguous()
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+            held.append(tensor)
+        outputs = {}
+        for name in self.outputs:
+            shape = tuple(self.context.get_tensor_shape(name))
+            outputs[name] = torch.empty(shape, dtype=self._dtype(name), device="cuda")
+            self.context.set_tensor_address(name, outputs[name].data_ptr())
+        stream = torch.cuda.current_stream()
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
+        stream.synchronize()
+        return outputs
+
 
 def load_runtime_extractor(config: dict):
     """PatchExtractor for backend "onnxruntime" or "tensorrt" from an export directory."""
     backend = config.get("backend")
-    export_dir = config.get("export_dir") or default_export_dir(config.get("backbone", "dinov2_vits14"))
+    export_dir = export_dir_of(config)
     if backend == "onnxruntime":
         return OnnxRuntimeExtractor(export_dir, config)
     if backend == "tensorrt":

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from sps_driving.core.backbones.qformer import layer_norm_fp32
+from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 from sps_driving.core.grid import FALLOFFS, PatchGrid, token_bias
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
