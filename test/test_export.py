@@ -121,14 +121,14 @@ def test_dinov2_export_matches_torch(tmp_path, image):
 def test_cli_parity_on_a_drives_frames_for_fp32_and_int8(tmp_path, capsys):
     """`export parity --bag`: the export cache's onnxruntime graph (made on first use) against torch
     on every frame of a drive; fp32 within 1e-4, int8 a few % off and said to fail the tolerance."""
-    from sps_driving import topics
-    from sps_driving.bagio import BagWriter, image_message
+    from sps_driving import msgs, topics
+    from sps_driving.bagio import BagWriter
 
     rng = np.random.default_rng(4)
     with BagWriter(tmp_path / "drive", "sqlite3") as bag:
         for i in range(3):
             t = 1_700_000_000_000_000_000 + i * 33_333_333
-            bag.write(topics.IMAGE, image_message(rng.integers(0, 256, (100, 160, 3), dtype=np.uint8), t), t)
+            bag.write(topics.IMAGE, msgs.image_fields(rng.integers(0, 256, (100, 160, 3), dtype=np.uint8), t, "camera"), t)
     (tmp_path / "small.yaml").write_text("input_size: [112, 112]\n")
     args = ["export", "parity", "--bag", str(tmp_path / "drive"), "--config", str(tmp_path / "small.yaml"), "--json"]
     assert cli.main(args) == 0

@@ -119,7 +119,7 @@ def test_a_frame_without_a_decision_is_dropped_after_the_timeout(rig):
     graph, probe, image, info = rig
     STAMP[0] += 33_333_333
     stamp = STAMP[0]
-    frame = msgs.rgb_to_image(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), stamp, "camera")
+    frame = msgs.to_ros(msgs.image_fields(RNG.integers(0, 256, (600, 960, 3), dtype=np.uint8), stamp, "camera"))
     image.publish(frame)  # no CameraInfo: the selection node never decides
     assert probe.spin_until(lambda: outcome(probe, stamp) is not None, 30)
     assert outcome(probe, stamp) == "extractor dropped: no selection"

@@ -6,13 +6,15 @@ that contradicts the checkpoint stops the node with both values named. The real 
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
-from ros_helpers import Probe, tiny_checkpoint
+from ros_helpers import Probe
+from samples import tiny_policy
 from sps_driving import msgs, topics
 from sps_driving.core.backbones import load_extractor
 from sps_driving.core.policy import read_policy_config
@@ -29,7 +31,7 @@ EXTRACTORS = {
 
 def checkpoint(directory, extractor: dict, dim: int):
     """A tiny policy trained (as its config.json says) on `extractor`'s descriptors."""
-    path = tiny_checkpoint(directory, rows=8, cols=8, dim=dim, backbone=extractor["backbone"], rate=0.5)
+    path = Path(tiny_policy(directory, rows=8, cols=8, dim=dim, backbone=extractor["backbone"], rate=0.5))
     config = json.loads((path / "config.json").read_text())
     config["extractor"] = extractor
     (path / "config.json").write_text(json.dumps(config))
@@ -53,8 +55,8 @@ def descriptors_through_the_graph(ckpt, tmp_path, image_rgb: np.ndarray, stamp: 
         with graph:
             wait_for_nodes(probe.node, graph.nodes, 180, graph)
             wait_for_topics(probe.node, {topics.IMAGE: 1, topics.CAMERA_INFO: 1, topics.SELECTION: 1}, 120, graph)
-            image.publish(msgs.rgb_to_image(image_rgb, stamp, "camera"))
-            info.publish(msgs.camera_info(*image_rgb.shape[:2], stamp, "camera", math.radians(130)))
+            image.publish(msgs.to_ros(msgs.image_fields(image_rgb, stamp, "camera")))
+            info.publish(msgs.to_ros(msgs.camera_info_fields(*image_rgb.shape[:2], stamp, "camera", math.radians(130))))
             assert probe.spin_until(lambda: probe.messages(topics.DESCRIPTORS), 120), graph.log("extractor")[-2000:]
             probe.spin(0.3)
             log = graph.log("extractor")

@@ -20,7 +20,6 @@ file) and what "auto" runs. The keys and their defaults (with units) are in conf
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +30,7 @@ from tqdm import tqdm
 
 from sps_driving.core.extraction import PatchExtractor
 from sps_driving.core.grid import FALLOFFS
+from sps_driving.core.selection import kept_count
 from sps_driving.resources import config_path
 
 BACKBONES = ("dinov2_vits14", "blip2", "pixels")
@@ -200,9 +200,7 @@ def time_extraction(
     results = {}
     with tqdm(total=len(rates) * (repeats + warmup), desc=f"timing {extractor.name}", unit="frame") as bar:
         for rate in rates:
-            if not 0 < rate <= 1:
-                raise ValueError(f"selection rate must be in (0, 1], got {rate}")
-            k = math.ceil(rate * n)
+            k = kept_count(rate, n)
             encode_ms, descriptors_ms = [], []
             for run in range(warmup + repeats):
                 indices = np.sort(rng.choice(n, size=k, replace=False))
