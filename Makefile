@@ -12,7 +12,7 @@ export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 # default busy-waiting makes each of them several times slower when cores are oversubscribed.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo lint test test-slow bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): requirements.txt requirements-ros.txt setup.py scripts/build_interface
 
 demo: $(STAMP)
 	$(VENV)/bin/sps-driving demo
+
+# ruff.toml has the rules
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q

@@ -17,12 +17,13 @@ outlives the vehicle interface, brakes the car and holds it (docs/vehicle.md).
 
 import os
 
-from launch import LaunchDescription
 from launch.actions import IncludeLaunchDescription, RegisterEventHandler, Shutdown
 from launch.conditions import IfCondition
 from launch.event_handlers import OnProcessExit
 from launch.launch_description_sources import AnyLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration
+
+from launch import LaunchDescription
 
 
 def is_vehicle_interface(action) -> bool:

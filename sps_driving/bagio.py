@@ -14,9 +14,9 @@ the live graph's rclpy messages are made of): `to_bag` makes the rosbags message
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from rosbags.interfaces import MessageDefinitionFormat, Nodetype
@@ -95,7 +95,7 @@ class BagWriter:
         self._writer = Writer(Path(path), version=9, storage_plugin=STORAGES[storage])
         self._connections: dict[str, object] = {}
 
-    def __enter__(self) -> "BagWriter":
+    def __enter__(self) -> BagWriter:
         self._writer.open()
         return self
 

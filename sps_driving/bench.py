@@ -452,9 +452,9 @@ def time_standalone(extractor, selector, frames: list) -> list[float]:
 def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repeats: int) -> dict:
     import tempfile
 
+    from sps_driving.core.grid import PatchGrid
     from sps_driving.core.policy import read_policy_config
     from sps_driving.core.selection import PatchSelector, SelectionConfig
-    from sps_driving.core.grid import PatchGrid
     from sps_driving.extractors import extractor_for_policy
     from sps_driving.replay import replay_bag
 

@@ -63,12 +63,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from sps_driving.core.policy import read_policy_config
+    from sps_driving.extractors import extractor_for_policy
     from sps_driving.sim.config import load_sim_config
     from sps_driving.sim.evaluate import evaluate
     from sps_driving.sim.results import RESULTS_FILE, EvalSettings, read_results
     from sps_driving.sim.tables import method_name, write_tables
-
-    from sps_driving.extractors import extractor_for_policy
 
     print(f"\n== 2/2 closed loop: {args.episodes} episode(s) of {args.episode_s:g} s in {', '.join(args.scenarios)}")
     # What each evaluation worker (one thread each) runs: the settings of the graph's extractor.

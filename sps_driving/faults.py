@@ -56,9 +56,10 @@ class Fault:
     target: str = ""
 
 
+WATCHED_NODES = ("vehicle_interface", "failsafe", "safety_monitor", "camera_driver")
 FAULTS = [
-    *(Fault(f"kill -9 {node}", "vehicle", "kill", node) for node in ("vehicle_interface", "failsafe", "safety_monitor", "camera_driver")),
-    *(Fault(f"SIGSTOP {node}", "vehicle", "sigstop", node) for node in ("vehicle_interface", "failsafe", "safety_monitor", "camera_driver")),
+    *(Fault(f"kill -9 {node}", "vehicle", "kill", node) for node in WATCHED_NODES),
+    *(Fault(f"SIGSTOP {node}", "vehicle", "sigstop", node) for node in WATCHED_NODES),
     Fault("SIGTERM vehicle_interface", "vehicle", "sigterm", "vehicle_interface"),
     Fault("SIGINT vehicle_interface", "vehicle", "sigint", "vehicle_interface"),
     Fault("lifecycle deactivate vehicle_interface", "vehicle", "deactivate", "vehicle_interface"),
@@ -218,7 +219,9 @@ class Harness:
         self.lane_pub = node.create_publisher(PoseStamped, topics.LANE_POSE, msgs.qos("sensor_out"))
         self.range_pub = node.create_publisher(Range, topics.OBSTACLE_RANGE, msgs.qos("sensor_out"))
         self.clock_pub = node.create_publisher(ClockMsg, "/clock", msgs.qos("sensor_out"))
-        self.command_pub = node.create_publisher(JointState, topics.POLICY_COMMAND, msgs.qos("stream")) if self.kind != "perception" else None
+        self.command_pub = None
+        if self.kind != "perception":
+            self.command_pub = node.create_publisher(JointState, topics.POLICY_COMMAND, msgs.qos("stream"))
         if self.kind == "perception":
             self.image_pub = node.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
             self.info_pub = node.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor_out"))
@@ -503,7 +506,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not args.json:
         print(TABLE_HEADER, flush=True)
-    rows = run_matrix(faults, args.hold, args.log_dir, progress=(lambda _row: None) if args.json else (lambda line: print(line, flush=True)))
+    progress = (lambda _row: None) if args.json else (lambda line: print(line, flush=True))
+    rows = run_matrix(faults, args.hold, args.log_dir, progress=progress)
     if args.json:
         print(json.dumps({"faults": rows}, indent=2))
     if args.out:

@@ -126,7 +126,7 @@ class Graph:
             cmd += ["-r", f"{source}:={target}"]
         return cmd
 
-    def start(self, name: str | None = None) -> "Graph":
+    def start(self, name: str | None = None) -> Graph:
         """Start one node (again, e.g. after a kill) or all of them, in this process's private
         ROS domain on this machine (`isolate_ros`)."""
         isolate_ros()
@@ -174,7 +174,7 @@ class Graph:
                 process.wait()
         return {name: p.returncode for name, p in self.processes.items()}
 
-    def __enter__(self) -> "Graph":
+    def __enter__(self) -> Graph:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -167,7 +167,8 @@ def governance_xml(domain_id: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sps_driving.security", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--domain", type=int, default=int(os.environ.get("ROS_DOMAIN_ID") or 0), help="ROS domain id (default: $ROS_DOMAIN_ID or 0)")
+    parser.add_argument("--domain", type=int, default=int(os.environ.get("ROS_DOMAIN_ID") or 0),
+                        help="ROS domain id (default: $ROS_DOMAIN_ID or 0)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("enclaves", help="list the policy's enclave paths").add_argument("policy")
     commands.add_parser("governance", help="print governance.xml")

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from samples import tiny_dinov2_policy
 from torch.utils.flop_counter import FlopCounterMode
 
 from sps_driving import bench, cli
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
-from samples import tiny_dinov2_policy
 
 
 def qformer_flops(config, patches: int, fast: bool) -> int:

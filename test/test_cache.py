@@ -109,7 +109,7 @@ def test_several_caches_read_as_one_with_distinct_sources(tmp_path):
     assert len(cache) == 12 and cache.meta["frames"] == 12
     # equal bag names in two caches stay two sources each (the validation split goes by source)
     assert cache.sources == ["day1/episode_a", "day1/episode_b", "day2/episode_a", "day2/episode_b"]
-    for i, (desc, steering, _, stamp, source) in enumerate(first + second):
+    for i, (desc, _steering, _, stamp, source) in enumerate(first + second):
         frame = cache[i]
         np.testing.assert_array_equal(frame.descriptors, desc.astype(np.float16))
         assert frame.stamp_ns == stamp and frame.source == ("day1/" if i < 7 else "day2/") + source

@@ -12,11 +12,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from samples import sample_photo
 
 from sps_driving.core.backbones import dinov2, load_extractor, resolve_config, time_extraction
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor, bundled_onnx_path, load_dinov2, resolve_onnx_path
 from sps_driving.core.image import ImageError
-from samples import sample_photo
 
 BACKBONE_OUTPUT = "/backbone/layernorm/Add_1_output_0"
 SAMPLE_PHOTOS = ("grace_hopper.jpg", "Minduka_Present_Blue_Pack.png", "logo2.png")

@@ -65,7 +65,8 @@ def test_the_checkpoint_decides_what_the_descriptors_are(tmp_path):
     assert settings.config["falloff"] == "none" and settings.sources["falloff"] == "checkpoint"
     assert settings.config["device"] == "cpu" and not settings.warnings
     # The same value elsewhere is no conflict; another value is, with both values named.
-    assert extraction_settings({"backbone": "dinov2_vits14"}, IVIT, write(tmp_path / "same.yaml", "falloff: none\n")).config["falloff"] == "none"
+    same = write(tmp_path / "same.yaml", "falloff: none\n")
+    assert extraction_settings({"backbone": "dinov2_vits14"}, IVIT, same).config["falloff"] == "none"
     with pytest.raises(ExtractionConflict, match=r"falloff: file .*hard\.yaml gives 'hard', but the policy was trained with 'none'"):
         extraction_settings({}, IVIT, write(tmp_path / "hard.yaml", "falloff: hard\n"))
     with pytest.raises(ExtractionConflict, match="backbone: node parameter gives 'pixels'.*'dinov2_vits14'"):

@@ -7,12 +7,12 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from samples import sample_photo
 
 from sps_driving.cli import main
 from sps_driving.core.backbones import load_extractor, resolve_config
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor
 from sps_driving.train.cache import FeatureCache
-from samples import sample_photo
 
 
 @pytest.fixture(scope="module")

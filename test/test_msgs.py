@@ -133,7 +133,8 @@ def test_diagnostics_round_trip():
     from diagnostic_msgs.msg import DiagnosticArray
 
     back = deserialize_message(serialize_message(arr), DiagnosticArray)
-    assert msgs.diagnostic_values(back) == [("vehicle_interface", msgs.Level.ERROR, "stopping", {"reason": "command_timeout", "count": "3"})]
+    assert msgs.diagnostic_values(back) == [("vehicle_interface", msgs.Level.ERROR, "stopping", {"reason": "command_timeout",
+                                                                                                 "count": "3"})]
     bag = TYPESTORE.deserialize_cdr(serialize_message(arr), "diagnostic_msgs/msg/DiagnosticArray")
     assert msgs.diagnostic_values(bag)[0][1] == msgs.Level.ERROR
 
@@ -164,7 +165,8 @@ def test_bag_messages_convert_to_this_distros_types():
     assert np.array_equal(msgs.image_to_rgb(image), rgb)
     from diagnostic_msgs.msg import DiagnosticArray
 
-    bag_diag = TYPESTORE.deserialize_cdr(serialize_message(msgs.diagnostics(1, "n", msgs.Level.WARN, "m", {"a": 1})), "diagnostic_msgs/msg/DiagnosticArray")
+    bag_diag = TYPESTORE.deserialize_cdr(serialize_message(msgs.diagnostics(1, "n", msgs.Level.WARN, "m", {"a": 1})),
+                                         "diagnostic_msgs/msg/DiagnosticArray")
     assert msgs.diagnostic_values(msgs.from_bag(bag_diag, DiagnosticArray)) == [("n", msgs.Level.WARN, "m", {"a": "1"})]
     assert msgs.ros_type("sensor_msgs/msg/Image") is Image and msgs.ros_type("sensor_msgs/Image") is Image
     with pytest.raises(ValueError):

@@ -6,9 +6,9 @@ import cv2
 import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
+from ros_helpers import Probe
 from sensor_msgs.msg import CameraInfo, Image
 
-from ros_helpers import Probe
 from sps_driving import msgs, topics
 from sps_driving.graph import Graph, wait_for_nodes
 

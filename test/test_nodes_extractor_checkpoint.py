@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
-from sensor_msgs.msg import CameraInfo, Image, PointCloud2
-
 from ros_helpers import Probe
 from samples import tiny_policy
+from sensor_msgs.msg import CameraInfo, Image, PointCloud2
+
 from sps_driving import msgs, topics
 from sps_driving.core.backbones import load_extractor
 from sps_driving.core.policy import read_policy_config

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped
-from sensor_msgs.msg import CameraInfo, JointState
-
 from ros_helpers import Probe, Rate
 from samples import tiny_policy
+from sensor_msgs.msg import CameraInfo, JointState
+
 from sps_driving import msgs, topics
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 

@@ -6,8 +6,8 @@ import pytest
 from rcl_interfaces.msg import Parameter as ParameterMsg
 from rcl_interfaces.msg import ParameterType, ParameterValue
 from rcl_interfaces.srv import DescribeParameters, GetParameters, SetParameters
-
 from ros_helpers import Probe
+
 from sps_driving.graph import Graph, wait_for_nodes
 from sps_driving.nodes.common import Param
 
@@ -40,7 +40,8 @@ def test_an_int_for_a_number_and_for_a_string_start_the_node_and_every_parameter
         source, = call(probe, GetParameters, "/camera_driver/get_parameters", GetParameters.Request(names=["source"])).values
         assert (source.type, source.string_value) == (ParameterType.PARAMETER_STRING, "0")
 
-        described, = call(probe, DescribeParameters, "/selection/describe_parameters", DescribeParameters.Request(names=["rate"])).descriptors
+        described, = call(probe, DescribeParameters, "/selection/describe_parameters",
+                          DescribeParameters.Request(names=["rate"])).descriptors
         assert described.read_only and described.type == ParameterType.PARAMETER_DOUBLE
         assert described.description.endswith("[fraction]") and described.additional_constraints == "a finite number > 0 and <= 1"
         assert (described.floating_point_range[0].from_value, described.floating_point_range[0].to_value) == (0.0, 1.0)

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
-from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
-
 from ros_helpers import Probe
 from samples import tiny_policy
+from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
+
 from sps_driving import msgs, topics
 from sps_driving.core.policy import load_policy
 from sps_driving.core.selection import PatchSelector

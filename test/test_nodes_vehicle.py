@@ -5,22 +5,16 @@ sequence on SIGTERM (test_nodes_vehicle_exit.py). The PACMod 3 backend against t
 driver: test_nodes_pacmod.py."""
 
 import math
-import signal
-import subprocess
-import sys
-import textwrap
-import threading
 import time
 
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped, TwistStamped
-from rosgraph_msgs.msg import Clock as ClockMsg
+from ros_helpers import Probe, Rate
 from sensor_msgs.msg import CameraInfo, JointState, Range
 from std_msgs.msg import Bool
 from std_srvs.srv import SetBool, Trigger
 
-from ros_helpers import Probe, Rate
 from sps_driving import msgs, topics
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
 

@@ -12,9 +12,9 @@ import time
 import pytest
 from rosgraph_msgs.msg import Clock as ClockMsg
 from std_srvs.srv import SetBool
+from test_nodes_vehicle import STOP_BRAKE, VEHICLE, Inputs, actuation, drives, engage, start_rig, stop_reasons, vehicle
 
 from sps_driving import msgs, topics
-from test_nodes_vehicle import STOP_BRAKE, VEHICLE, Inputs, actuation, drives, engage, start_rig, stop_reasons, vehicle
 
 pytestmark = pytest.mark.ros
 

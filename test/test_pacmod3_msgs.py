@@ -228,7 +228,8 @@ def test_a_bags_stored_definition_wins_over_ours(tmp_path, storage):
     old.register(get_types_from_msg(OLD_GLOBAL_RPT, name))
     t0 = 1_700_000_000 * 10**9
     old_flags = [field for field, _ in old.fielddefs[name][1]][1:]  # after the header, all bool
-    recorded = [old.types[name](header=bagio.to_bag(msgs.header_fields(t0 + i)), **{f: f == flag for f in old_flags}) for i, flag in enumerate(old_flags)]
+    recorded = [old.types[name](header=bagio.to_bag(msgs.header_fields(t0 + i)), **{f: f == flag for f in old_flags}) for i,
+                flag in enumerate(old_flags)]
     system_rpt = bag_reports(t0)["/pacmod/steering_rpt"]
     writer = Writer(tmp_path / "old", version=9, storage_plugin=bagio.STORAGES[storage])
     with writer:

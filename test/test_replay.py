@@ -38,7 +38,8 @@ def test_report_counts_errors_latency_and_overhead():
     predicted = [(0.1, 0.2), (0.2, 0.2), (0.0, -0.1)]
     for i, s in enumerate(stamps[:3]):  # the 4th frame is dropped by the extractor
         enter = frames[s]
-        records.append(Record(topics.SELECTION, enter + 2 * MS, as_bag(msgs.selection_message([0, 1], 2, 2, s, "c"), "sensor_msgs/msg/Image")))
+        records.append(Record(topics.SELECTION, enter + 2 * MS, as_bag(msgs.selection_message([0, 1], 2, 2, s, "c"),
+                                                                       "sensor_msgs/msg/Image")))
         desc = msgs.descriptors_message(np.zeros((2, 3), np.float32), np.array([0, 1]), s, "c")
         records.append(Record(topics.DESCRIPTORS, enter + 50 * MS, as_bag(desc, "sensor_msgs/msg/PointCloud2")))
         records.append(Record(topics.POLICY_COMMAND, enter + 60 * MS, to_bag(command_fields(*predicted[i], s))))

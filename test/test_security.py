@@ -21,9 +21,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
-
 from ros_helpers import Probe
 from samples import tiny_policy
+
 from sps_driving import security, topics
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
 
@@ -379,7 +379,8 @@ def test_only_the_vehicle_interface_enclave_reaches_the_driver(keystore, tmp_pat
         assert "ready" in driver.lines(), driver.lines()
 
         rogue = create_keystore(tmp_path / "rogue")  # same enclave names, another CA
-        vehicle = ros_peer(tmp_path, "vehicle_interface", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(keystore))
+        vehicle = ros_peer(tmp_path, "vehicle_interface", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"),
+                           secured(keystore))
         policy_node = ros_peer(tmp_path, "policy", "pub", "policy", "/", security.enclave_of("policy"), secured(keystore))
         forged = ros_peer(tmp_path, "forged", "pub", "vehicle_interface", "/", security.enclave_of("vehicle_interface"), secured(rogue))
         plain = ros_peer(tmp_path, "plain", "pub", "intruder", "/", None, unsecured())
@@ -422,7 +423,8 @@ def cyclone_peer(tmp_path_factory):
     """dds_security_peer.c built against Cyclone DDS, or a skip naming what is missing."""
     missing = [tool for tool in ("idlc", "cc") if shutil.which(tool) is None]
     if missing or not CYCLONE_PLUGINS or not Path("/usr/include/dds/dds.h").is_file():
-        pytest.skip(f"Cyclone DDS with DDS Security not installed (apt-get install cyclonedds-dev cyclonedds-tools); missing: {missing or 'plugins or headers'}")
+        pytest.skip("Cyclone DDS with DDS Security not installed (apt-get install cyclonedds-dev cyclonedds-tools); "
+                    f"missing: {missing or 'plugins or headers'}")
     build = tmp_path_factory.mktemp("cyclone_peer")
     (build / "String.idl").write_text(ROS_STRING_IDL)
     subprocess.run(["idlc", "String.idl"], cwd=build, check=True, capture_output=True, timeout=60)

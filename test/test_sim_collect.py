@@ -25,7 +25,8 @@ EXPECTED_TYPES = {
 @pytest.mark.parametrize("storage", ["sqlite3", "mcap"])
 def test_collect_writes_rosbag2_with_the_car_topics(tmp_path, storage):
     out = tmp_path / "drives"
-    assert main(["collect", "--out", str(out), "--episodes", "2", "--seed", "5", "--episode-s", "1.5", "--width", "160", "--storage", storage]) == 0
+    assert main(["collect", "--out", str(out), "--episodes", "2", "--seed", "5", "--episode-s", "1.5", "--width", "160",
+                 "--storage", storage]) == 0
     bags = sorted(p for p in out.iterdir() if p.is_dir())
     assert [b.name for b in bags] == ["episode_00000", "episode_00001"]
     manifest = json.loads((out / "collect.json").read_text())

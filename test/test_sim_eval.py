@@ -6,13 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from samples import tiny_dinov2_policy
 from scipy import stats
 
 from sps_driving.cli import main
+from sps_driving.sim.scenarios import SCENARIO_NAMES
 from sps_driving.sim.statistics import interval95, paired_difference
 from sps_driving.sim.tables import method_name, paired_against_da, rate_curves, summarize, table_rows, write_tables
-from sps_driving.sim.scenarios import SCENARIO_NAMES
-from samples import tiny_dinov2_policy
 
 
 def test_expert_eval_is_resumable_and_writes_tables(tmp_path):

@@ -86,6 +86,7 @@ def test_eval_through_the_live_graph(tmp_path):
     """`sps-driving eval --graph`: sim_world and the on-car nodes drive a tiny random grid MLP (the shipped
     architecture, random weights) over the embedded DINOv2; the episode lands in results.jsonl."""
     from samples import tiny_dinov2_policy
+
     from sps_driving.cli import main
 
     tiny_dinov2_policy(tmp_path / "policy")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from samples import sample_photo
 
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor
 from sps_driving.core.backbones.vit_masked import MaskedViT
 from sps_driving.core.grid import attention_bias, patch_masks
-from samples import sample_photo
 
 FRAME = sample_photo("grace_hopper.jpg")
 

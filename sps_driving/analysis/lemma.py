@@ -126,7 +126,7 @@ class LemmaSweep:
     n_patches: int
 
     @classmethod
-    def empty(cls, sizes: list[int], n_patches: int) -> "LemmaSweep":
+    def empty(cls, sizes: list[int], n_patches: int) -> LemmaSweep:
         return cls(sizes, {m: [] for m in sizes}, {m: [] for m in sizes}, [], [], n_patches)
 
     def add_frame(self, descriptors: np.ndarray, rank: int, draws: int, rng: np.random.Generator) -> None:

@@ -70,7 +70,7 @@ class AnalysisSettings:
             raise ValueError(f"overlay seeds are [row, col] fractions in [0, 1], got {self.overlay_seeds}")
 
     @classmethod
-    def from_yaml(cls, path: Path) -> "AnalysisSettings":
+    def from_yaml(cls, path: Path) -> AnalysisSettings:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         lemma = raw.pop("lemma", {}) or {}
         known = {f"lemma_{key}": value for key, value in lemma.items()}

@@ -96,7 +96,7 @@ class ControlLimits:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ControlLimits":
+    def from_dict(cls, values: dict) -> ControlLimits:
         unknown = set(values) - set(cls.names())
         if unknown:
             raise ValueError(f"unknown control limits {sorted(unknown)}; expected some of {sorted(cls.names())}")

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from sps_driving.core.backbones.pixels import CHANNELS, NAME as PIXELS_BACKBONE, pooled_side
+from sps_driving.core.backbones.pixels import CHANNELS, pooled_side
+from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 
@@ -102,7 +103,7 @@ class _TransformerPolicy(nn.Module):
         self.head = BoundedHead(width, max_steering_rad)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
 
-    def _encode(self, tokens: torch.Tensor, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _encode(self, tokens: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         cls = self.cls_token.expand(tokens.shape[0], -1, -1)
         tokens = torch.cat([cls, tokens], dim=1)
         if padding is not None:
@@ -133,7 +134,7 @@ class SequencePolicy(_TransformerPolicy):
         self.input_proj = nn.Linear(descriptor_dim, width)
         self.position_proj = nn.Linear(position_table.shape[1], width)
 
-    def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         """descriptors [B, L, D] of kept patches `indices` [B, L]; padding [B, L] True at filler slots."""
         tokens = self.input_proj(descriptors) + self.position_proj(self.position_table[indices])
         return self._encode(tokens, padding)
@@ -276,15 +277,15 @@ class PolicyArchitecture:
             raise ValueError(f"max_steering_rad must be positive, got {self.max_steering_rad}")
 
     @classmethod
-    def of(cls, config: dict) -> "PolicyArchitecture":
+    def of(cls, config: dict) -> PolicyArchitecture:
         """The architecture of a policy config (a checkpoint's config.json)."""
         output = _require(config, "output")
         if "max_steering_rad" not in output:
             raise ValueError("policy config output needs max_steering_rad")
         return cls(architecture_of(config), dict(_require(config, "policy")), float(output["max_steering_rad"]))
 
-    def config(self, grid: PatchGrid, descriptor_dim: int, selection: SelectionConfig, backbone: Optional[str] = None,
-               position_dim: Optional[int] = None) -> dict:
+    def config(self, grid: PatchGrid, descriptor_dim: int, selection: SelectionConfig, backbone: str | None = None,
+               position_dim: int | None = None) -> dict:
         """The policy config of this architecture on a `grid` of `descriptor_dim` descriptors.
 
         position_dim (P of the backbone's position table) lets a sequence policy be built without
@@ -308,7 +309,7 @@ class PolicyArchitecture:
         return {"architecture": self.name, "policy": dict(self.settings), "max_steering_rad": self.max_steering_rad}
 
 
-def build_policy(config: dict, position_table: Optional[np.ndarray] = None) -> nn.Module:
+def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.Module:
     """A fresh policy module for `config` (see the module docstring for its keys).
 
     Sequence policies (spps, mspps) need the backbone's position table [N, P]; without one they
@@ -390,7 +391,7 @@ def read_policy_config(directory) -> dict:
     return config
 
 
-def load_policy(directory, device: str = "cpu") -> "DrivingPolicy":
+def load_policy(directory, device: str = "cpu") -> DrivingPolicy:
     """Load a checkpoint written by `save_policy` (safetensors only) for inference."""
     directory = Path(directory)
     config = read_policy_config(directory)
@@ -414,7 +415,7 @@ def load_policy(directory, device: str = "cpu") -> "DrivingPolicy":
 class DrivingPolicy:
     """A loaded policy: descriptors of the kept patches in, (steering rad, throttle) out."""
 
-    def __init__(self, module: nn.Module, config: dict, path: Optional[Path] = None, device: str = "cpu"):
+    def __init__(self, module: nn.Module, config: dict, path: Path | None = None, device: str = "cpu"):
         self.module = module.to(device).eval()
         self.config = config
         self.path = path

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class SelectionConfig:
     variant: str = "sps"
     rate: float = 0.5  # keep-rate in (0, 1]; 1.0 is the dense Drive-Anywhere baseline
     seed: int = 0
-    keep_probability: Optional[tuple] = None  # mspps only: [rows][cols] relative keep weights
+    keep_probability: tuple | None = None  # mspps only: [rows][cols] relative keep weights
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -90,7 +90,7 @@ class SelectionConfig:
         return self.variant in SPARSE_SEQUENCE_VARIANTS
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SelectionConfig":
+    def from_dict(cls, d: dict) -> SelectionConfig:
         unknown = set(d) - {"variant", "rate", "seed", "keep_probability"}
         if unknown:
             raise ValueError(f"unknown selection settings {sorted(unknown)}")

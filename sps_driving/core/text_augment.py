@@ -55,7 +55,7 @@ class ConceptTable:
             raise ValueError(f"prompt_template must contain {{}} for the concept, got {self.prompt_template!r}")
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "ConceptTable":
+    def from_yaml(cls, path: str | Path) -> ConceptTable:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         raw.pop("finetune", None)  # the fine-tune command's own section
         unknown = set(raw) - set(cls.__dataclass_fields__)

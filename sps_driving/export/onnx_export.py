@@ -128,8 +128,7 @@ class DinoV2PatchModule(nn.Module):
 
 def example_patch_inputs(spec: ExportSpec, tokens: torch.Tensor, patches: int = 3) -> tuple[torch.Tensor, ...]:
     """A small batch of patches in the spec's input order (the trace example; k stays dynamic)."""
-    from sps_driving.core.grid import token_bias
-    from sps_driving.core.grid import PatchGrid
+    from sps_driving.core.grid import PatchGrid, token_bias
 
     grid = PatchGrid(*spec.grid)
     index = np.linspace(0, grid.n - 1, patches).astype(np.int64)

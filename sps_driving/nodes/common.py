@@ -125,7 +125,8 @@ class Param:
                 ]
             else:  # a descriptor's range is inclusive: `above`/`below` are in additional_constraints
                 descriptor.floating_point_range = [
-                    FloatingPointRange(from_value=-math.inf if low is None else float(low), to_value=math.inf if high is None else float(high))
+                    FloatingPointRange(from_value=-math.inf if low is None else float(low),
+                                       to_value=math.inf if high is None else float(high))
                 ]
         return descriptor
 

@@ -31,9 +31,12 @@ from sps_driving.nodes.common import Param, StageTimer, declare, run
 
 UNSET = "empty: the checkpoint's, else backbone_config's, else config/extraction.yaml's"
 PARAMETERS = {
-    "checkpoint": Param("", "policy folder; when set, the backbone and extraction settings its policy was trained with (a parameter or backbone_config value that differs is an error)"),
-    "backend": Param("", f"extraction runtime: auto (the fastest that matches torch), torch, onnxruntime, tensorrt; {UNSET}", choices=("", *BACKEND_CHOICES)),
-    "backbone": Param("", f"patch-descriptor backbone: dinov2_vits14 is embedded, blip2 needs model_path, pixels is the No-FM baseline; {UNSET}", choices=("", *BACKBONES)),
+    "checkpoint": Param("", "policy folder; when set, the backbone and extraction settings its policy was trained with "
+                            "(a parameter or backbone_config value that differs is an error)"),
+    "backend": Param("", f"extraction runtime: auto (the fastest that matches torch), torch, onnxruntime, tensorrt; {UNSET}",
+                     choices=("", *BACKEND_CHOICES)),
+    "backbone": Param("", f"patch-descriptor backbone: dinov2_vits14 is embedded, blip2 needs model_path, pixels is the No-FM baseline; "
+                          f"{UNSET}", choices=("", *BACKBONES)),
     "backbone_config": Param("", "YAML file of further extraction settings (keys of config/extraction.yaml); empty: its defaults"),
     "model_path": Param("", f"local weights (DINOv2 ONNX file or BLIP-2 folder); {UNSET} (the embedded DINOv2 file)"),
     "device": Param("", f"cpu, cuda or auto (cuda when there is a GPU); {UNSET}"),
@@ -141,7 +144,8 @@ class ExtractorNode(Node):
             try:
                 rgb = msgs.image_to_rgb(msg)
                 values = self.extractor.descriptors(self.extractor.encode(rgb), indices)
-            except (ImageError, ValueError, RuntimeError, ArithmeticError) as exc:  # RuntimeError: torch (e.g. out of memory); ArithmeticError: non-finite output of a runtime
+            except (ImageError, ValueError, RuntimeError,
+                    ArithmeticError) as exc:  # RuntimeError: torch (e.g. out of memory); ArithmeticError: non-finite output of a runtime
                 self._drop_invalid(stamp, str(exc))
                 continue
             if not np.all(np.isfinite(values)):

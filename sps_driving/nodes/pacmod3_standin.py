@@ -48,7 +48,8 @@ class PacmodStandInNode(Node):
         self.model.speed_mps = float(p["initial_speed_mps"])
         self.period_s = 1.0 / float(p["rate_hz"])
         driver = msgs.qos("driver")
-        types = {"steering": pacmod.SteeringCmd, "accel": pacmod.SystemCmdFloat, "brake": pacmod.SystemCmdFloat, "turn": pacmod.SystemCmdInt}
+        types = {"steering": pacmod.SteeringCmd, "accel": pacmod.SystemCmdFloat, "brake": pacmod.SystemCmdFloat,
+                 "turn": pacmod.SystemCmdInt}
         for system, topic in topics.PACMOD_COMMANDS.items():
             self.create_subscription(types[system], topic, self._command_callback(system), driver)
         self.report_pubs = {system: self.create_publisher(pacmod.SystemRptFloat, topic, driver) for system, topic in REPORTS.items()}
@@ -57,7 +58,8 @@ class PacmodStandInNode(Node):
         self.speed_pub = self.create_publisher(pacmod.VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, driver)
         from rclpy.qos import DurabilityPolicy, QoSProfile
 
-        self.enabled_pub = self.create_publisher(Bool, topics.PACMOD_ENABLED, QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+        latched = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.enabled_pub = self.create_publisher(Bool, topics.PACMOD_ENABLED, latched)
         self.sent_pub = self.create_publisher(JointState, "~/sent", msgs.qos("status"))
         for name in ("override", "fault", "can_timeout", "pause_reports"):
             self.create_service(SetBool, f"~/{name}", self._injection(name))

@@ -19,9 +19,11 @@ from sps_driving.core.selection import VARIANTS
 from sps_driving.nodes.common import Param, StageTimer, declare, run
 
 PARAMETERS = {
-    "checkpoint": Param("", "policy folder; when set, its recorded selection and grid win over variant, rate, seed, grid_rows and grid_cols"),
+    "checkpoint": Param("",
+                        "policy folder; when set, its recorded selection and grid win over variant, rate, seed, grid_rows and grid_cols"),
     "variant": Param("sps", "selection variant (config/selection.yaml explains them)", choices=VARIANTS),
-    "rate": Param(0.5, "keep-rate, the fraction of patches kept per frame; 0.5 = SPS-50%, the paper's best", "fraction", above=0.0, max=1.0),
+    "rate": Param(0.5, "keep-rate, the fraction of patches kept per frame; 0.5 = SPS-50%, the paper's best", "fraction", above=0.0,
+                  max=1.0),
     "seed": Param(0, "with each frame's stamp (ns) it decides the subset", min=0),
     "grid_rows": Param(16, "H' of the backbone grid (DINOv2 ViT-S/14 at 224 px: 16)", "patches", min=1),
     "grid_cols": Param(16, "W' of the backbone grid", "patches", min=1),

@@ -123,7 +123,8 @@ class SimWorldNode(Node):
 
     def _finish_episode(self, result: dict) -> None:
         self.get_logger().info(
-            f"episode {result['episode']}: score {result['score']:.2f}, interventions {result['interventions']}, failures {result['failures']}"
+            f"episode {result['episode']}: score {result['score']:.2f}, interventions {result['interventions']}, "
+            f"failures {result['failures']}"
         )
         if self.results_path is not None:
             with self.results_path.open("a") as sink:

@@ -74,7 +74,7 @@ class TopicsBackend:
 
     hardware_id = "topics"
 
-    def __init__(self, node: "VehicleInterface"):
+    def __init__(self, node: VehicleInterface):
         self.node = node
         self.override_active = False
         node.create_subscription(Bool, topics.VEHICLE_OVERRIDE, self._on_override, msgs.qos("control"))
@@ -100,7 +100,7 @@ class Pacmod3Backend:
 
     hardware_id = "pacmod3"
 
-    def __init__(self, node: "VehicleInterface", limits: ControlLimits, steering_ratio: float):
+    def __init__(self, node: VehicleInterface, limits: ControlLimits, steering_ratio: float):
         from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat, VehicleSpeedRpt
 
         self.node, self.limits, self.steering_ratio = node, limits, steering_ratio

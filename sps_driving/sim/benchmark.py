@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         print(f"  {scenario.name:34s} scene build {build_s:5.2f} s   {fps:6.0f} frames/s")
     r = step_rate(config, args.policy or str(shipped_policy()), args.device, args.steps)
     print(f"closed-loop step on {args.device} ({r['architecture']}, {r['method']}): {r['steps_per_s']:.2f} steps/s "
-          f"(render {r['render_ms']:.1f} ms, select+extract+policy {r['drive_ms']:.1f} ms, vehicle+failures {r['world_ms']:.1f} ms; medians)")
+          f"(render {r['render_ms']:.1f} ms, select+extract+policy {r['drive_ms']:.1f} ms, "
+          f"vehicle+failures {r['world_ms']:.1f} ms; medians)")
     return 0
 
 

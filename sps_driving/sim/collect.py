@@ -32,7 +32,8 @@ def episode_seed(seed: int, index: int) -> int:
     return 1_000_000 + seed * 10_000 + index
 
 
-def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, episode_index: int, storage: str, disturb: bool = True) -> dict:
+def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, episode_index: int, storage: str,
+                   disturb: bool = True) -> dict:
     """Drive one expert episode and write it as a rosbag2 at `bag_dir`; returns its summary."""
     from sps_driving.sim.render import get_renderer
 

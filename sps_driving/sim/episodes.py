@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 
@@ -86,7 +86,7 @@ def run_episode(config: dict, scenario_name: str, episode_index: int, driver=Non
 _WORKER: dict = {}
 
 
-def _init_worker(config: dict, policy_dir: Optional[str], device: str, threads: int, backbone_config: Optional[str]) -> None:
+def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int, backbone_config: str | None) -> None:
     _WORKER["config"] = config
     if policy_dir is not None:
         import torch
@@ -103,8 +103,8 @@ def _run_task(task: tuple[str, int]) -> dict:
     return run_episode(_WORKER["config"], scenario_name, episode_index, _WORKER.get("driver"), _WORKER.get("renderer"))
 
 
-def run_episodes(config: dict, policy_dir: Optional[str], tasks: list[tuple[str, int]], workers: int, device: str,
-                 record: Callable[[dict], None], backbone_config: Optional[str] = None) -> None:
+def run_episodes(config: dict, policy_dir: str | None, tasks: list[tuple[str, int]], workers: int, device: str,
+                 record: Callable[[dict], None], backbone_config: str | None = None) -> None:
     """Run (scenario, episode index) `tasks` with the policy at `policy_dir` (None: the expert) in
     `workers` processes, handing each finished episode's result to `record` as it comes."""
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))

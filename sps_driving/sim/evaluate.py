@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Optional
 
 from sps_driving.sim.config import PROFILES, load_sim_config
 from sps_driving.sim.episodes import run_episodes
@@ -27,7 +26,7 @@ from sps_driving.sim.tables import EXPERT, method_name, write_tables
 
 
 def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
-             backbone_config: Optional[str] = None) -> list[dict]:
+             backbone_config: str | None = None) -> list[dict]:
     """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
@@ -81,8 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=PROFILES, default="quick", help="episodes, episode length and image size (config/sim.yaml)")
     parser.add_argument("--episodes", type=int, help="episodes per scenario (overrides the profile)")
     parser.add_argument("--episode-s", type=float, help="episode length in s (overrides the profile)")
-    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIO_NAMES), metavar="NAME", help="scenario names (default: Table 1's 15)")
-    parser.add_argument("--out", required=True, help="output folder: results.jsonl, table1/table2 .csv and .md, details.md, accuracy_vs_rate.png")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIO_NAMES), metavar="NAME",
+                        help="scenario names (default: Table 1's 15)")
+    parser.add_argument("--out", required=True,
+                        help="output folder: results.jsonl, table1/table2 .csv and .md, details.md, accuracy_vs_rate.png")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
     parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. precision: int8)")
@@ -129,7 +130,8 @@ def run(args) -> int:
 
         method += GRAPH_SUFFIX
     cam = config["camera"]
-    settings = EvalSettings(method, policy_dir, args.profile, episodes, float(config["episode_s"]), int(cam["render_width"]), int(cam["render_height"]))
+    settings = EvalSettings(method, policy_dir, args.profile, episodes, float(config["episode_s"]), int(cam["render_width"]),
+                            int(cam["render_height"]))
     out = Path(args.out)
     how = (f"through the live graph at real-time factor {args.real_time_factor:g} (node logs in {out / 'graph'})"
            if args.graph else f"{args.workers} worker(s)")

@@ -21,7 +21,8 @@ from sps_driving.sim.scenarios import SCENARIOS
 from sps_driving.sim.world import World, make_episode
 
 
-def frame_with_actor_ahead(config: dict, scenario, seed: int, ahead_m: tuple[float, float] = (6.0, 10.0), max_steps: int = 400) -> np.ndarray:
+def frame_with_actor_ahead(config: dict, scenario, seed: int, ahead_m: tuple[float, float] = (6.0, 10.0),
+                           max_steps: int = 400) -> np.ndarray:
     from sps_driving.sim.render import get_renderer
 
     world, expert = World(config, make_episode(config, scenario, seed)), Expert(config)

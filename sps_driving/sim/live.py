@@ -10,7 +10,6 @@ one starts; after the last, `done` is true.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from sps_driving.sim.world import World, make_episode
 
 @dataclass(frozen=True)
 class Observation:
-    image: Optional[np.ndarray]  # uint8 [H, W, 3] RGB, None when rendering is off
+    image: np.ndarray | None  # uint8 [H, W, 3] RGB, None when rendering is off
     lateral_offset_m: float
     heading_error_rad: float
     obstacle_gap_m: float
@@ -72,7 +71,7 @@ class LiveSim:
             step=world.steps,
         )
 
-    def advance(self, steering: float, throttle: float) -> Optional[dict]:
+    def advance(self, steering: float, throttle: float) -> dict | None:
         """Apply one command (the vehicle model clamps it; non-finite means full brake)."""
         if self.done:
             raise RuntimeError("all episodes are finished")

@@ -115,7 +115,7 @@ class PacmodStandIn:
         if any(self.override_flags.values()) or self.fault:
             for latched in self.latched.values():  # the driver's set_enable(false)
                 latched.enable = False
-        sent = Sent(now_s, {n: l.enable for n, l in self.latched.items()}, {n: l.command for n, l in self.latched.items()})
+        sent = Sent(now_s, {n: s.enable for n, s in self.latched.items()}, {n: s.command for n, s in self.latched.items()})
         steering = self.latched["steering"]
         if self.enabled("steering"):
             step = abs(steering.rotation_rate) * dt_s

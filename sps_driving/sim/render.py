@@ -266,7 +266,8 @@ def weather_overlay(image: np.ndarray, episode: Episode, frame: int, particles_a
         third = count // 3
         big[iy[:third], ix[:third]] = 1.0
         size = max(3, int(round(2 * scale)) | 1)
-        alpha = np.maximum(cv2.GaussianBlur(alpha, (3, 3), 0) * 2.5, cv2.dilate(big, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (size, size))))
+        disc = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (size, size))
+        alpha = np.maximum(cv2.GaussianBlur(alpha, (3, 3), 0) * 2.5, cv2.dilate(big, disc))
         alpha = np.clip(alpha, 0.0, 0.9)
         color = np.array((250, 250, 252), np.float32)
     a = alpha[..., None]

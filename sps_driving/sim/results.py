@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from tqdm import tqdm
 
@@ -24,7 +23,7 @@ RESULTS_FILE = "results.jsonl"
 @dataclass(frozen=True)
 class EvalSettings:
     method: str
-    policy_dir: Optional[str]
+    policy_dir: str | None
     profile: str
     episodes: int
     episode_s: float

@@ -94,7 +94,8 @@ def table_rows(summary: dict, methods: list[str] | None = None) -> tuple[list[st
     averages = {m: ood_average(summary[m]) for m in methods}
     rows.append(["average"] + [f"{averages[m]:.3f}" if averages[m] is not None else "" for m in methods])
     if averages.get("DA") is not None:
-        rows.append(["gain_over_DA_points"] + [f"{100 * (averages[m] - averages['DA']):+.1f}" if averages[m] is not None else "" for m in methods])
+        gains = [f"{100 * (averages[m] - averages['DA']):+.1f}" if averages[m] is not None else "" for m in methods]
+        rows.append(["gain_over_DA_points", *gains])
     return header, rows
 
 
@@ -150,7 +151,8 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     details = ["# Per-scenario details", ""]
     for method in sorted(summary, key=_method_sort_key):
-        details += [f"## {method}", "", "| Scenario | Score (95% CI) | Episodes | Interventions | Lane | Collision | Heading | Speed m/s | Dropped frames |",
+        details += [f"## {method}", "",
+                    "| Scenario | Score (95% CI) | Episodes | Interventions | Lane | Collision | Heading | Speed m/s | Dropped frames |",
                     "|---|---|---|---|---|---|---|---|---|"]
         for scenario in SCENARIO_NAMES:
             s = summary[method].get(scenario)
@@ -159,7 +161,8 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
             f = s["failures"]
             details.append(
                 f"| {labels[scenario]} | {s['mean']:.2f} ± {s['ci95']:.2f} | {s['episodes']} | {s['interventions']} | "
-                f"{f.get('lane_boundary', 0)} | {f.get('collision', 0)} | {f.get('heading', 0)} | {s['mean_speed_mps']:.1f} | {s['dropped_frames']} |"
+                f"{f.get('lane_boundary', 0)} | {f.get('collision', 0)} | {f.get('heading', 0)} | "
+                f"{s['mean_speed_mps']:.1f} | {s['dropped_frames']} |"
             )
         details.append("")
     paired = paired_against_da(rows)

@@ -29,7 +29,7 @@ class VehicleParams:
     max_speed_mps: float
 
     @classmethod
-    def from_config(cls, config: dict) -> "VehicleParams":
+    def from_config(cls, config: dict) -> VehicleParams:
         return cls(**{k: float(v) for k, v in config["vehicle"].items()})
 
     @property

@@ -24,7 +24,8 @@ from sps_driving.core.failures import Failure, FailureThresholds, check_failures
 from sps_driving.sim.geometry import polygon_gap, rectangle
 from sps_driving.sim.road import LanePose, Road, generate_road
 from sps_driving.sim.scenarios import ActorModel, Scenario, road_actor_models, traffic_models
-from sps_driving.sim.vehicle import VehicleParams, VehicleState, state_at_center, step as vehicle_step
+from sps_driving.sim.vehicle import VehicleParams, VehicleState, state_at_center
+from sps_driving.sim.vehicle import step as vehicle_step
 
 # Actors farther than this (m, centre to centre) cannot be within the failure gap of the ego.
 _GAP_SEARCH_M = 60.0
@@ -184,7 +185,8 @@ class StepResult:
 class World:
     """One episode being driven: `step(steering, throttle)` advances 1 / control_rate_hz."""
 
-    def __init__(self, config: dict, episode: Episode, start_lateral: float = 0.0, start_heading: float = 0.0, start_speed: float | None = None):
+    def __init__(self, config: dict, episode: Episode, start_lateral: float = 0.0, start_heading: float = 0.0,
+                 start_speed: float | None = None):
         self.config = config
         self.episode = episode
         self.road = episode.road

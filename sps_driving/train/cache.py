@@ -35,9 +35,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ class FeatureCacheWriter:
     range, non-finite label) raises ValueError and nothing of it is written: callers count and skip.
     """
 
-    def __init__(self, directory, meta: dict, position_table: Optional[np.ndarray] = None,
+    def __init__(self, directory, meta: dict, position_table: np.ndarray | None = None,
                  shard_size: int = 512, overwrite: bool = False):
         self.directory = Path(directory)
         for key in ("backbone", "grid", "descriptor_dim"):
@@ -132,7 +132,7 @@ class FeatureCacheWriter:
         self._shards.append({"path": name, "frames": len(self._pending)})
         self._pending = []
 
-    def close(self, extra_meta: Optional[dict] = None) -> Path:
+    def close(self, extra_meta: dict | None = None) -> Path:
         """Write the last shard and meta.json; `extra_meta` is merged into meta.json. Closing twice is a no-op."""
         if self._closed:
             return self.directory
@@ -155,7 +155,7 @@ class FeatureCacheWriter:
         (self.directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
         return self.directory
 
-    def __enter__(self) -> "FeatureCacheWriter":
+    def __enter__(self) -> FeatureCacheWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -278,12 +278,12 @@ class FeatureCache:
             out[row] = self._shards[shard][offset]
         return out
 
-    def position_table(self) -> Optional[np.ndarray]:
+    def position_table(self) -> np.ndarray | None:
         """float32 [N, P] backbone position embeddings, or None when the cache has none."""
         name = self.meta.get("position_table")
         return None if not name else np.load(self.directory / name)
 
-    def dataset(self, indices: Optional[Sequence[int]] = None) -> "FeatureDataset":
+    def dataset(self, indices: Sequence[int] | None = None) -> FeatureDataset:
         return FeatureDataset(self, np.arange(len(self)) if indices is None else np.asarray(indices))
 
 

@@ -21,9 +21,9 @@ import csv
 import math
 import sys
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import cv2
 import numpy as np
@@ -40,11 +40,11 @@ TRAIN_CONFIG = config_path("train.yaml")
 
 @dataclass
 class LabelledFrame:
-    rgb: Optional[np.ndarray]  # None when the image could not be decoded
+    rgb: np.ndarray | None  # None when the image could not be decoded
     steering: float
     throttle: float
     stamp_ns: int
-    drop_reason: Optional[str] = None
+    drop_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ExtractSettings:
     shard_size: int = 512
 
     @classmethod
-    def from_yaml(cls, path=TRAIN_CONFIG) -> "ExtractSettings":
+    def from_yaml(cls, path=TRAIN_CONFIG) -> ExtractSettings:
         section = (yaml.safe_load(Path(path).read_text()) or {}).get("extract", {})
         unknown = set(section) - {f.name for f in fields(cls)}
         if unknown:
@@ -76,7 +76,7 @@ def input_kind(path: Path) -> str:
     raise ValueError(f"{path} is neither a rosbag2 directory (metadata.yaml) nor an image folder ({LABELS_FILE})")
 
 
-def _command_values(msg) -> Optional[tuple[float, float]]:
+def _command_values(msg) -> tuple[float, float] | None:
     names = list(msg.name)
     try:
         steering = float(msg.position[names.index("steering")])
@@ -102,7 +102,7 @@ def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]
     return kinds
 
 
-def bag_frame_count(path: Path, topic: str) -> Optional[int]:
+def bag_frame_count(path: Path, topic: str) -> int | None:
     from rosbags.rosbag2 import Reader
 
     with Reader(path) as reader:
@@ -144,7 +144,7 @@ def bag_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterat
         yield LabelledFrame(rgb, float(steering), float(throttle), stamp)
 
 
-def _nearest(sorted_stamps: np.ndarray, stamp: int) -> Optional[int]:
+def _nearest(sorted_stamps: np.ndarray, stamp: int) -> int | None:
     if len(sorted_stamps) == 0:
         return None
     right = int(np.searchsorted(sorted_stamps, stamp))
@@ -187,7 +187,7 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
     return names
 
 
-def extract(inputs: Sequence, out, extractor, extractor_config: Optional[dict] = None,
+def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
             settings: ExtractSettings = ExtractSettings(), overwrite: bool = False) -> dict:
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by reason)."""
     inputs = [Path(p) for p in inputs]
@@ -218,7 +218,7 @@ def extract(inputs: Sequence, out, extractor, extractor_config: Optional[dict] =
     return report
 
 
-def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patches: np.ndarray, source: str) -> Optional[str]:
+def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patches: np.ndarray, source: str) -> str | None:
     """Extract and store one frame; returns the drop reason, or None when written."""
     try:
         descriptors = extractor.descriptors(extractor.encode(frame.rgb), patches)

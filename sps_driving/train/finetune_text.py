@@ -40,7 +40,7 @@ class FinetuneSettings:
             raise ValueError(f"finetune needs epochs >= 1, early_stop_patience >= 1 and lr > 0, got {self}")
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "FinetuneSettings":
+    def from_yaml(cls, path: str | Path) -> FinetuneSettings:
         section = (yaml.safe_load(Path(path).read_text()) or {}).get("finetune") or {}
         unknown = set(section) - set(cls.__dataclass_fields__)
         if unknown:
@@ -101,9 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sps_driving.resources import config_path
     from sps_driving.core.policy import read_policy_config
     from sps_driving.extractors import extractor_for_policy
+    from sps_driving.resources import config_path
     from sps_driving.train.cache import FeatureCache
     from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig, train
 

@@ -21,7 +21,12 @@ from tqdm import tqdm
 from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.policy import (
-    ARCHITECTURES, SEQUENCE_ARCHITECTURE, DrivingPolicy, PolicyArchitecture, build_policy, read_policy_config,
+    ARCHITECTURES,
+    SEQUENCE_ARCHITECTURE,
+    DrivingPolicy,
+    PolicyArchitecture,
+    build_policy,
+    read_policy_config,
 )
 from sps_driving.core.selection import SelectionConfig
 from sps_driving.resources import portable_path, shipped_policy

@@ -31,9 +31,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -46,8 +46,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from sps_driving.core.policy import (
-    ARCHITECTURES, PolicyArchitecture, architecture_of, build_policy, check_architecture, load_policy,
-    read_policy_config, save_policy,
+    ARCHITECTURES,
+    PolicyArchitecture,
+    architecture_of,
+    build_policy,
+    check_architecture,
+    load_policy,
+    read_policy_config,
+    save_policy,
 )
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.resources import config_path
@@ -73,7 +79,7 @@ class TrainConfig:
     variant: str
     rate: float
     seed: int
-    keep_probability: Optional[list]
+    keep_probability: list | None
     architecture: str
     width: int
     reduce: int
@@ -112,7 +118,7 @@ class TrainConfig:
             raise ValueError(f"loss_weights must be two finite non-negative numbers, not both 0, got {self.loss_weights}")
 
     @classmethod
-    def from_yaml(cls, path=TRAIN_CONFIG, **overrides) -> "TrainConfig":
+    def from_yaml(cls, path=TRAIN_CONFIG, **overrides) -> TrainConfig:
         """The `train:` section of config/train.yaml, with `overrides` (None values ignored) on top."""
         section = (yaml.safe_load(Path(path).read_text()) or {}).get("train", {})
         section.update({k: v for k, v in overrides.items() if v is not None})
@@ -364,7 +370,7 @@ def check_init_checkpoint(init_config: dict, cache: FeatureCache, selection: Sel
 # ---- the loop ---------------------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, descriptor_transform: Optional[DescriptorTransform] = None,
+def train(cfg: TrainConfig, descriptor_transform: DescriptorTransform | None = None,
           init_checkpoint=None) -> dict:
     """Train (or fine-tune from `init_checkpoint`, a policy directory) and return a summary.
 

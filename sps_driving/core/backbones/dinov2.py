@@ -233,7 +233,7 @@ class DinoV2Extractor:
         return self._encoder
 
     @classmethod
-    def from_config(cls, config: dict, model=None) -> "DinoV2Extractor":
+    def from_config(cls, config: dict, model=None) -> DinoV2Extractor:
         """From a resolved extraction config; `model` (e.g. random weights for timing) replaces
         the one loaded from config["model_path"]."""
         return cls(

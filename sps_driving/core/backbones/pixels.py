@@ -76,7 +76,7 @@ class PixelExtractor:
         self.dim = CHANNELS * self.side**2
 
     @classmethod
-    def from_config(cls, config: dict) -> "PixelExtractor":
+    def from_config(cls, config: dict) -> PixelExtractor:
         return cls(input_size=tuple(config["input_size"]), pixel_pool=config["pixel_pool"])
 
     def encode(self, image_rgb: np.ndarray) -> PixelState:

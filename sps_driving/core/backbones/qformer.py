@@ -27,7 +27,6 @@ from torch.nn import functional as F
 
 from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 
-
 _SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
 
 
