@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -197,21 +198,30 @@ def road_band(config: dict, layouts: int) -> dict:
             "horizon_row": float(renderer.project(world, np.array(far))[0, 0])}
 
 
-def time_options(config: dict, repeats: int) -> dict:
-    """Per option: onnxruntime fp32 extraction of all patches of a rendered frame, ms (median)."""
+def time_options(config: dict, rounds: int) -> dict:
+    """Per option: onnxruntime fp32 extraction of all patches of a rendered frame, ms; the options
+    take turns, one frame each per round (after one untimed frame), so that load on the machine
+    falls on all of them alike. {option: {"encode_ms", "descriptors_ms", "total_ms": [per round],
+    "k", "runtime", "threads"}}."""
     from sps_driving.core.backbones import time_extraction
     from sps_driving.extractors import open_extractor
     from sps_driving.sim.gallery import frame_with_actor_ahead
 
-    timings = {}
+    opened, frames = {}, {}
     for option in OPTIONS:
         sized = copy.deepcopy(config)
         set_render_width(sized, option.render_width)
-        frame = frame_with_actor_ahead(sized, ID_SCENARIO, seed=0, ahead_m=(18.0, 22.0))
-        opened = open_extractor({"backend": "onnxruntime", "precision": "fp32", "threads": TIMING_THREADS,
-                                 "input_size": list(option.input_size), "roi": list(option.roi) if option.roi else None})
-        result = time_extraction(opened.extractor, frame, rates=(1.0,), repeats=repeats)[1.0]
-        timings[option.name] = {**result, "runtime": opened.facts["runtime"], "threads": opened.facts["threads"]}
+        frames[option.name] = frame_with_actor_ahead(sized, ID_SCENARIO, seed=0, ahead_m=(18.0, 22.0))
+        opened[option.name] = open_extractor({"backend": "onnxruntime", "precision": "fp32", "threads": TIMING_THREADS,
+                                              "input_size": list(option.input_size), "roi": list(option.roi) if option.roi else None})
+    timings = {name: {"encode_ms": [], "descriptors_ms": [], "total_ms": [], "k": None,
+                      "runtime": o.facts["runtime"], "threads": o.facts["threads"]} for name, o in opened.items()}
+    for round_index in range(rounds):
+        for name, o in opened.items():
+            result = time_extraction(o.extractor, frames[name], rates=(1.0,), repeats=1, warmup=int(round_index == 0))[1.0]
+            for key in ("encode_ms", "descriptors_ms", "total_ms"):
+                timings[name][key].append(result[key])
+            timings[name]["k"] = result["k"]
     return timings
 
 
@@ -296,19 +306,26 @@ def markdown(result: dict, command: str) -> str:
     runtime = next(iter(timing.values()))["runtime"]
     lines += [
         "",
-        f"## Extraction time per frame: all patches, {runtime}, fp32, {TIMING_THREADS} threads, median of {result['repeats']}",
+        f"## Extraction time per frame: all patches, {runtime}, fp32, {TIMING_THREADS} threads",
         "",
-        "| option | patches | encode, ms | descriptors, ms | total, ms | render, ms (median) |",
-        "|---|---|---|---|---|---|",
+        f"Median (range) of {result['rounds']} rounds in which the options take turns, one frame each; load average"
+        f" (1 min) {result['load_before'][0]:.1f} before,",
+        f"{result['load_after'][0]:.1f} after. Render: the renderer's time per frame at that size (median over the"
+        " obstacle frames above).",
+        "",
+        "| option | patches | encode, ms | descriptors, ms | total, ms | total / option a | render, ms |",
+        "|---|---|---|---|---|---|---|",
     ]
+    today = np.asarray(timing[OPTIONS[0].name]["total_ms"])
     for option in OPTIONS:
         t = timing[option.name]
-        lines.append(f"| {option.name} | {t['k']} | {t['encode_ms']:.1f} | {t['descriptors_ms']:.1f} | {t['total_ms']:.1f} | "
-                     f"{result['render_ms'][option.render_width]:.1f} |")
+        ratio = np.median(np.asarray(t["total_ms"]) / today)  # per round: the same load on both
+        lines.append(f"| {option.name} | {t['k']} | {_median_range(t['encode_ms'])} | {_median_range(t['descriptors_ms'])} | "
+                     f"{_median_range(t['total_ms'])} | {ratio:.2f} | {result['render_ms'][option.render_width]:.1f} |")
     return "\n".join(lines) + "\n"
 
 
-def measure(layouts: int, repeats: int) -> dict:
+def measure(layouts: int, rounds: int) -> dict:
     from sps_driving.core.backbones.runtimes import available_threads
     from sps_driving.resources import source_revision
 
@@ -330,8 +347,10 @@ def measure(layouts: int, repeats: int) -> dict:
         "render_heights": heights,
         "band": road_band(config, layouts),
         **measured,
-        "timing": time_options(config, repeats),
-        "repeats": repeats,
+        "load_before": os.getloadavg(),
+        "timing": time_options(config, rounds),
+        "load_after": os.getloadavg(),
+        "rounds": rounds,
     }
 
 
@@ -339,10 +358,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="docs/results/roi.md", help="markdown file to write")
     parser.add_argument("--layouts", type=int, default=10, help="layouts (episode seeds 0..N-1) of the in-distribution scenario")
-    parser.add_argument("--repeats", type=int, default=5, help="timed frames per option")
+    parser.add_argument("--rounds", type=int, default=7, help="timed frames per option, the options taking turns")
     args = parser.parse_args(argv)
-    command = f"nice -n 10 python -m sps_driving.sim.roi_options --out {args.out} --layouts {args.layouts} --repeats {args.repeats}"
-    result = measure(args.layouts, args.repeats)
+    command = f"nice -n 10 python -m sps_driving.sim.roi_options --out {args.out} --layouts {args.layouts} --rounds {args.rounds}"
+    result = measure(args.layouts, args.rounds)
     text = markdown(result, command)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
