@@ -5,7 +5,8 @@ Every extraction setting (the keys of config/extraction.yaml) comes from the fir
 1. a node parameter or command-line option (the extractor node's backend, backbone, model_path,
    device; `--backbone`, `--device`, ... of the tools);
 2. the policy checkpoint (`checkpoint`): what its descriptors are (DESCRIPTOR_KEYS: backbone,
-   input size, masked layer, mask) and where its weights were (WEIGHTS_KEYS);
+   input size, region of interest, masked layer, mask) and where its weights were (WEIGHTS_KEYS);
+   a checkpoint that records no roi was trained on the whole frame (roi null);
 3. the settings file (the node's backbone_config, `--backbone-config`, `--extractor-config`);
 4. config/extraction.yaml.
 
@@ -77,16 +78,23 @@ class OpenedExtractor:
 
 def policy_extraction(policy_config: Mapping) -> dict:
     """The extraction settings a policy was trained with, from its config.json: the descriptor and
-    weights keys of its recorded extractor (a policy without that record: its backbone only)."""
+    weights keys of its recorded extractor (a policy without that record: its backbone only), and
+    its roi, null (the whole frame) when it records none: every policy before the key was."""
     recorded = dict(policy_config.get("extractor") or {})
     recorded.setdefault("backbone", policy_config.get("backbone"))
-    return {key: value for key, value in recorded.items() if key in DESCRIPTOR_KEYS + WEIGHTS_KEYS and value is not None}
+    given = {key: value for key, value in recorded.items() if key in DESCRIPTOR_KEYS + WEIGHTS_KEYS and value is not None}
+    return {**given, "roi": recorded.get("roi")}
 
 
 def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def _shown(value) -> str:
+    """A setting's value as the settings file writes it (None: null)."""
+    return "null" if value is None else repr(value)
 
 
 def extraction_settings(
@@ -121,9 +129,9 @@ def extraction_settings(
             for source, value in given:
                 if not _same(value, wanted):
                     raise ExtractionConflict(
-                        f"extraction setting {key}: {source} gives {value!r}, but the policy was trained with {wanted!r} "
-                        f"({next(s for s, _ in layers if s.startswith('checkpoint'))}); a policy must get the descriptors "
-                        f"it was trained on: leave {key} out or set it to {wanted!r}"
+                        f"extraction setting {key}: {source} gives {_shown(value)}, but the policy was trained with "
+                        f"{_shown(wanted)} ({next(s for s, _ in layers if s.startswith('checkpoint'))}); a policy must get "
+                        f"the descriptors it was trained on: leave {key} out or set it to {_shown(wanted)}"
                     )
             chosen = next((s, v) for s, v in given if s.startswith("checkpoint"))
         else:

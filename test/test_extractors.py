@@ -57,8 +57,9 @@ def test_each_setting_comes_from_the_highest_source_and_an_override_is_named(tmp
 
 
 def test_the_checkpoint_decides_what_the_descriptors_are(tmp_path):
+    # roi null: a checkpoint without the key was trained on the whole frame
     assert policy_extraction(IVIT) == {"backbone": "dinov2_vits14", "input_size": [112, 112], "masked_layer": -1,
-                                       "falloff": "none", "alpha": 1.5, "suppression": -100.0}
+                                       "falloff": "none", "alpha": 1.5, "suppression": -100.0, "roi": None}
     # Its runtime keys say how its cache was computed: not read.
     file = write(tmp_path / "runtime.yaml", "backend: onnxruntime\ndevice: cpu\n")
     settings = extraction_settings({}, IVIT, file)
@@ -81,7 +82,7 @@ def test_weights_location_is_the_checkpoints_unless_given_here(tmp_path):
     settings = extraction_settings({"model_path": "/car/blip2"}, policy)
     assert settings.config["model_path"] == "/car/blip2" and "'/train/blip2'" in settings.warnings[0]
     # An old checkpoint that records only its backbone
-    assert policy_extraction({"backbone": "pixels"}) == {"backbone": "pixels"}
+    assert policy_extraction({"backbone": "pixels"}) == {"backbone": "pixels", "roi": None}
 
 
 def test_what_only_torch_computes_runs_torch_and_says_why():

@@ -111,7 +111,7 @@ def test_bad_indices_and_settings_are_clear_errors():
 
 def test_resolved_config_holds_only_the_keys_pixels_reads():
     config = resolve_config({"backbone": "pixels", "device": "cuda", "falloff": "exp2", "pixel_pool": 7})
-    assert config == {"backbone": "pixels", "backend": "torch", "input_size": [224, 224], "pixel_pool": 7}
+    assert config == {"backbone": "pixels", "backend": "torch", "input_size": [224, 224], "roi": None, "pixel_pool": 7}
     assert resolve_config(config) == config  # what a cache records loads the same extractor again
     assert "pixel_pool" not in resolve_config({}), "DINOv2 configs do not record the pixels-only key"
 
@@ -289,7 +289,7 @@ def test_command_line_extract_pixels_then_train_cnn(tmp_path, capsys):
     assert "backbone pixels, grid 8x12, D=147" in capsys.readouterr().out
     cache = FeatureCache(cache_dir)
     assert len(cache) == 6 and cache.meta["extractor"] == {
-        "backbone": "pixels", "backend": "torch", "input_size": [112, 168], "pixel_pool": 2}
+        "backbone": "pixels", "backend": "torch", "input_size": [112, 168], "roi": None, "pixel_pool": 2}
     extractor = PixelExtractor((112, 168), 2)
     expected = extractor.descriptors(extractor.encode(noise((60, 96, 3), 11)), np.arange(96))
     np.testing.assert_allclose(cache[1].descriptors.astype(np.float32), expected, atol=2e-3)  # fp16 cache

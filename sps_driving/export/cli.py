@@ -95,7 +95,7 @@ def random_dinov2(dims: str, config: dict, seed: int = 0):
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(seed)
     model = Dinov2Model(Dinov2Config(**size, mlp_ratio=4, patch_size=14, image_size=224, layer_norm_eps=1e-6))
-    keys = ("input_size", "masked_layer", "falloff", "alpha", "suppression", "memory_budget_mb", "device", "dtype")
+    keys = ("input_size", "roi", "masked_layer", "falloff", "alpha", "suppression", "memory_budget_mb", "device", "dtype")
     return DinoV2Extractor(model.eval(), **{key: config[key] for key in keys if key in config})
 
 

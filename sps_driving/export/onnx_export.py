@@ -6,7 +6,8 @@ An export directory holds:
   prefix tokens first) and, for ViT backbones, patch_index int64 [k] -> descriptors float32 [k, D].
   k is a dynamic axis: one call computes any batch of patches and the per-frame shared work inside
   it (e.g. the Q-Former's image-token keys and values) runs once per call;
-- export.json: backbone name, grid, D, preprocessing, prefix tokens, the mask settings at export
+- export.json: backbone name, grid, D, preprocessing (resize, mean, std; not the roi, cropped
+  before the graph by whichever runtime opens it), prefix tokens, the mask settings at export
   time (the mask is an input, so a runtime may change them), graph input names, model hash;
 - position_table.npy: the backbone's patch position embeddings [N, P] (SPPS / MSPPS policies).
 

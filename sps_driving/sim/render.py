@@ -27,6 +27,8 @@ from panda3d.core import (
     GraphicsPipeSelection,
     NodePath,
     PerspectiveLens,
+    Point2,
+    Point3,
     Spotlight,
     Texture,
         WindowProperties,
@@ -201,11 +203,31 @@ class Renderer:
             self.root.set_light(lamp)
 
     # ---------------------------------------------------------------- per frame
-    def render(self, world: World, frame_index: int | None = None) -> np.ndarray:
-        self.load(world.episode)
+    def _follow(self, world: World) -> None:
+        """Put the camera rig on the ego car."""
         st = world.state
         self.rig.set_pos(st.x, st.y, 0.0)
         self.rig.set_h(math.degrees(st.yaw) - 90.0)
+
+    def project(self, world: World, points: np.ndarray) -> np.ndarray:
+        """Where world points [n, 3] (x, y, z m) appear in this camera on `world`'s ego car:
+        [n, 2] (row, column) as fractions of the frame's height and width (outside [0, 1]: out of
+        view); the points must lie in front of the camera."""
+        self._follow(world)
+        lens = self.camera.node().get_lens()
+        film = Point2()
+        out = np.empty((len(points), 2))
+        for i, point in enumerate(np.asarray(points, dtype=np.float64)):
+            in_camera = self.camera.get_relative_point(self.root, Point3(*point))
+            if in_camera.y <= 0.0:
+                raise ValueError(f"point {tuple(point)} is behind the camera")
+            lens.project(in_camera, film)
+            out[i] = (1.0 - film.y) / 2.0, (film.x + 1.0) / 2.0
+        return out
+
+    def render(self, world: World, frame_index: int | None = None) -> np.ndarray:
+        self.load(world.episode)
+        self._follow(world)
         poses = {id(p.spec): p for p in world.actor_poses()}
         for spec, node in zip(world.episode.actors, self.actor_nodes):
             pose = poses.get(id(spec))

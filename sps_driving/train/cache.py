@@ -214,6 +214,13 @@ def _read_cache(directory: Path) -> dict:
     return part
 
 
+def _compared(meta: dict, key: str):
+    """What must agree between caches read as one: meta[key], the extractor record with roi null
+    (the whole frame) where it has none, as every cache made before the setting existed."""
+    value = meta.get(key)
+    return {"roi": None, **value} if key == "extractor" and isinstance(value, dict) else value
+
+
 class FeatureCache:
     """Read one cache directory, or several as one (e.g. drives extracted on different days):
     descriptors memory-mapped, labels, stamps and sources in memory.
@@ -233,7 +240,8 @@ class FeatureCache:
         parts = [_read_cache(d) for d in self.directories]
         self.meta = dict(parts[0]["meta"])
         for d, part in zip(self.directories[1:], parts[1:]):
-            mismatched = [k for k in ("backbone", "extractor", "grid", "descriptor_dim") if part["meta"].get(k) != self.meta.get(k)]
+            mismatched = [k for k in ("backbone", "extractor", "grid", "descriptor_dim")
+                          if _compared(part["meta"], k) != _compared(self.meta, k)]
             if mismatched:
                 raise ValueError(f"feature caches {self.directory} and {d} differ in {mismatched}: they cannot train one policy")
         self.grid = PatchGrid(int(self.meta["grid"]["rows"]), int(self.meta["grid"]["cols"]))

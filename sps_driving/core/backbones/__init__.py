@@ -13,9 +13,11 @@ file) and what "auto" runs. The keys and their defaults (with units) are in conf
   (`torch_only_reason`: resolved here); for masked DINOv2 it is chosen by
   sps_driving.extractors.open_extractor, which can export the model on first use (core loads
   what exists, it never builds);
-- DINOv2: model_path, input_size, masked_layer, falloff, alpha, suppression,
+- DINOv2: model_path, input_size, roi, masked_layer, falloff, alpha, suppression,
   memory_budget_mb, device, dtype; falloff "none" (UNMASKED_FALLOFF) is the I-ViT baseline;
-- pixels: input_size, pixel_pool (backend torch only: there is no model to export).
+- pixels: input_size, roi, pixel_pool (backend torch only: there is no model to export);
+- every backbone: roi, the region of the frame that is resized to the backbone's input (null:
+  the whole frame; sps_driving.core.image, where every backend's preprocessing crops it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 from sps_driving.core.extraction import PatchExtractor
 from sps_driving.core.grid import FALLOFFS
+from sps_driving.core.image import check_roi
 from sps_driving.core.selection import kept_count
 from sps_driving.resources import config_path
 
@@ -39,7 +42,7 @@ AUTO = "auto"  # the backend chosen for the machine and the model (see the modul
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 PRECISIONS = ("fp32", "int8")  # int8: onnxruntime's dynamic quantization of the backbone graph
 # What a descriptor is: a policy's checkpoint records these, and a policy must get them exactly.
-DESCRIPTOR_KEYS = ("backbone", "input_size", "masked_layer", "falloff", "alpha", "suppression", "pixel_pool",
+DESCRIPTOR_KEYS = ("backbone", "input_size", "roi", "masked_layer", "falloff", "alpha", "suppression", "pixel_pool",
                    "dim", "cls_mask")  # dim, cls_mask: BLIP-2's
 # Where the same weights are on this machine: the checkpoint's record unless given here.
 WEIGHTS_KEYS = ("model_path", "head_path")  # head_path: BLIP-2's
@@ -47,7 +50,7 @@ WEIGHTS_KEYS = ("model_path", "head_path")  # head_path: BLIP-2's
 TORCH_PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # as runtime_facts says them
 CONFIG_NAME = "extraction.yaml"
 # The DINOv2-style keys the pixels backbone uses; the file's other keys do not apply to it.
-PIXELS_KEYS = ("input_size", "pixel_pool")
+PIXELS_KEYS = ("input_size", "roi", "pixel_pool")
 # DINOv2 falloff without any mask: the ViT's own output tokens (the I-ViT baseline).
 UNMASKED_FALLOFF = "none"
 
@@ -103,6 +106,8 @@ def resolve_config(config: Mapping | str | Path | None = None) -> dict:
         falloffs = (*FALLOFFS, UNMASKED_FALLOFF)
         if resolved["falloff"] not in falloffs:
             raise ValueError(f"unknown mask falloff {resolved['falloff']!r}; expected one of {falloffs}")
+    if "roi" in resolved:  # BLIP-2 without one: its own default (the whole frame)
+        resolved["roi"] = check_roi(resolved["roi"])
     if resolved["backend"] == AUTO and torch_only_reason(resolved):
         resolved["backend"] = "torch"
     if resolved["precision"] == "int8" and resolved["backend"] in ("torch", "tensorrt"):

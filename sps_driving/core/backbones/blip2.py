@@ -40,7 +40,7 @@ from sps_driving.core.backbones.qformer import PatchQFormer, QFormerFrame, itc_e
 from sps_driving.core.backbones.qformer_naive import naive_query_outputs
 from sps_driving.core.backbones.vit_masked import resolve_dtype
 from sps_driving.core.grid import FALLOFFS, PatchGrid, token_bias
-from sps_driving.core.image import normalized_pixels
+from sps_driving.core.image import check_roi, normalized_pixels
 
 # BLIP-2's image processor: bicubic resize to the model's square input, CLIP mean/std.
 PIXEL_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -49,6 +49,7 @@ PIXEL_STD = (0.26862954, 0.26130258, 0.27577711)
 # Defaults for keys a config may leave out; config/*.yaml states the deployed values and units.
 DEFAULTS = {
     "dim": 64,  # descriptor channels D
+    "roi": None,  # region of the frame resized to the model's input: None = all of it (see core/image.py)
     "head_path": None,  # safetensors linear head; None -> identity truncation to D channels
     "falloff": "hard",  # mask m^(j) = f(d_ij): "hard" | "exp2" | "inverse"
     "alpha": 1.5,  # hard cutoff radius [patches]: 1.5 keeps the 3x3 neighbourhood
@@ -168,6 +169,7 @@ class Blip2Extractor:
         if unknown:
             raise ValueError(f"unknown BLIP-2 extractor options {sorted(unknown)}; known: {sorted(DEFAULTS)}")
         _validate(opts)
+        opts["roi"] = check_roi(opts["roi"])
         self.options = opts
         self.name = name
         self.device = resolve_device(opts["device"])
@@ -231,7 +233,8 @@ class Blip2Extractor:
     def image_tokens(self, image_rgb: np.ndarray) -> torch.Tensor:
         """The vision backbone on one frame: [T, E] image tokens."""
         pixels = torch.from_numpy(
-            normalized_pixels(image_rgb, (self.image_size, self.image_size), "cubic", PIXEL_MEAN, PIXEL_STD)
+            normalized_pixels(image_rgb, (self.image_size, self.image_size), "cubic", PIXEL_MEAN, PIXEL_STD,
+                              self.options["roi"])
         ).to(self.device)
         return self.backbone_module(pixels)
 

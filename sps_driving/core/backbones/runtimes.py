@@ -12,8 +12,10 @@ cache, `cached_export_dir`), cache_dir, device ("auto" | "cpu" | "cuda"; onnxrun
 CUDAExecutionProvider when available), precision ("int8": the backbone graph quantized by
 `sps-driving export int8`, onnxruntime only), threads (onnxruntime's intra-op threads; None = the
 cores this process may use), max_patch_batch (patches per call; TensorRT: at most the engine
-profile's maximum), and the mask settings falloff, alpha, suppression (default: the values at
-export time).
+profile's maximum), the mask settings falloff, alpha, suppression (default: the values at
+export time), and roi: the frame's region of interest is cropped in the numpy preprocessing
+before the backbone graph, so one export serves every roi (it is not an export key) and a
+runtime applies the roi of the config it is opened with (None: the whole frame).
 
 The export cache holds one folder per DINOv2 model file (its sha256), export settings and the
 versions that make an export and check it (CACHE_FORMAT, torch, onnxruntime). A folder appears
@@ -35,6 +37,7 @@ import numpy as np
 
 from sps_driving.core.backbones import UNMASKED_FALLOFF
 from sps_driving.core.grid import PatchGrid
+from sps_driving.core.image import check_roi, normalized_pixels
 
 META_FILE = "export.json"
 BACKBONE_FILE = "backbone.onnx"
@@ -46,7 +49,8 @@ ENGINE_DIR = "engines"
 DEFAULT_MAX_PATCH_BATCH = 256  # patches per per-patch call (the full 16x16 grid)
 CACHE_VARIABLE = "SPS_DRIVING_CACHE_DIR"
 CACHE_FORMAT = 1  # raise when the export or its parity check changes: older cache entries are then not used
-# The settings an export is made and checked with (the mask is an input, but parity was checked at these).
+# The settings an export is made and checked with (the mask is an input, but parity was checked at these);
+# roi is not one: the crop comes before the graph.
 EXPORT_KEYS = ("input_size", "masked_layer", "falloff", "alpha", "suppression")
 
 
@@ -153,13 +157,13 @@ class ExportedExtractor:
         self.dim = int(self.meta["dim"])
         self.mask = {key: config.get(key, value) for key, value in self.meta["mask"].items()}
         self.max_patch_batch = int(config.get("max_patch_batch") or DEFAULT_MAX_PATCH_BATCH)
+        self.roi = check_roi(config.get("roi"))
         self._position_table = np.load(self.export_dir / POSITION_FILE)
 
     def pixels(self, image_rgb: np.ndarray) -> np.ndarray:
-        from sps_driving.core.image import normalized_pixels
-
         meta = self.meta
-        return normalized_pixels(image_rgb, tuple(meta["input_size"]), meta["resize"], meta["pixel_mean"], meta["pixel_std"])
+        return normalized_pixels(image_rgb, tuple(meta["input_size"]), meta["resize"], meta["pixel_mean"], meta["pixel_std"],
+                                 self.roi)
 
     def patch_inputs(self, frame: ExportedFrame, indices: np.ndarray) -> dict[str, np.ndarray]:
         from sps_driving.core.grid import token_bias
