@@ -27,7 +27,7 @@ def test_expert_eval_is_resumable_and_writes_tables(tmp_path):
     # Another episode length runs anew; its table holds only its own episodes.
     assert main(args[:5] + ["3"] + args[6:]) == 0
     assert len((out / "results.jsonl").read_text().splitlines()) == 8
-    assert "3 s, 224x140" in (out / "table1.md").read_text() and "4 s" not in (out / "table1.md").read_text()
+    assert "3 s, 448x280" in (out / "table1.md").read_text() and "4 s" not in (out / "table1.md").read_text()
     with (out / "table1.csv").open() as f:
         table = list(csv.reader(f))
     assert table[0] == ["scenario", "expert"]

@@ -52,7 +52,8 @@ def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
             while len(images) < 3 and time.monotonic() < deadline:
                 rclpy.spin_once(node, timeout_sec=0.1)
             assert len(images) >= 3, graph.log("sim_world")
-            assert (images[0].height, images[0].width, images[0].encoding) == (140, 224, "rgb8")
+            camera = load_sim_config()["camera"]
+            assert (images[0].height, images[0].width, images[0].encoding) == (camera["render_height"], camera["render_width"], "rgb8")
             # Waiting for a command: the world holds its start state.
             assert all(lane == lanes[0] for lane in lanes)
             # Steer hard left: the lateral offset grows, the safety driver resets, the episode ends.
