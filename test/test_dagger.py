@@ -225,3 +225,42 @@ def test_changed_training_settings_are_refused_and_seed_collisions_caught(setup,
     # The initial cache was collected with seed 0: rounds on seeds 0.. would drive its layouts again.
     assert main(args(setup, tmp_path / "other", seed=0)) == 2
     assert "--seed 0" in capsys.readouterr().err and not (tmp_path / "other").exists()
+
+
+def test_with_dinov2_a_rollouts_cache_equals_extract_of_its_bag(tmp_path):
+    """The real backbone (masked DINOv2 on torch, a 2x3 grid at 28x42 px): descriptors written
+    during the rollout match those `extract` computes from the rollout's bag."""
+    from samples import tiny_policy
+
+    from sps_driving.bagio import BagWriter
+    from sps_driving.sim.collect import BagSink
+    from sps_driving.sim.config import load_sim_config, set_render_width
+    from sps_driving.sim.episodes import PolicyDriver
+    from sps_driving.sim.render import get_renderer
+    from sps_driving.train.cache import FeatureCacheWriter
+
+    record = {"backbone": "dinov2_vits14", "input_size": [28, 42], "backend": "torch"}
+    (tmp_path / "extraction.yaml").write_text(yaml.safe_dump(record))
+    policy_dir = tiny_policy(tmp_path / "policy", rows=2, cols=3, dim=384)
+    policy_config = json.loads((policy_dir / "config.json").read_text())
+    (policy_dir / "config.json").write_text(json.dumps({**policy_config, "extractor": record}))
+    config = load_sim_config()
+    config["episode_s"] = 1.0
+    set_render_width(config, 64)
+    driver = PolicyDriver(str(policy_dir), backbone_config=str(tmp_path / "extraction.yaml"), all_patches=True)
+    meta = {"backbone": "dinov2_vits14", "extractor": record, "grid": {"rows": 2, "cols": 3}, "descriptor_dim": 384}
+    bag_dir = tmp_path / "bags" / "episode_00000"
+    with FeatureCacheWriter(tmp_path / "direct", meta, driver.extractor.position_table()) as writer:
+        with BagWriter(bag_dir) as bag:
+            sink = dagger.CacheSink(writer, "episode_00000")
+            dagger.rollout_episode(config, config["collect"]["scenario"], 2_000_000, 0, driver, 0.5, "step",
+                                   get_renderer(config), [sink, BagSink(bag, config)])
+    assert sink.counts == {"written": 10}
+    assert main(["extract", "--out", str(tmp_path / "extracted"), "--extractor-config", str(tmp_path / "extraction.yaml"),
+                 str(bag_dir)]) == 0
+    direct, extracted = FeatureCache(tmp_path / "direct"), FeatureCache(tmp_path / "extracted")
+    assert len(direct) == len(extracted) == 10
+    assert dagger.descriptor_differences(direct.meta["extractor"], extracted.meta["extractor"]) == []
+    np.testing.assert_allclose(direct.descriptors(range(10)), extracted.descriptors(range(10)), rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(direct.targets, extracted.targets)
+    np.testing.assert_array_equal(direct.stamps, extracted.stamps)

@@ -152,6 +152,7 @@ _WORKER: dict = {}
 
 
 def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int, backbone_config: str | None) -> None:
+    _WORKER.clear()  # in process (one worker), an earlier run's driver must not drive this one's expert episodes
     _WORKER["config"] = config
     if policy_dir is not None:
         import torch
