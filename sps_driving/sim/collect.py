@@ -27,10 +27,13 @@ from sps_driving.sim.expert import Command, Disturbance, Expert
 from sps_driving.sim.scenarios import get_scenario
 from sps_driving.sim.world import World, make_episode, rng_for
 
+# Episodes of one collection seed before its layouts run into the next seed's.
+COLLECTION_EPISODES = 10_000
+
 
 def episode_seed(seed: int, index: int) -> int:
     """Episode seeds of a collection: disjoint from evaluation seeds, which start at 0."""
-    return 1_000_000 + seed * 10_000 + index
+    return 1_000_000 + seed * COLLECTION_EPISODES + index
 
 
 class BagSink:

@@ -57,7 +57,7 @@ from tqdm import tqdm
 
 from sps_driving import bagio
 from sps_driving.resources import portable_path, source_revision
-from sps_driving.sim.collect import BagSink, episode_seed
+from sps_driving.sim.collect import COLLECTION_EPISODES, BagSink, episode_seed
 from sps_driving.sim.config import load_sim_config, set_render_width
 from sps_driving.sim.episodes import Frame, PolicyDriver, drive_episode, run_episodes
 from sps_driving.sim.expert import Command, Expert
@@ -607,6 +607,9 @@ def run(args) -> int:
         raise SystemExit("dagger: --beta0 and --decay must lie in [0, 1]")
     if args.seed < 0 or args.dev_first_seed < 0:
         raise SystemExit("dagger: --seed and --dev-first-seed must be non-negative")
+    if args.episodes_per_round > COLLECTION_EPISODES:
+        raise SystemExit(f"dagger: --episodes-per-round is at most {COLLECTION_EPISODES}: "
+                         f"one collection seed's layouts, beyond which rounds would share layouts")
     try:
         run_dagger(args)
     except (OSError, ValueError) as error:  # changed settings, bad caches or checkpoints
