@@ -21,15 +21,38 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sps_driving import bagio, msgs, topics
-from sps_driving.sim.config import frame_stamp_ns, load_sim_config, set_render_width
-from sps_driving.sim.expert import Disturbance, Expert
+from sps_driving.sim.config import load_sim_config, set_render_width
+from sps_driving.sim.episodes import Frame, drive_episode, follow_label
+from sps_driving.sim.expert import Command, Disturbance, Expert
 from sps_driving.sim.scenarios import get_scenario
 from sps_driving.sim.world import World, make_episode, rng_for
+
+# Episodes of one collection seed before its layouts run into the next seed's.
+COLLECTION_EPISODES = 10_000
 
 
 def episode_seed(seed: int, index: int) -> int:
     """Episode seeds of a collection: disjoint from evaluation seeds, which start at 0."""
-    return 1_000_000 + seed * 10_000 + index
+    return 1_000_000 + seed * COLLECTION_EPISODES + index
+
+
+class BagSink:
+    """An episode loop sink (sps_driving.sim.episodes) that writes every frame on the car's topics,
+    all stamped with the frame's stamp; the reference command is the frame's label (the expert's
+    clean command), whatever command moved the car."""
+
+    def __init__(self, bag: bagio.BagWriter, config: dict):
+        self.bag = bag
+        self.hfov = math.radians(float(config["camera"]["hfov_deg"]))
+
+    def __call__(self, frame: Frame, applied: Command) -> None:
+        bag, stamp, image, world = self.bag, frame.stamp_ns, frame.image, frame.world
+        bag.write(topics.IMAGE, msgs.image_fields(image, stamp, "camera"), stamp)
+        bag.write(topics.CAMERA_INFO, msgs.camera_info_fields(image.shape[0], image.shape[1], stamp, "camera", self.hfov), stamp)
+        bag.write(topics.REFERENCE_COMMAND, msgs.command_fields(frame.label.steering, frame.label.throttle, stamp), stamp)
+        bag.write(topics.VEHICLE_TWIST, msgs.twist_fields(world.state.speed, stamp), stamp)
+        bag.write(topics.LANE_POSE, msgs.lane_pose_fields(world.lane.lateral, world.lane.heading_error, stamp), stamp)
+        bag.write(topics.OBSTACLE_RANGE, msgs.range_fields(world.nearest_gap(), stamp), stamp)
 
 
 def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, episode_index: int, storage: str,
@@ -37,29 +60,17 @@ def record_episode(config: dict, scenario_name: str, seed: int, bag_dir: Path, e
     """Drive one expert episode and write it as a rosbag2 at `bag_dir`; returns its summary."""
     from sps_driving.sim.render import get_renderer
 
-    renderer = get_renderer(config)
     episode = make_episode(config, get_scenario(scenario_name), seed)
     disturbance = Disturbance(config, rng_for(seed, "disturbance"))
     start = disturbance.start_state(episode.cruise_speed) if disturb else {}
     world = World(config, episode, **start)
-    expert = Expert(config)
-    cam = config["camera"]
-    hfov = math.radians(float(cam["hfov_deg"]))
-    steps = int(round(float(config["episode_s"]) * float(config["control_rate_hz"])))
+
+    def pushed(frame: Frame) -> Command:
+        return disturbance.apply(frame.label, world.dt)
+
     with bagio.BagWriter(bag_dir, storage=storage) as bag:
-        for k in range(steps):
-            stamp = frame_stamp_ns(config, episode_index, k)
-            image = renderer.render(world)
-            clean = expert.command(world)
-            bag.write(topics.IMAGE, msgs.image_fields(image, stamp, "camera"), stamp)
-            bag.write(topics.CAMERA_INFO, msgs.camera_info_fields(image.shape[0], image.shape[1], stamp, "camera", hfov), stamp)
-            bag.write(topics.REFERENCE_COMMAND, msgs.command_fields(clean.steering, clean.throttle, stamp), stamp)
-            bag.write(topics.VEHICLE_TWIST, msgs.twist_fields(world.state.speed, stamp), stamp)
-            bag.write(topics.LANE_POSE, msgs.lane_pose_fields(world.lane.lateral, world.lane.heading_error, stamp), stamp)
-            bag.write(topics.OBSTACLE_RANGE, msgs.range_fields(world.nearest_gap(), stamp), stamp)
-            applied = disturbance.apply(clean, world.dt) if disturb else clean
-            world.step(applied.steering, applied.throttle)
-    result = world.result(steps * world.dt).as_dict()
+        result = drive_episode(config, world, episode_index, pushed if disturb else follow_label, expert=Expert(config),
+                               renderer=get_renderer(config), sinks=[BagSink(bag, config)])
     result["bag"] = bag_dir.name
     return result
 

@@ -1,16 +1,20 @@
-"""Closed-loop episodes in process: the camera frame -> selection -> descriptors -> policy
-driver, one episode in the driving world, and a pool of worker processes (spawn) that runs many.
+"""Closed-loop episodes in process: the one episode loop (`drive_episode`) that collection,
+evaluation and DAgger rollouts share, the camera frame -> selection -> descriptors -> policy
+driver, one evaluation episode in the driving world, and a pool of worker processes (spawn)
+that runs many.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from sps_driving.sim.config import frame_stamp_ns
+from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.scenarios import get_scenario
 from sps_driving.sim.world import World, make_episode
 
@@ -19,21 +23,79 @@ from sps_driving.sim.world import World, make_episode
 EVAL_SEED_BASE = 0
 
 
-class PolicyDriver:
-    """Camera frame -> selected patches -> descriptors -> policy command."""
+@dataclass
+class Frame:
+    """One control step as the episode loop hands it to the driver and the sinks, before the car moves."""
 
-    def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None):
+    step: int
+    stamp_ns: int  # the camera frame's stamp (frame_stamp_ns): patch selection is a function of it
+    world: World  # the state the frame shows
+    image: np.ndarray | None = None  # uint8 HxWx3 RGB camera frame; None when the loop has no renderer
+    label: Command | None = None  # the expert's clean command for this state; None when the loop has no expert
+    descriptors: np.ndarray | None = None  # float32 [N, D] every patch's descriptor, when the driver computed them
+
+
+Driver = Callable[[Frame], Command]  # the command that moves the car at this frame
+Sink = Callable[[Frame, Command], None]  # gets every frame with the command that moved the car
+
+
+def follow_label(frame: Frame) -> Command:
+    """The driver that applies the label: the privileged expert drives."""
+    return frame.label
+
+
+def episode_steps(config: dict) -> int:
+    return int(round(float(config["episode_s"]) * float(config["control_rate_hz"])))
+
+
+def drive_episode(config: dict, world: World, episode_index: int, driver: Driver, expert: Expert | None = None,
+                  renderer=None, sinks: Sequence[Sink] = ()) -> dict:
+    """Drive `world` for one episode; the loop of collection, evaluation and DAgger rollouts.
+
+    Each step makes the frame (stamp of `episode_index`, camera image when a `renderer` is given,
+    the `expert`'s clean command as the label when one is given), asks `driver` for the command,
+    hands the frame and that command to every sink, then steps the world. Returns the world's
+    result with min_gap_m, the smallest free gap to any actor over the episode (m).
+    """
+    steps = episode_steps(config)
+    min_gap = math.inf
+    for step in range(steps):
+        frame = Frame(step, frame_stamp_ns(config, episode_index, step), world,
+                      None if renderer is None else renderer.render(world),
+                      None if expert is None else expert.command(world))
+        command = driver(frame)
+        for sink in sinks:
+            sink(frame, command)
+        min_gap = min(min_gap, world.step(command.steering, command.throttle).gap_m)
+    result = world.result(steps * world.dt).as_dict()
+    result["min_gap_m"] = min_gap
+    return result
+
+
+class PolicyDriver:
+    """Camera frame -> selected patches -> descriptors -> policy command.
+
+    With all_patches, every patch's descriptor is computed and kept (`frame_descriptors`, and
+    `Frame.descriptors` through `drive`), and the policy reads its selected subset of them: DAgger
+    rollouts write that dense grid to a feature cache without extracting the frame twice.
+    """
+
+    def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
+                 all_patches: bool = False):
         from sps_driving.core.policy import load_policy
         from sps_driving.extractors import extractor_for_policy
 
         self.policy = load_policy(policy_dir, device=device)
-        self.extractor = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}, backbone_config).extractor
+        self.extraction = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}, backbone_config)
+        self.extractor = self.extraction.extractor
         if self.extractor.grid != self.policy.grid or self.extractor.dim != self.policy.descriptor_dim:
             raise ValueError(
                 f"policy {policy_dir} expects a {self.policy.grid.rows}x{self.policy.grid.cols}x{self.policy.descriptor_dim} "
                 f"descriptor grid but the extractor gives {self.extractor.grid.rows}x{self.extractor.grid.cols}x{self.extractor.dim}"
             )
         self.selector = self.policy.selector
+        self.all_patches = np.arange(self.extractor.grid.n) if all_patches else None
+        self.frame_descriptors: np.ndarray | None = None
         self.last = (0.0, 0.0)
         self.drops = 0
 
@@ -41,10 +103,16 @@ class PolicyDriver:
         self.last = (0.0, 0.0)
 
     def __call__(self, image: np.ndarray, stamp_ns: int) -> tuple[float, float]:
+        self.frame_descriptors = None
         try:
             indices = self.selector.select(stamp_ns)
             state = self.extractor.encode(image)
-            command = self.policy.predict(self.extractor.descriptors(state, indices), indices)
+            if self.all_patches is None:
+                descriptors = self.extractor.descriptors(state, indices)
+            else:
+                self.frame_descriptors = self.extractor.descriptors(state, self.all_patches)
+                descriptors = self.frame_descriptors[indices]
+            command = self.policy.predict(descriptors, indices)
         except (ValueError, RuntimeError):
             # A frame the stack cannot use is dropped and counted; the car holds the last
             # command, as the vehicle interface does within its staleness timeout.
@@ -56,27 +124,24 @@ class PolicyDriver:
         self.last = command
         return command
 
+    def drive(self, frame: Frame) -> Command:
+        """The episode loop's driver: the command for `frame`'s camera image (with all_patches,
+        frame.descriptors gets every patch's descriptor; None for a dropped frame)."""
+        command = Command(*self(frame.image, frame.stamp_ns))
+        frame.descriptors = self.frame_descriptors
+        return command
+
 
 def run_episode(config: dict, scenario_name: str, episode_index: int, driver=None, renderer=None) -> dict:
     """One closed-loop episode; `driver` None means the privileged expert (no camera needed)."""
-    from sps_driving.sim.expert import Expert
-
     episode = make_episode(config, get_scenario(scenario_name), EVAL_SEED_BASE + episode_index)
     world = World(config, episode)
-    steps = int(round(float(config["episode_s"]) * float(config["control_rate_hz"])))
-    expert = Expert(config) if driver is None else None
     drops_before = getattr(driver, "drops", 0)
-    if driver is not None:
+    if driver is None:
+        result = drive_episode(config, world, episode_index, follow_label, expert=Expert(config))
+    else:
         driver.reset()
-    for step in range(steps):
-        if expert is not None:
-            command = expert.command(world)
-            steering, throttle = command.steering, command.throttle
-        else:
-            image = renderer.render(world)
-            steering, throttle = driver(image, frame_stamp_ns(config, episode_index, step))
-        world.step(steering, throttle)
-    result = world.result(steps * world.dt).as_dict()
+        result = drive_episode(config, world, episode_index, driver.drive, renderer=renderer)
     result["episode"] = episode_index
     result["dropped_frames"] = getattr(driver, "drops", 0) - drops_before
     return result
@@ -87,6 +152,7 @@ _WORKER: dict = {}
 
 
 def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int, backbone_config: str | None) -> None:
+    _WORKER.clear()  # in process (one worker), an earlier run's driver must not drive this one's expert episodes
     _WORKER["config"] = config
     if policy_dir is not None:
         import torch
