@@ -6,7 +6,9 @@ root directly, so nothing global outlives `load`. The camera is a pinhole with t
 130 degree horizontal field of view, square pixels, at the configured mounting pose.
 
 The rasterizer lights per vertex and ignores fog, so ground geometry is subdivided (headlights
-light vertices) and rain and snow are drawn in image space, seeded per frame.
+light vertices) and rain and snow are drawn in image space, seeded per frame. Opaque geometry is
+drawn in scene-graph order (a process-wide setting), so a frame is a function of the world state
+alone, whatever the renderer drew before.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from panda3d.core import (
     AmbientLight,
     Camera,
+    CullBinManager,
     DirectionalLight,
     FrameBufferProperties,
     GraphicsEngine,
@@ -92,6 +95,12 @@ class Renderer:
         self.config = config
         self.width, self.height = int(cam["render_width"]), int(cam["render_height"])
         self.engine = GraphicsEngine.get_global_ptr()
+        # Opaque geometry is drawn in scene-graph order, which the scene's build fixes. Panda3D's
+        # default sorts it by render state, which orders by the states' memory addresses: two
+        # builds of one scene then drew coplanar faces in another order, and the same state gave
+        # pixels that differed from one build (one process, one worker) to the next.
+        bins = CullBinManager.get_global_ptr()
+        bins.set_bin_type(bins.find_bin("opaque"), CullBinManager.BT_unsorted)
         pipe = GraphicsPipeSelection.get_global_ptr().make_module_pipe("p3tinydisplay")
         if pipe is None:
             raise RuntimeError("panda3d's p3tinydisplay software renderer is not available in this panda3d build")
