@@ -111,6 +111,35 @@ def test_hitting_an_actor(config):
     assert world.result(6.0).interventions == 1
 
 
+def test_obstacle_passes_count_a_pass_a_hit_and_leave_out_unfinished_ones(config):
+    """Straight at the lane centre: an obstacle off the lane's edge is passed 0.25 m outside the
+    collision line, one in the lane is hit; the safety driver's reset carries the car past a third
+    one it never reached, and a fourth is still alongside when the episode ends."""
+    half_lane, ego_half_width = config["road"]["lane_width_m"] / 2, config["vehicle"]["width_m"] / 2
+    line = config["failures"]["min_obstacle_gap_m"]
+    car = TRAINING_CARS[0]
+    clear_lateral = -(ego_half_width + line + 0.25) - car.width_m / 2  # its inner edge 1.25 m from the ego's side
+    passed = ActorSpec(car, (1, 1, 1), 50.0, clear_lateral, 0.0)
+    hit = ActorSpec(car, (1, 1, 1), 110.0, -half_lane + 0.6, 0.0)  # reaches 1.5 m into the lane
+    behind_the_hit = ActorSpec(car, (1, 1, 1), 117.0, clear_lateral, 0.0)  # within the reset's clearance
+    oncoming = ActorSpec(car, (1, 1, 1), 300.0, half_lane * 2, -10.0, oncoming=True)
+    probe = World(config, straight_episode(config, [passed, hit, behind_the_hit, oncoming]))
+    drive(probe, 0.0, 0.0, 15.0)
+    alongside_at_the_end = ActorSpec(car, (1, 1, 1), probe.lane.s, clear_lateral, 0.0)
+    world = World(config, straight_episode(config, [passed, hit, behind_the_hit, alongside_at_the_end, oncoming]))
+    drive(world, 0.0, 0.0, 15.0)
+    assert world.lane.s == probe.lane.s and world.passes[3].reached and not world.passes[3].over
+    assert world.passes[2].over and not world.passes[2].reached
+    result = world.result(15.0)
+    assert result.failures == {"collision": 1}
+    first, second = result.obstacles
+    assert (first["actor"], first["passed"]) == (0, True)
+    assert first["min_gap_m"] == pytest.approx(line + 0.25, abs=1e-6) and first["margin_m"] == pytest.approx(0.25, abs=1e-6)
+    assert (second["actor"], second["passed"], second["model"]) == (1, False, car.name)
+    assert second["min_gap_m"] <= line and second["margin_m"] == pytest.approx(second["min_gap_m"] - line)
+    assert world.result(15.0).as_dict()["obstacles"] == result.obstacles
+
+
 def test_turning_past_30_degrees(config):
     world = World(config, straight_episode(config, speed=2.0), start_lateral=-0.5)
     results = drive(world, 0.55, 0.0, 3.0)

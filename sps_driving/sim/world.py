@@ -9,6 +9,13 @@ Score (normalized success duration): the time driven from the episode start unti
 failure, divided by the episode length. Safety-driver model: every failure is one intervention;
 the car is put back on the lane centre (past any obstacle it is too close to), aligned with the
 lane, and the episode continues, so interventions are counted over the whole episode.
+
+Per road-side obstacle (ObstaclePass): whether the ego got past it without a collision failure
+with it, and the smallest free gap to it; the margin is that gap minus the collision line
+(failures.min_obstacle_gap_m), negative or zero for a hit. An obstacle counts once its pass is
+over: hit, or reached (the ego's front level with its rear) and then left fully behind. One the
+safety driver's reset carried the ego past unreached, or that is still alongside when the episode
+ends, is left out.
 """
 
 from __future__ import annotations
@@ -140,9 +147,26 @@ class ActorPose:
     x: float
     y: float
     yaw: float
+    index: int  # position in Episode.actors
 
     def footprint(self) -> np.ndarray:
         return rectangle(self.x, self.y, self.yaw, self.spec.model.length_m, self.spec.model.width_m)
+
+
+@dataclass
+class ObstaclePass:
+    """The ego's pass of one road-side obstacle (Episode.actors[actor])."""
+
+    actor: int
+    model: str
+    reached: bool = False  # the ego's front came level with the obstacle's rear, or it hit it
+    hit: bool = False  # a collision failure with this obstacle
+    over: bool = False  # hit, or left fully behind: nothing more can happen at this obstacle
+    min_gap_m: float = math.inf  # smallest free gap between the footprints while the pass lasted
+
+    def as_dict(self, collision_line_m: float) -> dict:
+        return {"actor": self.actor, "model": self.model, "passed": not self.hit, "min_gap_m": self.min_gap_m,
+                "margin_m": self.min_gap_m - collision_line_m}
 
 
 @dataclass
@@ -155,6 +179,7 @@ class EpisodeResult:
     failures: dict = field(default_factory=dict)  # failure type value -> count
     distance_m: float = 0.0
     mean_speed_mps: float = 0.0
+    obstacles: list = field(default_factory=list)  # ObstaclePass.as_dict of the obstacles whose pass is over
 
     @property
     def score(self) -> float:
@@ -171,6 +196,7 @@ class EpisodeResult:
             "failures": dict(self.failures),
             "distance_m": self.distance_m,
             "mean_speed_mps": self.mean_speed_mps,
+            "obstacles": list(self.obstacles),
         }
 
 
@@ -204,6 +230,7 @@ class World:
         self.failure_counts: Counter = Counter()
         self.first_failure_time: float | None = None
         self.distance = 0.0
+        self.passes = {i: ObstaclePass(i, spec.model.name) for i, spec in enumerate(episode.actors) if not spec.oncoming}
         speed = episode.cruise_speed if start_speed is None else start_speed
         self._place(config["road"]["start_s_m"], start_lateral, start_heading, speed)
 
@@ -216,26 +243,29 @@ class World:
     def actor_poses(self, t: float | None = None) -> list[ActorPose]:
         """Actors on the road at time t (default now), placed in the world in one vectorized pass."""
         t = self.time if t is None else t
-        states = [(spec, spec.lane_state(t)) for spec in self.episode.actors]
-        states = [(spec, st) for spec, st in states if 0.0 <= st[0] <= self.road.length]
+        states = [(i, spec, spec.lane_state(t)) for i, spec in enumerate(self.episode.actors)]
+        states = [(i, spec, st) for i, spec, st in states if 0.0 <= st[0] <= self.road.length]
         if not states:
             return []
-        s = np.array([st[0] for _, st in states])
-        xy = self.road.points(s, np.array([st[1] for _, st in states]))
+        s = np.array([st[0] for _, _, st in states])
+        xy = self.road.points(s, np.array([st[1] for _, _, st in states]))
         yaw = self.road.heading_at(s)
         return [
-            ActorPose(spec, st[0], st[1], st[2], st[3], float(p[0]), float(p[1]), float(h) + (math.pi if spec.oncoming else 0.0))
-            for (spec, st), p, h in zip(states, xy, yaw)
+            ActorPose(spec, st[0], st[1], st[2], st[3], float(p[0]), float(p[1]), float(h) + (math.pi if spec.oncoming else 0.0), i)
+            for (i, spec, st), p, h in zip(states, xy, yaw)
         ]
 
-    def nearest_gap(self, state: VehicleState | None = None, poses: list[ActorPose] | None = None) -> float:
-        """Free gap (m) between the ego footprint and the nearest actor footprint; inf if none near."""
+    def actor_gaps(self, state: VehicleState | None = None, poses: list[ActorPose] | None = None) -> list[tuple[ActorPose, float]]:
+        """(pose, free gap in m between the ego footprint and the actor's) of the actors near enough to matter."""
         state = self.state if state is None else state
         poses = self.actor_poses() if poses is None else poses
         cx, cy = state.center(self.params)
         ego = state.footprint(self.params)
-        gaps = [polygon_gap(ego, p.footprint()) for p in poses if math.hypot(p.x - cx, p.y - cy) < _GAP_SEARCH_M]
-        return min(gaps, default=math.inf)
+        return [(p, polygon_gap(ego, p.footprint())) for p in poses if math.hypot(p.x - cx, p.y - cy) < _GAP_SEARCH_M]
+
+    def nearest_gap(self, state: VehicleState | None = None, poses: list[ActorPose] | None = None) -> float:
+        """Free gap (m) between the ego footprint and the nearest actor footprint; inf if none near."""
+        return min((gap for _, gap in self.actor_gaps(state, poses)), default=math.inf)
 
     def step(self, steering: float, throttle: float) -> StepResult:
         self.state = vehicle_step(self.params, self.state, steering, throttle, self.dt)
@@ -245,12 +275,38 @@ class World:
         cx, cy = self.state.center(self.params)
         self.lane = self.road.to_lane(cx, cy, self.state.yaw, self.lane.s)
         poses = self.actor_poses()
-        gap = self.nearest_gap(poses=poses)
+        gaps = self.actor_gaps(poses=poses)
+        gap = min((g for _, g in gaps), default=math.inf)
         failures = tuple(check_failures(self.thresholds, self.lane.lateral, self.lane.heading_error, gap))
         result = StepResult(self.lane, gap, failures, bool(failures))
+        self._follow_passes(poses, gaps, Failure.COLLISION in failures)
         if failures:
             self._intervene(failures, poses)
+        self._end_passes(poses)
         return result
+
+    def _follow_passes(self, poses: list[ActorPose], gaps: list[tuple[ActorPose, float]], collision: bool) -> None:
+        """Before any reset: the gaps to the road-side obstacles, which ones the ego has reached, which it hit."""
+        for pose, gap in gaps:
+            obstacle = self.passes.get(pose.index)
+            if obstacle is None or obstacle.over:
+                continue
+            obstacle.min_gap_m = min(obstacle.min_gap_m, gap)
+            if collision and gap <= self.thresholds.min_obstacle_gap_m:
+                obstacle.reached = obstacle.hit = obstacle.over = True
+        front = self.lane.s + self.params.length_m / 2.0
+        for pose in poses:
+            obstacle = self.passes.get(pose.index)
+            if obstacle is not None and not obstacle.over and front >= pose.s - pose.spec.model.length_m / 2.0:
+                obstacle.reached = True
+
+    def _end_passes(self, poses: list[ActorPose]) -> None:
+        """After any reset: obstacles the ego is now fully past are over (left out if it never reached them)."""
+        rear = self.lane.s - self.params.length_m / 2.0
+        for pose in poses:
+            obstacle = self.passes.get(pose.index)
+            if obstacle is not None and not obstacle.over and rear >= pose.s + pose.spec.model.length_m / 2.0:
+                obstacle.over = True
 
     def _intervene(self, failures: tuple[Failure, ...], poses: list[ActorPose]) -> None:
         self.interventions += 1
@@ -277,4 +333,5 @@ class World:
             failures=dict(self.failure_counts),
             distance_m=self.distance,
             mean_speed_mps=self.distance / max(self.time, 1e-9),
+            obstacles=[o.as_dict(self.thresholds.min_obstacle_gap_m) for o in self.passes.values() if o.over and o.reached],
         )
