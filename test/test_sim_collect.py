@@ -71,3 +71,12 @@ def test_collect_refuses_to_overwrite(tmp_path, flat):
     assert (out / "collect.json").is_file()
     with pytest.raises(SystemExit, match="exists"):
         main(args)
+
+
+def test_collection_layouts_stay_apart_from_evaluation_layouts(tmp_path):
+    from sps_driving.sim.collect import episode_seed
+    from sps_driving.sim.world import COLLECTION_SEED_BASE
+
+    assert episode_seed(0, 0) == COLLECTION_SEED_BASE and episode_seed(2, 7) == COLLECTION_SEED_BASE + 20_007
+    with pytest.raises(SystemExit, match="--seed must be at least 0"):
+        main(["collect", "--out", str(tmp_path / "drives"), "--seed", "-1"])

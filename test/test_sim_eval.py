@@ -7,12 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from samples import tiny_dinov2_policy
-from scipy import stats
 
 from sps_driving.cli import main
 from sps_driving.sim.scenarios import SCENARIO_NAMES
-from sps_driving.sim.statistics import interval95, paired_difference
-from sps_driving.sim.tables import method_name, paired_against_da, rate_curves, summarize, table_rows, write_tables
+from sps_driving.sim.tables import method_name, method_reports, rate_curves, summarize, table_rows, training_seed, write_tables
+
+
+def read_rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
 
 def test_expert_eval_is_resumable_and_writes_tables(tmp_path):
@@ -20,20 +22,68 @@ def test_expert_eval_is_resumable_and_writes_tables(tmp_path):
     args = ["eval", "--expert", "--episodes", "2", "--episode-s", "4", "--workers", "1", "--out", str(out),
             "--scenarios", SCENARIO_NAMES[0], SCENARIO_NAMES[5]]
     assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert len(rows) == 4 and all(r["method"] == "expert" and r["score"] == 1.0 for r in rows)
+    assert sorted((r["scenario"], r["seed"]) for r in rows) == sorted((s, e) for s in args[-2:] for e in (0, 1))
+    assert all(r["first_seed"] == 0 and r["training_seed"] is None for r in rows)
     assert main(args) == 0  # nothing left to run
-    assert len((out / "results.jsonl").read_text().splitlines()) == 4
+    assert len(read_rows(out)) == 4
     # Another episode length runs anew; its table holds only its own episodes.
     assert main(args[:5] + ["3"] + args[6:]) == 0
-    assert len((out / "results.jsonl").read_text().splitlines()) == 8
+    assert len(read_rows(out)) == 8
     assert "3 s, 448x280" in (out / "table1.md").read_text() and "4 s" not in (out / "table1.md").read_text()
     with (out / "table1.csv").open() as f:
         table = list(csv.reader(f))
     assert table[0] == ["scenario", "expert"]
-    assert [r[0] for r in table[1:]] == [SCENARIO_NAMES[0], SCENARIO_NAMES[5], "average"]
+    assert [r[0] for r in table[1:3]] == [SCENARIO_NAMES[0], SCENARIO_NAMES[5]] and table[3][0] == "average"
     assert "Rural Summer Dry Day Car" in (out / "table1.md").read_text()
     assert "Interventions" in (out / "details.md").read_text()
+
+
+def test_first_seed_chooses_the_layouts_and_resume_skips_the_done_ones(tmp_path):
+    from sps_driving.sim.config import load_sim_config
+    from sps_driving.sim.episodes import run_episode
+
+    out, scenario = tmp_path / "eval", SCENARIO_NAMES[3]
+    base = ["eval", "--expert", "--episode-s", "2", "--workers", "1", "--out", str(out), "--scenarios", scenario]
+    assert main(base + ["--first-seed", "100", "--episodes", "2"]) == 0
+    assert sorted(r["seed"] for r in read_rows(out)) == [100, 101]
+    assert main(base + ["--first-seed", "100", "--episodes", "3"]) == 0  # only layout 102 is new
+    assert sorted(r["seed"] for r in read_rows(out)) == [100, 101, 102]
+    assert main(base + ["--first-seed", "101", "--episodes", "2"]) == 0  # 101 and 102 are done, whichever run drove them
+    assert main(base + ["--episodes", "2"]) == 0  # development layouts 0 and 1
+    rows = read_rows(out)
+    assert sorted(r["seed"] for r in rows) == [0, 1, 100, 101, 102]
+    assert {r["seed"]: r["first_seed"] for r in rows} == {0: 0, 1: 0, 100: 100, 101: 100, 102: 100}
+    # The tables hold the run's own layouts only.
+    assert "Layouts (episode seeds, shared by all scenarios and methods): 0..1" in (out / "table1.md").read_text()
+    # A row is its layout's episode: the layout comes from the seed, not from the run that drove it.
+    config = load_sim_config(profile="quick")
+    config["episode_s"] = 2.0
+    by_seed = {r["seed"]: r for r in rows}
+    for seed in (0, 101):
+        alone = run_episode(config, scenario, seed)
+        assert {k: by_seed[seed][k] for k in alone} == alone
+    assert by_seed[0]["distance_m"] != by_seed[100]["distance_m"] != by_seed[101]["distance_m"]
+    with pytest.raises(SystemExit, match="training collections"):
+        main(base + ["--first-seed", "999999", "--episodes", "2"])
+
+
+def test_resume_never_takes_another_checkpoints_rows_for_its_own(tmp_path):
+    from sps_driving.resources import SOURCE_ROOT
+    from sps_driving.sim.results import EvalSettings, missing_tasks
+
+    path = tmp_path / "results.jsonl"
+    done = {"method": "SPS-50", "training_seed": 0, "policy": "runs/round1/sps50", "scenario": SCENARIO_NAMES[0], "seed": 100,
+            "episode_s": 20.0, "width": 224, "height": 140}
+    path.write_text(json.dumps(done) + "\n")
+    settings = EvalSettings("SPS-50", str(SOURCE_ROOT / "runs/round1/sps50"), "quick", 2, 20.0, 224, 140, 100, 0)
+    assert missing_tasks(settings, [SCENARIO_NAMES[0]], path) == [(SCENARIO_NAMES[0], 101)]
+    another_seed = EvalSettings("SPS-50", str(SOURCE_ROOT / "runs/round1/sps50_seed1"), "quick", 2, 20.0, 224, 140, 100, 1)
+    assert len(missing_tasks(another_seed, [SCENARIO_NAMES[0]], path)) == 2
+    retrained = EvalSettings("SPS-50", str(SOURCE_ROOT / "runs/round2/sps50"), "quick", 2, 20.0, 224, 140, 100, 0)
+    with pytest.raises(ValueError, match="runs/round1/sps50, not runs/round2/sps50"):
+        missing_tasks(retrained, [SCENARIO_NAMES[0]], path)
 
 
 def test_parallel_expert_eval_matches_the_serial_one(tmp_path):
@@ -42,10 +92,28 @@ def test_parallel_expert_eval_matches_the_serial_one(tmp_path):
     assert main(args + ["--workers", "2", "--out", str(tmp_path / "parallel")]) == 0
 
     def by_key(folder):
-        rows = [json.loads(line) for line in (tmp_path / folder / "results.jsonl").read_text().splitlines()]
-        return {(r["scenario"], r["episode"]): (r["distance_m"], r["score"]) for r in rows}
+        return {(r["scenario"], r["seed"]): (r["distance_m"], r["score"]) for r in read_rows(tmp_path / folder)}
 
     assert by_key("serial") == by_key("parallel") and len(by_key("serial")) == 4
+
+
+def test_policy_eval_gives_the_same_episodes_twice_and_on_two_workers(tmp_path):
+    """A tiny random policy (renderer -> DINOv2 -> SPS selection -> policy -> vehicle) in rain and
+    snow: the same command twice, and on two workers instead of one (other episodes before each
+    one in its process, another order), gives the same rows, field for field. Before the renderer
+    drew opaque geometry in a fixed order, these rows differed in the third decimal of the distance."""
+    tiny_dinov2_policy(tmp_path / "policy")
+    args = ["eval", "--policy", str(tmp_path / "policy"), "--first-seed", "7", "--episodes", "2", "--episode-s", "1.5",
+            "--scenarios", "urban-summer-rain-day-animal", "rural-winter-snow-day-animal"]
+    runs = {}
+    for name, workers in (("first", 1), ("again", 1), ("two_workers", 2)):
+        assert main(args + ["--workers", str(workers), "--out", str(tmp_path / name)]) == 0
+        runs[name] = {(r["scenario"], r["seed"]): r for r in read_rows(tmp_path / name)}
+    assert len(runs["first"]) == 4 and {seed for _, seed in runs["first"]} == {7, 8}
+    assert runs["first"] == runs["again"] == runs["two_workers"]
+    rows = list(runs["first"].values())
+    assert all(r["min_gap_m"] is not None and r["training_seed"] == 0 for r in rows)
+    assert len({(r["distance_m"], r["min_gap_m"]) for r in rows}) == 4, "every episode drove its own way"
 
 
 def test_unknown_scenario_or_missing_policy_is_a_clear_error(tmp_path):
@@ -57,24 +125,30 @@ def test_unknown_scenario_or_missing_policy_is_a_clear_error(tmp_path):
         main(["collect", "--out", str(tmp_path / "c"), "--scenario", "rural"])
 
 
-def _row(method, scenario, score, episode=0):
-    return {"method": method, "scenario": scenario, "score": score, "interventions": int(score < 1), "episode": episode,
-            "failures": {"lane_boundary": int(score < 1)}, "mean_speed_mps": 9.0, "episode_s": 15.0, "width": 224, "height": 140,
-            "profile": "quick"}
+def _row(method, scenario, score, seed=0, training_seed=0, obstacles=()):
+    return {"method": method, "scenario": scenario, "score": score, "interventions": int(score < 1), "seed": seed,
+            "training_seed": training_seed, "failures": {"lane_boundary": int(score < 1)}, "mean_speed_mps": 9.0,
+            "episode_s": 15.0, "width": 224, "height": 140, "profile": "quick", "obstacles": list(obstacles)}
+
+
+def _obstacle(passed, margin_m):
+    return {"actor": 0, "model": "sedan", "passed": passed, "min_gap_m": 1.0 + margin_m, "margin_m": margin_m}
 
 
 def test_table1_layout_average_over_ood_and_gain_over_da():
     rows = []
     for i, scenario in enumerate(SCENARIO_NAMES):
         rows += [_row("DA", scenario, 1.0 if i == 0 else 0.8), _row("SPS-50", scenario, 1.0 if i == 0 else 0.9)]
-        rows += [_row("SPS-50", scenario, 0.7, episode=1)] if i == 1 else []
-    header, table = table_rows(summarize(rows))
+        rows += [_row("SPS-50", scenario, 0.7, seed=1), _row("DA", scenario, 0.8, seed=1)] if i == 1 else []
+    header, table = table_rows(summarize(rows), method_reports(rows))
+    by_name = {r[0]: r[1:] for r in table}
     assert header == ["scenario", "DA", "SPS-50"]
-    assert [r[0] for r in table] == list(SCENARIO_NAMES) + ["average", "gain_over_DA_points"]
+    assert [r[0] for r in table][:16] == list(SCENARIO_NAMES) + ["average"]
     assert table[0][1:] == ["1.00", "1.00"] and table[1][1:] == ["0.80", "0.80"]
-    sps_average = (0.8 + 0.9 * 13) / 14
-    assert table[-2][1:] == ["0.800", f"{sps_average:.3f}"]
-    assert table[-1][1:] == ["+0.0", f"{100 * (sps_average - 0.8):+.1f}"]
+    sps_average = (0.8 + 0.9 * 13) / 14  # the scenario with two layouts counts once
+    assert by_name["average"] == ["0.800", f"{sps_average:.3f}"]
+    assert by_name["gain_over_DA_points"] == ["+0.0", f"{100 * (sps_average - 0.8):+.1f}"]
+    assert by_name["layouts"] == ["1", "1"] and by_name["training_seeds"] == ["1", "1"]
 
 
 def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_path):
@@ -87,8 +161,8 @@ def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_pa
         table2 = list(csv.reader(f))
     assert table1[0] == ["scenario", "No-FM", "DA", "SPS-50", "expert"]
     assert table2[0] == ["scenario", "DA", "SPS-50", "SPS-30", "SPPS-30"]
-    assert [r[0] for r in table2[1:]] == list(SCENARIO_NAMES) + ["average", "gain_over_DA_points"]
-    assert table2[-1][1:] == ["+0.0", "+10.0", "+5.0", "-10.0"]
+    assert [r[0] for r in table2[1:17]] == list(SCENARIO_NAMES) + ["average"]
+    assert {r[0]: r[1:] for r in table2}["gain_over_DA_points"] == ["+0.0", "+10.0", "+5.0", "-10.0"]
     assert "Not yet run: I-ViT" in (tmp_path / "table1.md").read_text()
     assert "Not yet run: SPS-70, SPPS-70, SPPS-50, MSPPS-70, MSPPS-50, MSPPS-30" in (tmp_path / "table2.md").read_text()
     curves = rate_curves(summarize(rows))
@@ -96,37 +170,54 @@ def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_pa
     assert set(curves) == {"SPS", "SPPS"}
     assert (tmp_path / "accuracy_vs_rate.png").stat().st_size > 1000
     details = (tmp_path / "details.md").read_text()
-    assert "| SPS-50 | +10.0 | [+10.0, +10.0] | 14 | 0 | 14 |" in details
-    assert "| No-FM | -30.0 | [-30.0, -30.0] | 0 | 14 | 14 |" in details
+    assert "| SPS-50 | +10.0 | [+10.0, +10.0] | [+10.0, +10.0] | 14 | 1 | 1 / 1 | 14 | 0 |" in details
+    assert "| No-FM | -30.0 | [-30.0, -30.0] | [-30.0, -30.0] | 14 | 1 | 1 / 1 | 0 | 14 |" in details
 
 
-def test_interval_is_scipys_t_interval():
-    scores = [0.18, 1.0, 0.415, 0.52, 0.97, 0.33, 0.61]
-    mean, half = interval95(scores)
-    low, high = stats.t.interval(0.95, len(scores) - 1, loc=np.mean(scores), scale=stats.sem(scores))
-    assert mean == pytest.approx(np.mean(scores)) and (mean - half, mean + half) == pytest.approx((low, high), rel=1e-12)
-    # the printed tables' two decimals: t(0.975, 3) = 3.18
-    assert interval95([1.0, 0.0, 1.0, 0.0]) == (0.5, pytest.approx(3.182446 * np.std([1, 0, 1, 0], ddof=1) / 2))
-    assert interval95([0.4]) == (0.4, 0.0)
-
-
-def test_paired_difference_against_da_over_the_same_ood_episodes():
+def test_tables_pool_training_seeds_into_one_method_and_mark_thin_columns(tmp_path):
+    """SPS-50 and DA: 3 checkpoints each on 20 layouts; SPS-30: 1 checkpoint on 10 layouts (marked).
+    The gain over DA is the paired interval over scenarios, layouts and seeds; obstacle passes and
+    margins sit beside the scores."""
+    rng = np.random.default_rng(0)
+    difficulty = rng.uniform(0.2, 0.8, (len(SCENARIO_NAMES), 20))  # shared by every method: pairing cancels it
     rows = []
     for i, scenario in enumerate(SCENARIO_NAMES):
-        for episode in range(3):
-            rows.append(_row("DA", scenario, 0.5, episode))
-            rows.append(_row("SPS-50", scenario, 0.5 + 0.1 * (episode != 1) + (0.5 if i == 0 else 0.0), episode))
-    rows.append(_row("SPS-30", SCENARIO_NAMES[1], 0.9))  # one pair only: left out
-    (paired,) = paired_against_da(rows).items()
-    method, d = paired
-    assert method == "SPS-50" and d.pairs == 14 * 3 and (d.wins, d.losses) == (28, 0)  # the ID row is not counted
-    assert d.mean == pytest.approx(0.2 / 3) and d.low <= d.mean <= d.high and 0 < d.low and d.high <= 0.1 + 1e-12
-    again = paired_difference([0.2, 0.9, 0.4, 0.7, 0.1], [0.3, 0.5, 0.4, 0.2, 0.3])
-    assert again == paired_difference([0.2, 0.9, 0.4, 0.7, 0.1], [0.3, 0.5, 0.4, 0.2, 0.3]), "seeded"
-    assert (again.wins, again.losses, again.pairs) == (2, 2, 5)
+        for layout in range(100, 120):
+            base = difficulty[i, layout - 100]
+            for seed in range(3):
+                rows.append(_row("DA", scenario, base, layout, seed, [_obstacle(True, 0.3), _obstacle(False, -0.2)]))
+                rows.append(_row("SPS-50", scenario, min(1.0, base + 0.05 + 0.01 * seed), layout, seed + 10,
+                                 [_obstacle(True, 0.4)] * 3 + [_obstacle(False, -0.1)]))
+            if layout < 110:
+                rows.append(_row("SPS-30", scenario, base, layout, 0))
+    reports = method_reports(rows)
+    assert (reports["SPS-50"].layouts, reports["SPS-50"].seeds) == (20, 3) and not reports["SPS-50"].indicative
+    assert (reports["SPS-30"].layouts, reports["SPS-30"].seeds) == (10, 1) and reports["SPS-30"].indicative
+    gain = reports["SPS-50"].gain
+    assert (gain.scenarios, gain.layouts, gain.seeds_a, gain.seeds_b) == (14, 20, 3, 3)
+    assert 0.05 - 1e-9 <= gain.low < gain.mean < gain.high <= 0.07 + 1e-9  # the shared difficulty cancels out
+    assert reports["SPS-50"].obstacles["pass_rate"] == 0.75 and reports["DA"].obstacles["pass_rate"] == 0.5
+    write_tables(rows, tmp_path, "sps-driving eval ...")
+    table1 = (tmp_path / "table1.md").read_text()
+    assert "| Scenario | DA | SPS-50 |" in table1
+    assert "Layouts x training seeds | 20 x 3 | 20 x 3 |" in table1
+    assert f"Gain over DA, points [paired 95% interval] | +0.0 | {100 * gain.mean:+.1f} [{100 * gain.low:+.1f}, " in table1
+    assert "| Obstacles passed (OOD) | 0.500 | 0.750 |" in table1
+    assert "| Margin m, median / 5th percentile (OOD) | 0.05 / -0.20 | 0.40 / -0.10 |" in table1
+    table2 = (tmp_path / "table2.md").read_text()
+    assert "| Scenario | DA | SPS-50 | SPS-30 ‡ |" in table2 and "10 x 1" in table2
+    details = (tmp_path / "details.md").read_text()
+    assert "| Rural Summer Dry Day Car | " in details and "| 20 x 3 | " in details and "| 180/240 | +0.40 / -0.10 |" in details
+    # The same rows in another order give the same tables.
+    again = tmp_path / "again"
+    again.mkdir()
+    write_tables(rows[::-1], again, "sps-driving eval ...")
+    for name in ("table1.md", "table2.md", "details.md"):
+        assert (again / name).read_text() == (tmp_path / name).read_text()
 
 
-def test_method_names():
+def test_method_names_and_training_seeds():
+    assert training_seed({"selection": {"variant": "sps", "rate": 0.5, "seed": 2}}) == 2 and training_seed({}) is None
     assert method_name({"selection": {"variant": "sps", "rate": 1.0}}) == "DA"
     assert method_name({"selection": {"variant": "sps", "rate": 0.5}}) == "SPS-50"
     assert method_name({"selection": {"variant": "mspps", "rate": 0.3}}) == "MSPPS-30"

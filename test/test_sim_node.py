@@ -23,7 +23,7 @@ def test_live_sim_runs_episodes_from_outside_commands():
         result = sim.advance(obs.expert_steering, obs.expert_throttle)
         if result is not None:
             results.append(result)
-    assert [r["episode"] for r in results] == [3, 4] and all(r["score"] == 1.0 for r in results)
+    assert [r["seed"] for r in results] == [3, 4] and all(r["score"] == 1.0 for r in results)
     with pytest.raises(RuntimeError):
         sim.advance(0.0, 0.0)
 

@@ -25,15 +25,15 @@ from sps_driving.sim.config import load_sim_config, set_render_width
 from sps_driving.sim.episodes import Frame, drive_episode, follow_label
 from sps_driving.sim.expert import Command, Disturbance, Expert
 from sps_driving.sim.scenarios import get_scenario
-from sps_driving.sim.world import World, make_episode, rng_for
+from sps_driving.sim.world import COLLECTION_SEED_BASE, World, make_episode, rng_for
 
 # Episodes of one collection seed before its layouts run into the next seed's.
 COLLECTION_EPISODES = 10_000
 
 
 def episode_seed(seed: int, index: int) -> int:
-    """Episode seeds of a collection: disjoint from evaluation seeds, which start at 0."""
-    return 1_000_000 + seed * COLLECTION_EPISODES + index
+    """Episode seeds of a collection: disjoint from evaluation layouts, which lie below COLLECTION_SEED_BASE."""
+    return COLLECTION_SEED_BASE + seed * COLLECTION_EPISODES + index
 
 
 class BagSink:
@@ -96,6 +96,8 @@ def run(args) -> int:
         set_render_width(config, args.width)
     if args.episodes < 1:
         raise SystemExit("--episodes must be at least 1")
+    if args.seed < 0:
+        raise SystemExit(f"--seed must be at least 0, got {args.seed}: collection layouts stay apart from evaluation ones")
     if args.flat and args.episodes != 1:
         raise SystemExit("--flat writes a single bag: use it with --episodes 1")
     collect = config["collect"]

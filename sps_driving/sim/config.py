@@ -47,10 +47,11 @@ def set_render_width(config: dict, width: int) -> None:
     cam["render_height"] = int(round(width * float(cam["native_height"]) / float(cam["native_width"])))
 
 
-def frame_stamp_ns(config: dict, episode_index: int, step: int) -> int:
+def frame_stamp_ns(config: dict, episode: int, step: int) -> int:
     """Stamp of a step's frame: episodes start `episode_gap_s` apart from `epoch_ns`, frames follow
-    at the control rate. Collection and evaluation share it, so patch selection (a function of
-    the stamp) replays."""
+    at the control rate. `episode` is the layout seed in evaluation (a layout's patch selections,
+    a function of the stamp, are the same whichever run drives it) and the episode's index in a
+    collection. Collection and evaluation share it, so patch selection replays."""
     collect = config["collect"]
     period_ns = int(round(1e9 / float(config["control_rate_hz"])))
-    return int(collect["epoch_ns"]) + episode_index * int(float(collect["episode_gap_s"]) * 1e9) + step * period_ns
+    return int(collect["epoch_ns"]) + episode * int(float(collect["episode_gap_s"]) * 1e9) + step * period_ns

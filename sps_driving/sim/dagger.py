@@ -261,7 +261,7 @@ def dev_evaluate(config: dict, settings: dict, policy_dir: Path, out: Path, work
         out.mkdir(parents=True, exist_ok=True)
         cam = config["camera"]
         eval_settings = EvalSettings("dagger-dev", str(policy_dir), "dev", len(wanted), float(config["episode_s"]),
-                                     int(cam["render_width"]), int(cam["render_height"]))
+                                     int(cam["render_width"]), int(cam["render_height"]), settings["dev_first_seed"])
         record = Recorder(eval_settings, path, len(tasks))
         threads = torch.get_num_threads()  # one worker runs in this process and sets its own
         try:

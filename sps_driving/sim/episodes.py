@@ -2,6 +2,16 @@
 evaluation and DAgger rollouts share, the camera frame -> selection -> descriptors -> policy
 driver, one evaluation episode in the driving world, and a pool of worker processes (spawn)
 that runs many.
+
+An evaluation episode is a pure function of (config, scenario, layout seed, policy): its layout
+comes from the seed (sps_driving.sim.world), its frame stamps, and so the policy's patch selection
+draws, from the seed too (sim.config.frame_stamp_ns), rain and snow from (seed, frame), and every
+worker runs torch and onnxruntime on the same pinned number of threads
+(eval.torch_threads_per_worker); on a GPU, cuDNN is held to deterministic algorithms (the tests
+check all this on CPUs only). The renderer draws a state the same way in every build of its
+scene (sps_driving.sim.render). So the same command gives the same per-episode results whichever
+worker runs an episode and in which order; only the order in which rows arrive (imap_unordered)
+varies, and every reader keys rows, never counts on it.
 """
 
 from __future__ import annotations
@@ -17,10 +27,6 @@ from sps_driving.sim.config import frame_stamp_ns
 from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.scenarios import get_scenario
 from sps_driving.sim.world import World, make_episode
-
-# Evaluation episodes use seeds EVAL_SEED_BASE + 0..N-1; collection seeds start at 1,000,000
-# (sps_driving.sim.collect.episode_seed), so training never sees an evaluation layout.
-EVAL_SEED_BASE = 0
 
 
 @dataclass
@@ -132,17 +138,17 @@ class PolicyDriver:
         return command
 
 
-def run_episode(config: dict, scenario_name: str, episode_index: int, driver=None, renderer=None) -> dict:
-    """One closed-loop episode; `driver` None means the privileged expert (no camera needed)."""
-    episode = make_episode(config, get_scenario(scenario_name), EVAL_SEED_BASE + episode_index)
-    world = World(config, episode)
+def run_episode(config: dict, scenario_name: str, seed: int, driver=None, renderer=None) -> dict:
+    """One closed-loop episode on layout `seed` (its frames stamped as episode `seed`); `driver`
+    None means the privileged expert (no camera needed)."""
+    world = World(config, make_episode(config, get_scenario(scenario_name), seed))
     drops_before = getattr(driver, "drops", 0)
     if driver is None:
-        result = drive_episode(config, world, episode_index, follow_label, expert=Expert(config))
+        result = drive_episode(config, world, seed, follow_label, expert=Expert(config))
     else:
         driver.reset()
-        result = drive_episode(config, world, episode_index, driver.drive, renderer=renderer)
-    result["episode"] = episode_index
+        result = drive_episode(config, world, seed, driver.drive, renderer=renderer)
+    result["episode"] = seed  # as in rows from before layouts were chosen, where the index was the seed
     result["dropped_frames"] = getattr(driver, "drops", 0) - drops_before
     return result
 
@@ -160,18 +166,22 @@ def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int
         from sps_driving.sim.render import get_renderer
 
         torch.set_num_threads(threads)
+        # GPU kernels that may sum in a varying order (autotuned algorithms) are replaced by
+        # deterministic ones; on the CPU, the pinned thread count is what keeps sums in order.
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
         _WORKER["renderer"] = get_renderer(config)
         _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config)
 
 
 def _run_task(task: tuple[str, int]) -> dict:
-    scenario_name, episode_index = task
-    return run_episode(_WORKER["config"], scenario_name, episode_index, _WORKER.get("driver"), _WORKER.get("renderer"))
+    scenario_name, seed = task
+    return run_episode(_WORKER["config"], scenario_name, seed, _WORKER.get("driver"), _WORKER.get("renderer"))
 
 
 def run_episodes(config: dict, policy_dir: str | None, tasks: list[tuple[str, int]], workers: int, device: str,
                  record: Callable[[dict], None], backbone_config: str | None = None) -> None:
-    """Run (scenario, episode index) `tasks` with the policy at `policy_dir` (None: the expert) in
+    """Run (scenario, layout seed) `tasks` with the policy at `policy_dir` (None: the expert) in
     `workers` processes, handing each finished episode's result to `record` as it comes."""
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
     init = (config, policy_dir, device, threads, backbone_config)

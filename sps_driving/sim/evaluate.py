@@ -4,12 +4,16 @@ sps_driving.sim.episodes) or through the live ROS 2 graph (`--graph`: the sim_wo
 on-car nodes, with the vehicle interface's limits and watchdogs; sps_driving.sim.graph_eval).
 
     sps-driving eval --policy models/sps50 --profile quick --out runs/eval
+    sps-driving eval --policy models/sps50 --first-seed 100 --episodes 20 --out runs/claim   # held-out layouts
     sps-driving eval --policy models/sps50 --graph --episodes 1 --out runs/eval   # the exact on-car stack
     sps-driving eval --expert --profile quick --out runs/eval      # checks the world itself
 
-Every finished episode is appended to OUT/results.jsonl, and a rerun skips the episodes already
-there (sps_driving.sim.results). Tables and plots (sps_driving.sim.tables) are written from every
-method's rows in results.jsonl that share this run's episode length and image size.
+Layouts: episode seeds --first-seed .. --first-seed + episodes - 1, the same in every scenario and
+for every method, below the first collection seed (sps_driving.sim.world.COLLECTION_SEED_BASE),
+so no layout is ever trained on. Every finished episode is appended to OUT/results.jsonl, and a
+rerun skips the episodes already there (sps_driving.sim.results). Tables and plots
+(sps_driving.sim.tables) are written from every method's rows in results.jsonl on this run's
+layouts with this run's episode length and image size.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from sps_driving.sim.config import PROFILES, load_sim_config
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missing_tasks, read_results
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
-from sps_driving.sim.tables import EXPERT, method_name, write_tables
+from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
+from sps_driving.sim.world import COLLECTION_SEED_BASE
 
 
 def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
@@ -30,7 +35,7 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
     """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
-    tasks = missing_tasks(settings, scenarios, path)
+    tasks = _missing(settings, scenarios, path)
     if not tasks:
         return []
     record = Recorder(settings, path, len(tasks))
@@ -49,26 +54,33 @@ def evaluate_graph(config: dict, settings: EvalSettings, scenarios: list[str], o
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
-    tasks = missing_tasks(settings, scenarios, path)
+    tasks = _missing(settings, scenarios, path)
     if not tasks:
         return []
     record = Recorder(settings, path, len(tasks), via="graph", real_time_factor=real_time_factor)
     try:
         for scenario in dict.fromkeys(s for s, _ in tasks):
-            missing = [e for s, e in tasks if s == scenario]
-            # sim_world runs consecutive episode indices: one graph per run of them.
+            missing = [seed for s, seed in tasks if s == scenario]
+            # sim_world drives consecutive layout seeds: one graph per run of them.
             runs = [[missing[0]]]
-            for episode in missing[1:]:
-                if episode == runs[-1][-1] + 1:
-                    runs[-1].append(episode)
+            for seed in missing[1:]:
+                if seed == runs[-1][-1] + 1:
+                    runs[-1].append(seed)
                 else:
-                    runs.append([episode])
-            for episodes in runs:
-                for row in run_scenario(config, Path(settings.policy_dir), scenario, episodes, out / "graph", real_time_factor, device):
+                    runs.append([seed])
+            for seeds in runs:
+                for row in run_scenario(config, Path(settings.policy_dir), scenario, seeds, out / "graph", real_time_factor, device):
                     record(row)
     finally:
         record.close()
     return record.rows
+
+
+def _missing(settings: EvalSettings, scenarios: list[str], path: Path) -> list[tuple[str, int]]:
+    try:
+        return missing_tasks(settings, scenarios, path)
+    except ValueError as exc:
+        raise SystemExit(f"eval: {exc}") from None
 
 
 # ------------------------------------------------------------------------------ command line
@@ -79,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="method column name (default from the policy's selection, e.g. DA, SPS-50)")
     parser.add_argument("--profile", choices=PROFILES, default="quick", help="episodes, episode length and image size (config/sim.yaml)")
     parser.add_argument("--episodes", type=int, help="episodes per scenario (overrides the profile)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="episode seed of the first layout; the run drives layouts N .. N+episodes-1 in every scenario "
+                             "(development: 0..99; held-out claims: from 100; see the README)")
     parser.add_argument("--episode-s", type=float, help="episode length in s (overrides the profile)")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIO_NAMES), metavar="NAME",
                         help="scenario names (default: Table 1's 15)")
@@ -109,8 +124,11 @@ def run(args) -> int:
     episodes = args.episodes if args.episodes is not None else int(config["profile"]["episodes"])
     if episodes < 1:
         raise SystemExit("--episodes must be at least 1")
+    if not 0 <= args.first_seed <= COLLECTION_SEED_BASE - episodes:
+        raise SystemExit(f"eval: layouts {args.first_seed}..{args.first_seed + episodes - 1} must lie in 0..{COLLECTION_SEED_BASE - 1}: "
+                         f"seeds from {COLLECTION_SEED_BASE} belong to training collections")
     if args.expert:
-        method, policy_dir = args.name or EXPERT, None
+        method, policy_dir, seed = args.name or EXPERT, None, None
     else:
         from sps_driving.core.policy import read_policy_config
 
@@ -119,6 +137,7 @@ def run(args) -> int:
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"eval: {exc}") from None
         method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
+        seed = training_seed(policy_config)
     if args.graph:
         if args.expert:
             raise SystemExit("eval: --graph drives with a policy; the expert runs in process")
@@ -131,19 +150,22 @@ def run(args) -> int:
         method += GRAPH_SUFFIX
     cam = config["camera"]
     settings = EvalSettings(method, policy_dir, args.profile, episodes, float(config["episode_s"]), int(cam["render_width"]),
-                            int(cam["render_height"]))
+                            int(cam["render_height"]), args.first_seed, seed)
     out = Path(args.out)
     how = (f"through the live graph at real-time factor {args.real_time_factor:g} (node logs in {out / 'graph'})"
            if args.graph else f"{args.workers} worker(s)")
-    print(f"{method}: profile {args.profile}, {episodes} episode(s) of {settings.episode_s:g} s per scenario, "
+    print(f"{method}{'' if seed is None else f' (training seed {seed})'}: profile {args.profile}, {episodes} episode(s) "
+          f"of {settings.episode_s:g} s per scenario on layouts {settings.first_seed}..{settings.seeds[-1]}, "
           f"{settings.width}x{settings.height} px, {len(args.scenarios)} scenario(s), {how}")
     if args.graph:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:
         evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device, args.backbone_config)
-    # Tables compare methods under the same settings: rows of other profiles stay in the file only.
+    # Tables compare methods under the same settings on this run's layouts: rows of other profiles
+    # and other layouts (development ones beside held-out ones) stay in the file only.
     same = (settings.episode_s, settings.width, settings.height)
-    rows = [r for r in read_results(out / RESULTS_FILE) if (r["episode_s"], r["width"], r["height"]) == same]
+    rows = [r for r in read_results(out / RESULTS_FILE)
+            if (r["episode_s"], r["width"], r["height"]) == same and r["seed"] in settings.seeds]
     write_tables(rows, out, "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "sps-driving eval ...")
     for name in ("table1.md", "table2.md"):
         if (out / name).is_file():

@@ -70,9 +70,9 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_scenario(config: dict, policy_dir: Path, scenario: str, episodes: list[int], work: Path,
+def run_scenario(config: dict, policy_dir: Path, scenario: str, seeds: list[int], work: Path,
                  real_time_factor: float, device: str = "cpu", startup_timeout_s: float = 300.0) -> list[dict]:
-    """Run `episodes` (consecutive indices) of one scenario through a fresh graph; their results."""
+    """Drive layouts `seeds` (consecutive episode seeds) of one scenario through a fresh graph; their results."""
     from sps_driving.graph import Graph, default_params_file
 
     if not (real_time_factor > 0):
@@ -83,19 +83,19 @@ def run_scenario(config: dict, policy_dir: Path, scenario: str, episodes: list[i
     results = work / f"{scenario}.jsonl"
     results.unlink(missing_ok=True)
     base = {node: section["ros__parameters"] for node, section in yaml.safe_load(default_params_file().read_text()).items()}
-    params = graph_parameters(base, policy_dir, sim_config, scenario, episodes[0], len(episodes), results, real_time_factor, device,
+    params = graph_parameters(base, policy_dir, sim_config, scenario, seeds[0], len(seeds), results, real_time_factor, device,
                               float(config["vehicle"]["max_speed_mps"]))
     # Generous: start-up, then every episode at the chosen speed, twice over.
-    budget_s = startup_timeout_s + 2.0 * len(episodes) * float(config["episode_s"]) / real_time_factor
+    budget_s = startup_timeout_s + 2.0 * len(seeds) * float(config["episode_s"]) / real_time_factor
     deadline = time.monotonic() + budget_s
     with Graph(GRAPH_NODES, parameters=params, log_dir=work / f"logs_{scenario}") as graph:
-        while len(_read_jsonl(results)) < len(episodes):
+        while len(_read_jsonl(results)) < len(seeds):
             dead = [name for name in GRAPH_NODES if not graph.alive(name)]
             if dead:
                 raise RuntimeError(f"node {dead[0]} exited ({graph.returncode(dead[0])}) during {scenario}:\n"
                                    f"{graph.log(dead[0])[-3000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{scenario}: {len(_read_jsonl(results))} of {len(episodes)} episode(s) finished "
+                raise TimeoutError(f"{scenario}: {len(_read_jsonl(results))} of {len(seeds)} episode(s) finished "
                                    f"in {budget_s:.0f} s; logs in {graph.log_dir}")
             time.sleep(0.5)
     return _read_jsonl(results)

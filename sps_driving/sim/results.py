@@ -2,9 +2,15 @@
 
 Every finished episode is appended (and flushed) as it comes, and a rerun skips the episodes
 already there, so an interrupted evaluation resumes. A row records the method, its settings
-(profile, episode length, rendered size), the policy (as `resources.portable_path` names it:
+(profile, episode length, rendered size), the layout (`seed`, the episode seed; `first_seed`, the
+first layout of the run that drove it), the policy (as `resources.portable_path` names it:
 relative to the repository, so a result file names no folder of the machine that wrote it; older
-rows hold absolute paths: `resources.recorded_path` resolves either) and the episode's result.
+rows hold absolute paths: `resources.recorded_path` resolves either) and the policy's training
+seed (`training_seed`; several checkpoints of one method, trained from different seeds, are rows
+of the same method) and the episode's result. An episode is done once a row of the same method,
+training seed, scenario, layout seed, episode length and size is there, whichever run wrote it.
+Rows from before layout seeds were chosen lack `first_seed` and `training_seed`: their layouts
+were 0..N-1 (`seed`) and their training seed is unknown (None).
 """
 
 from __future__ import annotations
@@ -29,13 +35,20 @@ class EvalSettings:
     episode_s: float
     width: int
     height: int
+    first_seed: int = 0  # layouts first_seed .. first_seed + episodes - 1
+    training_seed: int | None = None  # the policy's (sps_driving.sim.tables.training_seed); None for the expert
 
-    def key(self, scenario: str, episode: int) -> tuple:
-        return (self.method, scenario, episode, self.episode_s, self.width, self.height)
+    @property
+    def seeds(self) -> range:
+        return range(self.first_seed, self.first_seed + self.episodes)
+
+    def key(self, scenario: str, seed: int) -> tuple:
+        return (self.method, self.training_seed, scenario, seed, self.episode_s, self.width, self.height)
 
 
-def _row_key(row: dict) -> tuple:
-    return (row["method"], row["scenario"], row["episode"], row["episode_s"], row["width"], row["height"])
+def row_key(row: dict) -> tuple:
+    """What makes a row one episode: method, training seed, scenario, layout seed, episode length, size."""
+    return (row["method"], row.get("training_seed"), row["scenario"], row["seed"], row["episode_s"], row["width"], row["height"])
 
 
 def read_results(path: Path) -> list[dict]:
@@ -54,10 +67,20 @@ def read_results(path: Path) -> list[dict]:
 
 
 def missing_tasks(settings: EvalSettings, scenarios: list[str], path: Path) -> list[tuple[str, int]]:
-    done = {_row_key(r) for r in read_results(path)}
-    tasks = [(s, e) for s in scenarios for e in range(settings.episodes) if settings.key(s, e) not in done]
+    """The (scenario, layout seed) pairs of `settings` that `path` has no row of yet. Rows of the
+    same method and training seed from another policy are refused (ValueError): they would be
+    taken for this policy's episodes."""
+    rows = read_results(path)
+    policy = None if settings.policy_dir is None else portable_path(settings.policy_dir)
+    others = {r["policy"] for r in rows if (r["method"], r.get("training_seed")) == (settings.method, settings.training_seed)} - {policy}
+    if others:
+        raise ValueError(f"{path} already holds {settings.method} rows of training seed {settings.training_seed} from "
+                         f"{', '.join(sorted(map(str, others)))}, not {policy}: evaluate into another folder or name the method (--name)")
+    done = {row_key(r) for r in rows}
+    tasks = [(s, seed) for s in scenarios for seed in settings.seeds if settings.key(s, seed) not in done]
     if not tasks:
-        print(f"all {len(scenarios) * settings.episodes} episodes of {settings.method} already in {path}")
+        print(f"all {len(scenarios) * settings.episodes} episodes of {settings.method} on layouts "
+              f"{settings.first_seed}..{settings.seeds[-1]} already in {path}")
     return tasks
 
 
@@ -66,8 +89,9 @@ class Recorder:
 
     def __init__(self, settings: EvalSettings, path: Path, total: int, **extra):
         self.extra = {"method": settings.method, "profile": settings.profile, "episode_s": settings.episode_s,
-                      "width": settings.width, "height": settings.height,
-                      "policy": None if settings.policy_dir is None else portable_path(settings.policy_dir), **extra}
+                      "width": settings.width, "height": settings.height, "first_seed": settings.first_seed,
+                      "policy": None if settings.policy_dir is None else portable_path(settings.policy_dir),
+                      "training_seed": settings.training_seed, **extra}
         self.sink = path.open("a")
         self.bar = tqdm(total=total, desc=f"eval {settings.method}", unit="episode")
         self.rows: list[dict] = []

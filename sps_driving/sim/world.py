@@ -36,6 +36,9 @@ from sps_driving.sim.vehicle import step as vehicle_step
 
 # Actors farther than this (m, centre to centre) cannot be within the failure gap of the ego.
 _GAP_SEARCH_M = 60.0
+# Layout (episode) seeds: evaluation layouts lie below, training collections' from here up
+# (sps_driving.sim.collect.episode_seed), so no policy is evaluated on a layout it was trained on.
+COLLECTION_SEED_BASE = 1_000_000
 
 
 def rng_for(*keys: int | str) -> np.random.Generator:
