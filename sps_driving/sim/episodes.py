@@ -19,8 +19,14 @@ from sps_driving.sim.world import World, make_episode
 EVAL_SEED_BASE = 0
 
 
+def driving_state(world: World) -> dict:
+    """The state inputs (sps_driving.core.state) of the world's current state: the car's speed and
+    the episode's cruise target speed, as the car's speed report and its safety driver give them."""
+    return {"speed_mps": world.state.speed, "target_speed_mps": world.episode.cruise_speed}
+
+
 class PolicyDriver:
-    """Camera frame -> selected patches -> descriptors -> policy command."""
+    """Camera frame (and the car's state) -> selected patches -> descriptors -> policy command."""
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None):
         from sps_driving.core.policy import load_policy
@@ -40,11 +46,12 @@ class PolicyDriver:
     def reset(self) -> None:
         self.last = (0.0, 0.0)
 
-    def __call__(self, image: np.ndarray, stamp_ns: int) -> tuple[float, float]:
+    def __call__(self, image: np.ndarray, stamp_ns: int, state: dict | None = None) -> tuple[float, float]:
+        """The command for one frame; `state` ({name: value}, `driving_state`) for a policy that reads one."""
         try:
             indices = self.selector.select(stamp_ns)
-            state = self.extractor.encode(image)
-            command = self.policy.predict(self.extractor.descriptors(state, indices), indices)
+            encoded = self.extractor.encode(image)
+            command = self.policy.predict(self.extractor.descriptors(encoded, indices), indices, state)
         except (ValueError, RuntimeError):
             # A frame the stack cannot use is dropped and counted; the car holds the last
             # command, as the vehicle interface does within its staleness timeout.
@@ -74,7 +81,7 @@ def run_episode(config: dict, scenario_name: str, episode_index: int, driver=Non
             steering, throttle = command.steering, command.throttle
         else:
             image = renderer.render(world)
-            steering, throttle = driver(image, frame_stamp_ns(config, episode_index, step))
+            steering, throttle = driver(image, frame_stamp_ns(config, episode_index, step), driving_state(world))
         world.step(steering, throttle)
     result = world.result(steps * world.dt).as_dict()
     result["episode"] = episode_index
