@@ -234,9 +234,9 @@ def criterion_weights(cfg: TrainConfig, state_names) -> list:
     """The weights of the standardized (steering, throttle) validation errors in the criterion:
     cfg.criterion_weights when set, else the loss weights, with the throttle's at 0 when the
     policy lacks the speed or the cruise target. The expert's throttle tracks (target - speed),
-    which no frame shows: on expert drives a policy without them left 0.94-1.2 of the validation
-    throttle variance unexplained, noise that would otherwise decide early stopping; with them
-    0.40 after 15 epochs on 32 drives, and falling (docs/training.md)."""
+    which no frame shows: on expert drives a policy without them left 0.9-1.1 of the validation
+    throttle variance unexplained at 15 epochs on 32 drives (0.8-1.5 on 8), noise that would
+    otherwise decide early stopping; with them 0.40, and falling (docs/training.md)."""
     if cfg.criterion_weights is not None:
         return [float(w) for w in cfg.criterion_weights]
     weights = [float(w) for w in cfg.loss_weights]
