@@ -110,7 +110,6 @@ class StateStandardizer(nn.Module):
 
 def _state_input(module: nn.Module, state_dim: int) -> None:
     """Give `module` its state standardizer (`module.state`, None without state inputs)."""
-    module.state_dim = int(state_dim)
     module.state = StateStandardizer(state_dim) if state_dim else None
 
 
