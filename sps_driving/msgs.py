@@ -14,6 +14,8 @@ messages directly.
 
 Message choices (standard types only):
 - commands: sensor_msgs/JointState, name = ("steering", "throttle"), position = values.
+- speeds (the car's, the cruise target): geometry_msgs/TwistStamped, linear.x in m/s; the car's
+  also as the PACMod 3 VehicleSpeedRpt (`speed_from_message` reads both).
 - selection: sensor_msgs/Image "mono8", H' x W' patch grid, 255 = patch computed, 0 = dropped.
 - descriptors: sensor_msgs/PointCloud2, one point per computed patch, height 1, width k, fields
   `index` (UINT32, offset 0, the row-major patch index) and `descriptor` (FLOAT32, count D,
@@ -26,7 +28,7 @@ QoS, per topic kind:
   effort loses whole frames to one lost fragment under load (seen on loopback here); keep-last
   never blocks the writer, and 3 lets the extractor's callback see (and count) each frame it
   skips rather than DDS dropping them silently. image_transport publishers are reliable by default.
-- "sensor": readers of camera info, lane state, obstacle range, speed and drive-by-wire reports.
+- "sensor": readers of camera info, lane state, obstacle range, speeds and drive-by-wire reports.
   REP 2003's sensor-data profile: best effort, keep last 5; a best-effort reader accepts reliable
   and best-effort writers.
 - "sensor_out": writers of those (drivers, the simulator). REP 2003: reliable, keep last 5.
@@ -316,12 +318,23 @@ def range_fields(gap_m: float, stamp: int, max_range_m: float = 100.0) -> Fields
 
 
 def twist_fields(speed_mps: float, stamp: int) -> Fields:
-    """The car's forward speed in m/s as a TwistStamped in base_link."""
+    """A forward speed in m/s as a TwistStamped in base_link: the car's speed (topics.VEHICLE_TWIST)
+    or the cruise target speed (topics.TARGET_SPEED)."""
     def vector(x: float) -> Fields:
         return Fields("geometry_msgs/msg/Vector3", {"x": float(x), "y": 0.0, "z": 0.0})
 
     twist = Fields("geometry_msgs/msg/Twist", {"linear": vector(speed_mps), "angular": vector(0.0)})
     return Fields("geometry_msgs/msg/TwistStamped", {"header": header_fields(stamp, "base_link"), "twist": twist})
+
+
+def speed_from_message(msg) -> float | None:
+    """A forward speed in m/s from a TwistStamped (linear.x) or a PACMod 3 VehicleSpeedRpt
+    (vehicle_speed); None when the report says it is not valid. May be non-finite (callers check)."""
+    if hasattr(msg, "vehicle_speed"):
+        return float(msg.vehicle_speed) if bool(msg.vehicle_speed_valid) else None
+    if hasattr(msg, "twist"):
+        return float(msg.twist.linear.x)
+    raise MessageError(f"a speed is a TwistStamped or a VehicleSpeedRpt, not a {type(msg).__name__}")
 
 
 def lane_from_message(msg) -> tuple[float, float]:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving import msgs, topics
+from sps_driving.core.state import recorded_vehicle_backend
 from sps_driving.extractors import FACT_KEYS
 from sps_driving.graph import VEHICLE_WITHOUT_CAR
 
@@ -47,7 +48,8 @@ RECORDED = {
     topics.SAFETY_STOP: "diagnostic_msgs/msg/DiagnosticArray",
     topics.STAGE_TIMING: "diagnostic_msgs/msg/DiagnosticArray",
 }
-PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)  # besides the camera
+# Besides the camera; and the topics of the policy's state inputs the bag has (`played_topics`).
+PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)
 PLAYED_QOS = {topics.IMAGE: "image"}  # as the camera driver publishes it; the other played topics as drivers publish sensor data
 GRAPH_NODES = ("selection", "extractor", "policy", "vehicle_interface", "safety_monitor")
 REFERENCE_MATCH_S = 0.05  # a reference command within this of a frame's stamp is its reference
@@ -363,21 +365,35 @@ class Player:
         return True
 
 
-def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool, topic_map: dict) -> float:
-    """Publish the bag (its topics renamed by `topic_map`); returns the playback wall time in s."""
+def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool, topic_map: dict,
+         played=PLAYED) -> float:
+    """Publish the bag's camera and `played` topics (renamed by `topic_map`); returns the playback
+    wall time in s. In lockstep a frame's command is awaited when the next frame begins, so every
+    message recorded before that (the frame's speed among them) is in the graph first."""
     from tqdm import tqdm
 
     from sps_driving.bagio import read_messages, to_bag
 
     bag_names = {graph_topic: bag_topic for bag_topic, graph_topic in topic_map.items()}
-    wanted = [bag_names.get(t, t) for t in (topics.IMAGE, *PLAYED, *([topics.CAMERA_INFO] if has_info else []))]
+    wanted = [bag_names.get(t, t) for t in (topics.IMAGE, *played, *([topics.CAMERA_INFO] if has_info else []))]
     started = time.monotonic()
     first_log = None
     info_stamps: set[int] = set()
     image_stamps: set[int] = set()
     bar = tqdm(desc="replay", unit="frame", disable=None)
+
+    def await_complete_frames() -> None:
+        # A frame is in once both its image and its camera info are: wait for its command.
+        for stamp in sorted(image_stamps & info_stamps):
+            player.wait_for(stamp, frame_timeout_s)
+            image_stamps.discard(stamp)
+            info_stamps.discard(stamp)
+
     for item in read_messages(bag, wanted):
         topic = topic_map.get(item.topic, item.topic)
+        if lockstep and topic in (topics.IMAGE, topics.CAMERA_INFO):
+            if msgs.stamp_ns(item.msg.header) not in image_stamps | info_stamps:  # the next frame begins
+                await_complete_frames()
         if not lockstep:
             first_log = item.log_time_ns if first_log is None else first_log
             player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
@@ -393,14 +409,10 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
                     info_stamps.add(stamp)
         elif topic == topics.CAMERA_INFO and published:
             info_stamps.add(msgs.stamp_ns(item.msg.header))
-        if lockstep:
-            # A frame is in once both its image and its camera info are: wait for its command.
-            for stamp in sorted(image_stamps & info_stamps):
-                player.wait_for(stamp, frame_timeout_s)
-                image_stamps.discard(stamp)
-                info_stamps.discard(stamp)
-        else:
+        if not lockstep:
             player.spin(0.0)
+    if lockstep:
+        await_complete_frames()
     bar.close()
     wall_s = time.monotonic() - started
     if image_stamps and not lockstep:  # the newest frame is never skipped: wait for its outcome
@@ -442,6 +454,16 @@ def parse_topic_map(items) -> dict:
     return topic_map
 
 
+def played_topics(policy_config: dict, bag_topics: dict) -> tuple[str, ...]:
+    """PLAYED and, for each state input of the policy (sps_driving.core.state), the topic the bag
+    carries it on (as `sps-driving extract` reads it)."""
+    from sps_driving.core.policy import state_inputs_of
+    from sps_driving.core.state import recorded_source
+
+    state = [recorded_source(name, bag_topics) for name in state_inputs_of(policy_config)]
+    return tuple(dict.fromkeys([*PLAYED, *(source[0] for source in state if source is not None)]))
+
+
 class ReplayError(ValueError):
     """A replay that cannot start: bad bag, missing checkpoint, output in the way, graph not up."""
 
@@ -452,7 +474,8 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
     params = {
         "selection": {"checkpoint": str(checkpoint)},
         "extractor": {"checkpoint": str(checkpoint)},
-        "policy": {"checkpoint": str(checkpoint)},
+        # The car's speed from the report the bag recorded (PACMod 3's on a car bag).
+        "policy": {"checkpoint": str(checkpoint), "vehicle_backend": recorded_vehicle_backend(bag_topics)},
         # Nothing real is driven: engage at once so the vehicle interface's decisions are recorded.
         # The bag's stamps are old, so the camera-to-command latency check is off.
         "vehicle_interface": {**VEHICLE_WITHOUT_CAR, "max_command_latency_s": 0.0},
@@ -514,7 +537,10 @@ def replay_bag(
     if out.exists():
         raise ReplayError(f"output bag {out} exists; pass another --out")
     has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
-    input_types = {t: bag_topics[t] for t in (topics.IMAGE, *PLAYED) if t in bag_topics}
+    from sps_driving.core.policy import read_policy_config
+
+    played = played_topics(read_policy_config(checkpoint), bag_topics)
+    input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
     input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
 
     import rclpy
@@ -539,7 +565,7 @@ def replay_bag(
                 wait_for_topics(node, readers, startup_timeout_s, graph)
             except (TimeoutError, RuntimeError) as exc:
                 raise ReplayError(f"the graph did not start: {exc}") from exc
-            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info, topic_map)
+            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played)
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)

@@ -21,6 +21,9 @@ DESCRIPTORS = "/sps/descriptors"  # computed descriptors with their patch indice
 POLICY_COMMAND = "/sps/command"  # sensor_msgs/JointState: the policy's output
 REFERENCE_COMMAND = "/vehicle/command"  # sensor_msgs/JointState: the command that drove the car (driver/expert)
 VEHICLE_TWIST = "/vehicle/twist"  # geometry_msgs/TwistStamped, linear.x = speed m/s
+# geometry_msgs/TwistStamped, linear.x = the cruise target speed in m/s that the safety driver set (as for
+# adaptive cruise control); republished while it holds (the policy node's max_target_speed_age_s)
+TARGET_SPEED = "/vehicle/target_speed"
 LANE_POSE = "/lane/pose"  # geometry_msgs/PoseStamped in the lane frame
 OBSTACLE_RANGE = "/obstacles/nearest"  # sensor_msgs/Range
 DIAGNOSTICS = "/diagnostics"  # diagnostic_msgs/DiagnosticArray: every node's status (rqt_robot_monitor, aggregator)

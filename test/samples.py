@@ -20,10 +20,12 @@ TINY_SETTINGS = {"mlp": {"width": 16, "reduce": 2, "dropout": 0.0},
 
 
 def tiny_policy(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed=0, backbone="dinov2_vits14",
-                architecture=None):
+                architecture=None, state_inputs=()):
     """A tiny random policy (real architecture, random weights) saved as a checkpoint at
     `directory`; returns the directory. The architecture is the shipped one, the grid MLP, unless
-    the variant feeds the kept patches as a sequence (then the transformer) or one is named."""
+    the variant feeds the kept patches as a sequence (then the transformer) or one is named; it
+    reads `state_inputs` (sps_driving.core.state names) besides, standardized as if speeds were
+    spread 8 +- 2 m/s."""
     import torch
 
     from sps_driving.core.grid import PatchGrid
@@ -33,11 +35,15 @@ def tiny_policy(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed
     selection = SelectionConfig(variant, rate, seed)
     name = architecture or (SEQUENCE_ARCHITECTURE if selection.sparse_sequence else "mlp")
     config = PolicyArchitecture(name, TINY_SETTINGS[name], 0.5).config(PatchGrid(rows, cols), dim, selection,
-                                                                       backbone=backbone, position_dim=dim)
+                                                                       backbone=backbone, position_dim=dim,
+                                                                       state_inputs=state_inputs)
     torch.manual_seed(seed)
-    return save_policy(build_policy(config), config, directory)
+    policy = build_policy(config)
+    if state_inputs:
+        policy.state.set_statistics([8.0] * len(state_inputs), [2.0] * len(state_inputs))
+    return save_policy(policy, config, directory)
 
 
-def tiny_dinov2_policy(directory, variant: str = "sps", rate: float = 0.5, architecture=None):
+def tiny_dinov2_policy(directory, variant: str = "sps", rate: float = 0.5, architecture=None, state_inputs=()):
     """A tiny random policy over the embedded DINOv2 grid (16x16, D = 384): see tiny_policy."""
-    return tiny_policy(directory, 16, 16, 384, variant, rate, architecture=architecture)
+    return tiny_policy(directory, 16, 16, 384, variant, rate, architecture=architecture, state_inputs=state_inputs)

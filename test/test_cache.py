@@ -120,3 +120,39 @@ def test_several_caches_read_as_one_with_distinct_sources(tmp_path):
         writer.add(np.zeros((6, 5), np.float32), 0.0, 0.0, 1, "episode_a")
     with pytest.raises(ValueError, match="differ in"):
         FeatureCache([tmp_path / "day1", tmp_path / "other"])
+
+
+def test_state_inputs_round_trip_and_unknown_ones_are_nan(tmp_path):
+    data = frames(5)
+    states = [{"speed_mps": 5.0 + i, "target_speed_mps": 9.0} for i in range(4)] + [{"target_speed_mps": float("nan")}]
+    with FeatureCacheWriter(tmp_path / "c", META, shard_size=2) as writer:
+        for frame, state in zip(data, states):
+            writer.add(*frame, state=state)
+        with pytest.raises(ValueError, match="unknown state inputs"):
+            writer.add(*data[0], state={"gear": 3})
+        with pytest.raises(ValueError, match="finite or NaN"):
+            writer.add(*data[0], state={"speed_mps": float("inf")})
+    cache = FeatureCache(tmp_path / "c")
+    assert len(cache) == 5 and json.loads((tmp_path / "c" / "meta.json").read_text())["state"] == ["speed_mps", "target_speed_mps"]
+    np.testing.assert_array_equal(cache.state_values(["speed_mps"])[:, 0], [5, 6, 7, 8, np.nan])
+    np.testing.assert_array_equal(cache.state_values(["target_speed_mps", "speed_mps"])[1], [9, 6])
+    assert cache[2].state == {"speed_mps": 7.0, "target_speed_mps": 9.0}
+    assert np.isnan(cache[4].state["speed_mps"]) and np.isnan(cache[4].state["target_speed_mps"])
+
+
+def test_caches_from_before_state_inputs_read_with_the_state_unknown(tmp_path):
+    write(tmp_path / "old", frames(4))
+    meta_path = tmp_path / "old" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["state"]  # as written before state inputs existed: no "state" key, no state.npy
+    meta_path.write_text(json.dumps(meta))
+    for shard in meta["shards"]:
+        (tmp_path / "old" / shard["path"] / "state.npy").unlink()
+    with FeatureCacheWriter(tmp_path / "new", META, shard_size=2) as writer:
+        for i, frame in enumerate(frames(3)):
+            writer.add(*frame, state={"speed_mps": float(i), "target_speed_mps": 8.0})
+    old = FeatureCache(tmp_path / "old")
+    assert len(old) == 4 and np.isnan(old.state_values(["speed_mps", "target_speed_mps"])).all()
+    both = FeatureCache([tmp_path / "old", tmp_path / "new"])
+    assert both.state.shape == (7, 2) and np.isnan(both.state[:4]).all()
+    np.testing.assert_array_equal(both.state[4:], [[0, 8], [1, 8], [2, 8]])

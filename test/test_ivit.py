@@ -94,7 +94,7 @@ def test_falloff_none_reaches_the_cache_and_the_policy_config(tmp_path, unmasked
     np.testing.assert_allclose(cache[0].descriptors.astype(np.float32), expected, rtol=1e-2, atol=1e-2)  # fp16
     out = tmp_path / "policy"
     assert main(["train", "--cache", str(cache_dir), "--out", str(out), "--epochs", "1", "--width", "16",
-                 "--reduce", "2"]) == 0
+                 "--reduce", "2", "--state-inputs"]) == 0  # an image folder without speeds: the frame only
     recorded = json.loads((out / "config.json").read_text())
     # what evaluation reads to name the method I-ViT
     assert recorded["backbone"] == "dinov2_vits14" and recorded["extractor"]["falloff"] == "none"

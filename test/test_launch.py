@@ -178,3 +178,14 @@ def test_params_file_sections_are_nodes_the_graph_can_start():
         assert takers, f"{EVERY_NODE}: no node declares {parameter}"
         for spec in takers:
             assert type(value) is type(spec.default) and spec.convert(value) == value, parameter
+
+
+def test_the_policy_reads_the_speed_the_vehicle_interface_reads_and_a_target_below_its_cap(launch):
+    """One launch argument chooses both nodes' vehicle backend (where the car's speed is read), the
+    params file sets them alike, and the policy's fallback cruise target is below the speed at which
+    the vehicle interface cuts the accelerator."""
+    sections, _ = params_file_sections()
+    assert sections["policy"]["vehicle_backend"] == sections["vehicle_interface"]["backend"]
+    assert 0 < sections["policy"]["target_speed_mps"] < sections["vehicle_interface"]["max_speed_mps"]
+    values = {n.get("exec"): {p.get("name"): p.get("value") for p in n.findall("param")} for n in launch.findall("node")}
+    assert values["policy"]["vehicle_backend"] == values["vehicle_interface"]["backend"] == "$(var vehicle_backend)"

@@ -23,7 +23,7 @@ from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, train
 MEAN = np.array([0.485, 0.456, 0.406])
 STD = np.array([0.229, 0.224, 0.225])
 SIZE = 56  # px: a 4x4 grid of 14 px patches
-TINY_CNN = dict(architecture="cnn", width=16, dropout=0.0, batch_size=16)
+TINY_CNN = dict(architecture="cnn", width=16, dropout=0.0, batch_size=16, state_inputs=[])  # stripe frames have no speed
 
 
 def noise(shape, seed):
@@ -296,7 +296,7 @@ def test_command_line_extract_pixels_then_train_cnn(tmp_path, capsys):
 
     out = tmp_path / "policy"
     assert main(["train", "--cache", str(cache_dir), "--out", str(out), "--architecture", "cnn", "--epochs", "1",
-                 "--width", "16", "--validation-fraction", "0.5"]) == 0
+                 "--width", "16", "--validation-fraction", "0.5", "--state-inputs"]) == 0  # no speeds in these folders
     recorded = json.loads((out / "config.json").read_text())
     # what evaluation reads to name the method No-FM
     assert recorded["backbone"] == "pixels" and recorded["architecture"] == "cnn"

@@ -194,3 +194,74 @@ def test_policy_timing_times_the_shipped_architecture_or_the_one_asked_for(capsy
     assert main(["--architecture", "transformer", "--rows", "2", "--cols", "3", "--descriptor-dim", "4", "--repeats", "1"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("transformer policy") and "spps  rate 0.3" in printed and printed.count(" ms\n") == 6
+
+
+# ---- state inputs -----------------------------------------------------------------------------
+
+STATE = ("speed_mps", "target_speed_mps")
+
+
+def state_policy(tmp_path, variant="sps", architecture=None):
+    """A tiny policy reading both state inputs (samples.tiny_policy)."""
+    from samples import tiny_policy
+
+    path = tiny_policy(tmp_path / f"{variant}_{architecture}", rows=GRID.rows, cols=GRID.cols, dim=D, variant=variant,
+                       architecture=architecture, state_inputs=STATE)
+    return load_policy(path)
+
+
+@pytest.mark.parametrize("variant,architecture", [("sps", "mlp"), ("sps", "transformer"), ("spps", None)])
+def test_a_policy_with_state_inputs_uses_them_and_refuses_to_drive_without(tmp_path, variant, architecture):
+    policy = state_policy(tmp_path, variant, architecture)
+    assert policy.state_inputs == STATE
+    indices = np.array([0, 4, 9])
+    descriptors = np.random.default_rng(3).normal(size=(3, D)).astype(np.float32)
+    slow = policy.predict(descriptors, indices, {"speed_mps": 4.0, "target_speed_mps": 10.0})
+    fast = policy.predict(descriptors, indices, {"speed_mps": 12.0, "target_speed_mps": 10.0})
+    assert np.isfinite(slow).all() and abs(slow[1] - fast[1]) > 1e-3, "the output depends on the speed"
+    assert policy.predict(descriptors, indices, {"speed_mps": 4.0, "target_speed_mps": 10.0, "other": 1.0}) == slow
+    for bad, match in [(None, "speed_mps"), ({"speed_mps": 4.0}, "target_speed_mps"),
+                       ({"speed_mps": float("nan"), "target_speed_mps": 10.0}, "not a finite number"),
+                       ({"speed_mps": float("inf"), "target_speed_mps": 10.0}, "not a finite number"),
+                       ({"speed_mps": "fast", "target_speed_mps": 10.0}, "speed_mps")]:
+        with pytest.raises(ValueError, match=match):
+            policy.predict(descriptors, indices, bad)
+    batched = policy.predict_batch([descriptors, descriptors], [indices, indices],
+                                   [{"speed_mps": 4.0, "target_speed_mps": 10.0}, {"speed_mps": 12.0, "target_speed_mps": 10.0}])
+    np.testing.assert_allclose(batched, [slow, fast], atol=1e-6)
+
+
+def test_state_statistics_round_trip_through_the_checkpoint(tmp_path):
+    from sps_driving.core.policy import PolicyArchitecture
+
+    selection = SelectionConfig("sps", 0.5, 0)
+    cfg = PolicyArchitecture("cnn", {"width": 8, "dropout": 0.0}, 0.5).config(
+        PatchGrid(2, 3), 12, selection, backbone="pixels", state_inputs=["target_speed_mps"])
+    torch.manual_seed(0)
+    model = build_policy(cfg)
+    model.state.set_statistics([9.5], [1.25])
+    save_policy(model, cfg, tmp_path / "cnn")
+    loaded = load_policy(tmp_path / "cnn")
+    assert json.loads((tmp_path / "cnn" / "config.json").read_text())["state_inputs"] == ["target_speed_mps"]
+    assert loaded.state_inputs == ("target_speed_mps",)
+    assert loaded.module.state.mean.tolist() == [9.5] and loaded.module.state.std.tolist() == [1.25]
+    grids = torch.randn(2, 6, 12)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    state = torch.tensor([[8.0], [11.0]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module.forward_selected(grids, keep, state), model.eval().forward_selected(grids, keep, state))
+    with pytest.raises(ValueError, match="unknown state inputs"):
+        build_policy({**cfg, "state_inputs": ["gear"]})
+
+
+def test_checkpoints_without_state_inputs_load_and_ignore_a_state(tmp_path):
+    from sps_driving.resources import shipped_policy
+
+    shipped = load_policy(shipped_policy())
+    assert "state_inputs" not in shipped.config and shipped.state_inputs == ()
+    assert shipped.module.state is None
+    indices = shipped.selector.select(0)
+    descriptors = np.random.default_rng(0).normal(size=(len(indices), shipped.descriptor_dim)).astype(np.float32)
+    command = shipped.predict(descriptors, indices)
+    assert np.isfinite(command).all()
+    assert shipped.predict(descriptors, indices, {"speed_mps": 3.0, "target_speed_mps": 5.0}) == command

@@ -134,16 +134,20 @@ def test_match_reference_takes_the_nearest_within_tolerance():
 @pytest.mark.ros
 def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     """Frames of an mcap bag through the five node processes (real DINOv2 at 112 px, a tiny random
-    policy); every frame gets a command that equals the core run in-process on the same frames. A
-    second image with an already played stamp is held back and counted as a drop."""
+    policy that reads the car's speed and the cruise target); every frame gets a command that
+    equals the core run in-process on the same frames and the bag's state. The state of each frame
+    was recorded after its image (as a car or `collect` records it), and PACMod 3's speed report
+    carries the speed (a car bag). A second image with an already played stamp is held back and
+    counted as a drop."""
     from samples import tiny_policy
 
     from sps_driving import cli
     from sps_driving.core.backbones import load_extractor
     from sps_driving.core.policy import load_policy
     from sps_driving.core.selection import PatchSelector
+    from sps_driving.core.state import STATE_NAMES
 
-    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384, state_inputs=STATE_NAMES)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     rng = np.random.default_rng(0)
     t0 = 1_700_000_000_000_000_000
@@ -155,6 +159,9 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
             bag.write(topics.IMAGE, image_fields(images[t], t, "camera", "bgr8"), t)
             bag.write(topics.REFERENCE_COMMAND, command_fields(0.0, 0.1, t), t)
             bag.write(topics.LANE_POSE, lane_pose_fields(0.2, 0.0, t), t)
+            bag.write(topics.PACMOD_SPEED_RPT, msgs.Fields("pacmod3_msgs/msg/VehicleSpeedRpt", {
+                "header": msgs.header_fields(t), "vehicle_speed": 4.0 + 2 * i, "vehicle_speed_valid": True}), t)
+            bag.write(topics.TARGET_SPEED, msgs.twist_fields(9.0, t), t)
             if i == 1:  # another image with the same stamp, other pixels
                 bag.write(topics.IMAGE, image_fields(255 - images[t], t, "camera", "bgr8"), t + 1)
     out = tmp_path / "out"
@@ -179,9 +186,10 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     extractor = load_extractor({"input_size": [112, 112], "backend": "torch"})
     policy = load_policy(ckpt)
     selector = PatchSelector(policy.selection, policy.grid)
-    for stamp, rgb in images.items():
+    for i, (stamp, rgb) in enumerate(images.items()):
         indices = selector.select(stamp)
-        expected = policy.predict(extractor.descriptors(extractor.encode(rgb), indices), indices)
+        state = {"speed_mps": 4.0 + 2 * i, "target_speed_mps": 9.0}
+        expected = policy.predict(extractor.descriptors(extractor.encode(rgb), indices), indices, state)
         assert recorded[stamp] == pytest.approx(expected, abs=1e-4)
 
 

@@ -25,6 +25,7 @@ from ros_helpers import Probe
 from samples import tiny_policy
 
 from sps_driving import security, topics
+from sps_driving.core.state import STATE_NAMES
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +127,7 @@ def test_every_car_process_has_its_enclave(policy):
         ("rq/vehicle_interface/rearmRequest", {"operator"}),
         ("rr/vehicle_interface/engageReply", {"vehicle_interface"}),
         ("rr/vehicle_interface/rearmReply", {"vehicle_interface"}),
+        ("rt" + topics.TARGET_SPEED, {"operator"}),  # the cruise target the policy reads
         ("rq/vehicle_interface/set_parametersRequest", set()),  # no one changes limits at run time
     ],
 )
@@ -174,13 +176,14 @@ def test_each_node_creates_only_endpoints_its_enclave_allows(policy, tmp_path):
     import numpy as np
 
     cv2.imwrite(str(frames / "000.png"), np.zeros((60, 96, 3), np.uint8))
-    ckpt = tiny_policy(tmp_path / "policy", dim=16)
+    # A policy with state inputs: it also reads the car's speed (PACMod 3's report) and the cruise target.
+    ckpt = tiny_policy(tmp_path / "policy", dim=16, state_inputs=STATE_NAMES)
     graph = Graph(
         ["camera_driver", "selection", "policy", "vehicle_interface", "safety_monitor", "failsafe"],
         parameters={
             "camera_driver": {"source": str(frames), "width": 96, "height": 60, "loop": True},
             "selection": {"checkpoint": str(ckpt)},
-            "policy": {"checkpoint": str(ckpt)},
+            "policy": {"checkpoint": str(ckpt), "vehicle_backend": "pacmod3"},
             "vehicle_interface": {"backend": "pacmod3"},
         },
         log_dir=tmp_path / "logs",
@@ -192,7 +195,8 @@ def test_each_node_creates_only_endpoints_its_enclave_allows(policy, tmp_path):
             wait_for_topics(
                 probe.node,
                 {topics.CAMERA_INFO: 2, topics.DESCRIPTORS: 1, topics.POLICY_COMMAND: 1, topics.OBSTACLE_RANGE: 1,
-                 topics.SAFETY_STOP: 1, topics.PACMOD_SPEED_RPT: 1, topics.PACMOD_STEERING_RPT: 2},
+                 topics.SAFETY_STOP: 1, topics.PACMOD_SPEED_RPT: 2, topics.PACMOD_STEERING_RPT: 2,
+                 topics.TARGET_SPEED: 1},
                 60,
                 graph,
             )

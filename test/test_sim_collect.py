@@ -17,6 +17,7 @@ EXPECTED_TYPES = {
     topics.CAMERA_INFO: "sensor_msgs/msg/CameraInfo",
     topics.REFERENCE_COMMAND: "sensor_msgs/msg/JointState",
     topics.VEHICLE_TWIST: "geometry_msgs/msg/TwistStamped",
+    topics.TARGET_SPEED: "geometry_msgs/msg/TwistStamped",
     topics.LANE_POSE: "geometry_msgs/msg/PoseStamped",
     topics.OBSTACLE_RANGE: "sensor_msgs/msg/Range",
 }
@@ -57,6 +58,9 @@ def test_collect_writes_rosbag2_with_the_car_topics(tmp_path, storage):
             assert math.isfinite(steering) and abs(steering) <= 0.55 and -1 <= throttle <= 1
         speeds = [m.msg.twist.linear.x for m in by_topic[topics.VEHICLE_TWIST]]
         assert min(speeds) > 3.0
+        # the episode's cruise target, the same in every frame, within config/sim.yaml's range
+        targets = {m.msg.twist.linear.x for m in by_topic[topics.TARGET_SPEED]}
+        assert len(targets) == 1 and 8.0 <= targets.pop() <= 12.0
         assert all(abs(m.msg.pose.position.y) < 1.8 for m in by_topic[topics.LANE_POSE])
     assert first_stamps[1] > first_stamps[0]  # episodes do not overlap in time
 

@@ -20,6 +20,7 @@ def test_live_sim_runs_episodes_from_outside_commands():
     while not sim.done:
         obs = sim.observe()
         assert obs.image is None and abs(obs.lateral_offset_m) < 1.8
+        assert obs.target_speed_mps == sim.world.episode.cruise_speed
         result = sim.advance(obs.expert_steering, obs.expert_throttle)
         if result is not None:
             results.append(result)
@@ -30,7 +31,7 @@ def test_live_sim_runs_episodes_from_outside_commands():
 
 @pytest.mark.ros
 def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
-    from geometry_msgs.msg import PoseStamped
+    from geometry_msgs.msg import PoseStamped, TwistStamped
     from sensor_msgs.msg import Image, JointState, Range
 
     from sps_driving import msgs, topics
@@ -39,10 +40,12 @@ def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
     results = tmp_path / "results.jsonl"
     rclpy.init()
     node = rclpy.create_node("sim_world_test")
-    images, lanes, ranges = [], [], []
+    images, lanes, ranges, targets = [], [], [], []
     node.create_subscription(Image, topics.IMAGE, images.append, msgs.qos("image"))
     node.create_subscription(PoseStamped, topics.LANE_POSE, lambda m: lanes.append(msgs.lane_from_message(m)), msgs.qos("sensor"))
     node.create_subscription(Range, topics.OBSTACLE_RANGE, lambda m: ranges.append(m.range), msgs.qos("sensor"))
+    node.create_subscription(TwistStamped, topics.TARGET_SPEED, lambda m: targets.append(msgs.speed_from_message(m)),
+                             msgs.qos("sensor"))
     command_pub = node.create_publisher(JointState, topics.ACTUATION, msgs.qos("control"))
     graph = Graph(["sim_world"], parameters={"sim_world": {"episode_s": 1.0, "results_path": str(results)}}, log_dir=tmp_path)
     try:
@@ -61,6 +64,8 @@ def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
                 command_pub.publish(msgs.to_ros(msgs.command_fields(0.3, 0.0, 0)))
                 rclpy.spin_once(node, timeout_sec=0.05)
             assert max(lat for lat, _ in lanes) > 0.5 and all(r > 0 for r in ranges)
+            # the episode's cruise target, what a safety driver sets on the car (config/sim.yaml: 8-12 m/s)
+            assert targets and len(set(targets)) == 1 and 8.0 <= targets[0] <= 12.0
             (result,) = [json.loads(line) for line in results.read_text().splitlines()]
             assert result["interventions"] >= 1 and result["score"] < 1.0
     finally:

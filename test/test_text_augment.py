@@ -214,7 +214,8 @@ def tiny_cache(directory, extractor_config, frames, grid_side, dim, rng, blend=N
 def train_base(cache, out):
     from sps_driving.train.trainer import TrainConfig, train
 
-    train(TrainConfig.from_yaml(cache=str(cache), out=str(out), epochs=1, batch_size=4, width=16, depth=1, heads=2, device="cpu"))
+    train(TrainConfig.from_yaml(cache=str(cache), out=str(out), epochs=1, batch_size=4, width=16, depth=1, heads=2, device="cpu",
+                                state_inputs=[]))  # its cache has no speeds
 
 
 def test_finetune_refuses_a_vision_only_backbone(tmp_path, capsys):

@@ -19,19 +19,24 @@ TINY = dict(architecture="transformer", width=16, depth=1, heads=2, dropout=0.0,
 
 
 def make_cache(directory, sources=("drive_a", "drive_b", "drive_c", "drive_d"), frames_per_source=24, seed=0,
-               with_position_table=True):
-    """Labels are a smooth function of the descriptors, so a policy can learn them."""
+               with_position_table=True, throttle_from="descriptors", with_state=True):
+    """Steering is a smooth function of the descriptors, so a policy can learn it; so is the
+    throttle, or, with throttle_from "state", a function of (cruise target - speed) as the
+    expert's, which no descriptor shows. Each source has its own cruise target speed."""
     rng = np.random.default_rng(seed)
     weights = rng.normal(size=D)
     meta = {"backbone": "test-random", "grid": {"rows": ROWS, "cols": COLS}, "descriptor_dim": D}
     table = rng.normal(size=(ROWS * COLS, 5)).astype(np.float32)
     with FeatureCacheWriter(directory, meta, table if with_position_table else None, shard_size=20) as writer:
         for s, source in enumerate(sources):
+            target = 8.0 + s % 5
             for i in range(frames_per_source):
                 descriptors = rng.normal(size=(ROWS * COLS, D))
+                speed = rng.uniform(4.0, 12.0)
                 steering = 0.3 * np.tanh(descriptors.mean(0) @ weights)
-                throttle = 0.6 * np.tanh(2 * descriptors[:, 0].mean())
-                writer.add(descriptors, steering, throttle, 10**18 + (s * 1000 + i) * 33_333_333, source)
+                throttle = 0.6 * np.tanh((target - speed) / 2 if throttle_from == "state" else 2 * descriptors[:, 0].mean())
+                state = {"speed_mps": speed, "target_speed_mps": target} if with_state else None
+                writer.add(descriptors, steering, throttle, 10**18 + (s * 1000 + i) * 33_333_333, source, state)
     return directory
 
 
@@ -95,6 +100,7 @@ def test_training_learns_and_the_checkpoint_reproduces_its_validation_loss(cache
     # the trainer's own evaluation path and the car's per-frame inference path both reproduce it
     assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
     policy = load_policy(tmp_path / "m")
+    assert recorded["state_inputs"] == ["speed_mps", "target_speed_mps"]  # config/train.yaml's default
     cache = FeatureCache(cache_dir)
     train_idx, val_idx, _ = split_frames(cache, recorded["training"]["split"]["validation_fraction"])
     assert recorded["training"]["target_std"] == pytest.approx(cache.targets[train_idx].std(axis=0), rel=1e-5)
@@ -103,7 +109,7 @@ def test_training_learns_and_the_checkpoint_reproduces_its_validation_loss(cache
     for index in val_idx:
         frame = cache[index]
         kept = policy.selector.select(frame.stamp_ns)
-        prediction = policy.predict(frame.descriptors[kept].astype(np.float32), kept)
+        prediction = policy.predict(frame.descriptors[kept].astype(np.float32), kept, frame.state)
         losses.append(np.mean(scale * (np.array(prediction) - [frame.steering, frame.throttle]) ** 2))
     assert abs(np.mean(losses) - recorded["validation_loss"]) <= 1e-6
     assert (tmp_path / "m" / "last" / "train_state.json").is_file()
@@ -230,4 +236,61 @@ def test_training_on_several_caches_records_them_and_splits_by_prefixed_source(t
     assert recorded["training"]["cache"] == [str(first.resolve()), str(second.resolve())]
     assert recorded["training"]["split"]["validation_sources"] == ["day2/drive_b"]
     assert summary["train_frames"] == 36 and summary["validation_frames"] == 12
+    assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
+
+
+def test_a_policy_with_state_inputs_learns_the_throttle_the_frames_cannot_show(tmp_path):
+    """Throttle = f(cruise target - speed): with the state the validation throttle error is a small
+    fraction of its variance, without it no better than the mean; the state statistics are the
+    training frames'."""
+    sources = tuple(f"drive_{k}" for k in range(10))
+    cache_dir = make_cache(tmp_path / "cache", sources=sources, frames_per_source=40, throttle_from="state")
+    common = dict(width=32, reduce=2, batch_size=32, epochs=15, lr=3e-3, validation_fraction=0.2)
+    with_state = train(TrainConfig.from_yaml(cache=str(cache_dir), out=str(tmp_path / "with"), **common))
+    without = train(TrainConfig.from_yaml(cache=str(cache_dir), out=str(tmp_path / "without"), state_inputs=[], **common))
+
+    def throttle_error(summary):
+        return min(h["validation_error_fraction"]["throttle"] for h in summary["history"])
+
+    assert throttle_error(with_state) < 0.4 < 0.8 < throttle_error(without), (throttle_error(with_state), throttle_error(without))
+    policy = load_policy(tmp_path / "with")
+    cache = FeatureCache(cache_dir)
+    train_idx, _, _ = split_frames(cache, 0.2)
+    values = cache.state_values(["speed_mps", "target_speed_mps"])[train_idx]
+    np.testing.assert_allclose(policy.module.state.mean.numpy(), values.mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(policy.module.state.std.numpy(), values.std(axis=0), rtol=1e-5)
+    assert load_policy(tmp_path / "without").state_inputs == ()
+    # Judged by what its inputs can predict: the steering only, without the state.
+    judged = {name: json.loads((tmp_path / name / "config.json").read_text())["training"]["criterion_weights"]
+              for name in ("with", "without")}
+    assert judged == {"with": [1.0, 1.0], "without": [1.0, 0.0]}
+
+
+def test_caches_without_the_state_are_refused_and_frames_without_it_left_out(tmp_path):
+    no_state = make_cache(tmp_path / "no_state", frames_per_source=4, with_state=False)
+    with pytest.raises(ValueError, match="has no speed_mps .*target_speed_mps .*state_inputs: \\[\\]"):
+        train(config(no_state, tmp_path / "m", epochs=1))
+    # Two caches as one: the old one's frames lack the state and are left out, counted.
+    summary = train(TrainConfig.from_yaml(cache=[str(no_state), str(make_cache(tmp_path / "with_state", frames_per_source=4))],
+                                          out=str(tmp_path / "m"), **TINY, epochs=1, validation_fraction=0.25))
+    recorded = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert recorded["training"]["split"]["frames_without_state"] == 16
+    assert summary["train_frames"] + summary["validation_frames"] == 16
+    assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
+    with pytest.raises(ValueError, match="unknown state inputs"):
+        TrainConfig.from_yaml(cache="c", out="o", state_inputs=["gear"])
+
+
+def test_the_criterion_weights_choose_what_early_stopping_watches(cache_dir, tmp_path):
+    summary = train(config(cache_dir, tmp_path / "m", epochs=2, criterion_weights=[1.0, 0.0]))
+    recorded = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert recorded["training"]["criterion_weights"] == [1.0, 0.0]
+    # steering only: the criterion is half the steering error over its training-target variance
+    cache = FeatureCache(cache_dir)
+    _, val_idx, _ = split_frames(cache, 0.1)
+    val_variance = cache.targets[val_idx, 0].astype(np.float64).var()
+    epoch = summary["history"][summary["best_epoch"]]
+    fraction = epoch["validation_error_fraction"]["steering"]
+    expected = 0.5 * fraction * val_variance / recorded["training"]["target_std"][0] ** 2
+    assert epoch["validation_loss"] == pytest.approx(expected, rel=1e-5)
     assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6

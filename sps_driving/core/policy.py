@@ -18,6 +18,12 @@ And a CNN (architecture "cnn", the No-FM baseline): `CnnPolicy` folds the grid o
 backbone (each descriptor its patch's pooled pixels) back into an image, zeros at dropped
 patches, and runs a PilotNet-like convolution stack and MLP on it.
 
+State inputs (config "state_inputs", names from sps_driving.core.state; none when absent): the
+car's speed and the cruise target speed, which the throttle depends on and no frame shows. Each is
+standardized with training statistics kept as buffers (`StateStandardizer`, set by the trainer);
+the grid MLP concatenates them to its flattened reduced grid, the transformers read them as one
+more token (a linear embedding of the state vector) and the CNN concatenates them to its MLP input.
+
 Outputs follow `sps_driving.topics`: steering is the front road-wheel angle in rad (left
 positive), bounded to +-max_steering_rad by tanh scaling; throttle is in [-1, 1] (negative is
 brake) by tanh (`BoundedHead`, shared by all). Both are finite for finite inputs.
@@ -25,7 +31,7 @@ brake) by tanh (`BoundedHead`, shared by all). Both are finite for finite inputs
 A checkpoint is a directory with `policy.safetensors` (the module's state dict) and
 `config.json`. The config (`PolicyArchitecture.config` builds it) records: format, architecture ("transformer" when absent), backbone,
 grid {rows, cols}, descriptor_dim D, position_dim P (sequence policies), selection {variant,
-rate, seed, keep_probability}, policy (transformer: {width, depth, heads, mlp_ratio, dropout};
+rate, seed, keep_probability}, state_inputs [names], policy (transformer: {width, depth, heads, mlp_ratio, dropout};
 mlp: {width, reduce, dropout}; cnn: {width, dropout}), output {max_steering_rad}, and whatever the trainer adds (training data,
 provenance, validation_loss).
 """
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +54,7 @@ from sps_driving.core.backbones.pixels import CHANNELS, pooled_side
 from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.selection import PatchSelector, SelectionConfig
+from sps_driving.core.state import check_state_names, state_vector
 
 POLICY_FORMAT = "sps_driving.policy/1"
 WEIGHTS_FILE = "policy.safetensors"
@@ -80,19 +87,56 @@ class BoundedHead(nn.Linear):
         return torch.stack([self.max_steering_rad * torch.tanh(raw[:, 0]), torch.tanh(raw[:, 1])], dim=1)
 
 
+class StateStandardizer(nn.Module):
+    """State vectors [B, S] standardized with the training set's per-input mean and spread
+    (buffers the trainer sets with `set_statistics`, saved with the weights)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(size))
+        self.register_buffer("std", torch.ones(size))
+
+    @torch.no_grad()
+    def set_statistics(self, mean: np.ndarray, std: np.ndarray) -> None:
+        self.mean.copy_(torch.as_tensor(np.asarray(mean, dtype=np.float32)))
+        self.std.copy_(torch.as_tensor(np.maximum(np.asarray(std, dtype=np.float32), 1e-6)))
+
+    def forward(self, state: torch.Tensor | None) -> torch.Tensor:
+        if state is None or state.ndim != 2 or state.shape[1] != self.mean.shape[0]:
+            shape = None if state is None else tuple(state.shape)
+            raise ValueError(f"this policy reads {self.mean.shape[0]} state input(s) per frame, got {shape}")
+        return (state - self.mean) / self.std
+
+
+def _state_input(module: nn.Module, state_dim: int) -> None:
+    """Give `module` its state standardizer (`module.state`, None without state inputs)."""
+    module.state = StateStandardizer(state_dim) if state_dim else None
+
+
+def _with_state(module: nn.Module, features: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+    """features [B, F], with the standardized state [B, S] appended when the policy reads one."""
+    if module.state is None:
+        return features
+    return torch.cat([features, module.state(state).to(features.dtype)], dim=1)
+
+
 class _DenseGridInput:
     """Policies that read the whole grid, zeros at dropped patches (SPS eq. 4)."""
 
-    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Dense grids [B, N, D] and keep masks [B, N]: zero the dropped patches."""
-        return self(grids * keep.unsqueeze(-1).to(grids.dtype))
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense grids [B, N, D] and keep masks [B, N] (and states [B, S]): zero the dropped patches."""
+        return self(grids * keep.unsqueeze(-1).to(grids.dtype), state)
 
 
 class _TransformerPolicy(nn.Module):
     """CLS token + pre-norm transformer encoder + bounded (steering, throttle) head."""
 
-    def __init__(self, width: int, depth: int, heads: int, mlp_ratio: float, dropout: float, max_steering_rad: float):
+    def __init__(self, width: int, depth: int, heads: int, mlp_ratio: float, dropout: float, max_steering_rad: float,
+                 state_dim: int = 0):
         super().__init__()
+        _state_input(self, state_dim)
+        # The state token: a linear embedding of the standardized state vector (its bias tells it apart).
+        self.state_proj = nn.Linear(state_dim, width) if state_dim else None
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
         layer = nn.TransformerEncoderLayer(
             width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
@@ -103,45 +147,49 @@ class _TransformerPolicy(nn.Module):
         self.head = BoundedHead(width, max_steering_rad)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
 
-    def _encode(self, tokens: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
-        cls = self.cls_token.expand(tokens.shape[0], -1, -1)
-        tokens = torch.cat([cls, tokens], dim=1)
+    def _encode(self, tokens: torch.Tensor, padding: torch.Tensor | None = None,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+        leading = [self.cls_token.expand(tokens.shape[0], -1, -1)]
+        if self.state is not None:
+            leading.append(self.state_proj(self.state(state)).unsqueeze(1))
+        tokens = torch.cat([*leading, tokens], dim=1)
         if padding is not None:
-            padding = torch.cat([torch.zeros_like(padding[:, :1]), padding], dim=1)
+            padding = torch.cat([torch.zeros_like(padding[:, :1]).expand(-1, len(leading)), padding], dim=1)
         encoded = self.encoder(tokens, src_key_padding_mask=padding)
         return self.head(self.norm(encoded[:, 0]))
 
 
 class GridPolicy(_DenseGridInput, _TransformerPolicy):
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, depth: int, heads: int,
-                 mlp_ratio: float, dropout: float, max_steering_rad: float):
-        super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad)
+                 mlp_ratio: float, dropout: float, max_steering_rad: float, state_dim: int = 0):
+        super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad, state_dim)
         self.input_proj = nn.Linear(descriptor_dim, width)
         self.position_embedding = nn.Parameter(torch.zeros(1, grid.n, width))
         nn.init.trunc_normal_(self.position_embedding, std=0.02)
 
-    def forward(self, grids: torch.Tensor) -> torch.Tensor:
-        """grids [B, N, D] with zeros at dropped patches -> [B, 2] (steering rad, throttle)."""
-        return self._encode(self.input_proj(grids) + self.position_embedding)
+    def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
+        return self._encode(self.input_proj(grids) + self.position_embedding, state=state)
 
 
 class SequencePolicy(_TransformerPolicy):
     def __init__(self, position_table: torch.Tensor, descriptor_dim: int, width: int, depth: int, heads: int,
-                 mlp_ratio: float, dropout: float, max_steering_rad: float):
-        super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad)
+                 mlp_ratio: float, dropout: float, max_steering_rad: float, state_dim: int = 0):
+        super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad, state_dim)
         # The backbone's own table: frozen, but saved with the weights so a checkpoint is self-contained.
         self.register_buffer("position_table", position_table.detach().clone().float())
         self.input_proj = nn.Linear(descriptor_dim, width)
         self.position_proj = nn.Linear(position_table.shape[1], width)
 
-    def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor | None = None,
+                state: torch.Tensor | None = None) -> torch.Tensor:
         """descriptors [B, L, D] of kept patches `indices` [B, L]; padding [B, L] True at filler slots."""
         tokens = self.input_proj(descriptors) + self.position_proj(self.position_table[indices])
-        return self._encode(tokens, padding)
+        return self._encode(tokens, padding, state)
 
-    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """Dense grids [B, N, D] and keep masks [B, N]: drop the rest, keep original positions (v2)."""
-        return self(*pack_kept(grids, keep))
+        return self(*pack_kept(grids, keep), state)
 
 
 class CnnPolicy(_DenseGridInput, nn.Module):
@@ -153,8 +201,10 @@ class CnnPolicy(_DenseGridInput, nn.Module):
     works) and a two-layer MLP of `width` units feed the shared bounded head.
     """
 
-    def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, dropout: float, max_steering_rad: float):
+    def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, dropout: float, max_steering_rad: float,
+                 state_dim: int = 0):
         super().__init__()
+        _state_input(self, state_dim)
         side = pooled_side(descriptor_dim)
         if side is None:
             raise ValueError(
@@ -168,7 +218,7 @@ class CnnPolicy(_DenseGridInput, nn.Module):
             channels, height, width_px = out_channels, -(-height // stride), -(-width_px // stride)
         self.convs = nn.Sequential(*layers)
         self.mlp = nn.Sequential(
-            nn.Flatten(), nn.Dropout(dropout), nn.Linear(channels * height * width_px, width), nn.ReLU(),
+            nn.Flatten(), nn.Dropout(dropout), nn.Linear(channels * height * width_px + state_dim, width), nn.ReLU(),
             nn.Linear(width, width), nn.ReLU(),
         )
         self.head = BoundedHead(width, max_steering_rad)
@@ -179,9 +229,10 @@ class CnnPolicy(_DenseGridInput, nn.Module):
         patches = grids.reshape(grids.shape[0], rows, cols, CHANNELS, side, side)
         return patches.permute(0, 3, 1, 4, 2, 5).reshape(grids.shape[0], CHANNELS, rows * side, cols * side)
 
-    def forward(self, grids: torch.Tensor) -> torch.Tensor:
-        """grids [B, N, D] with zeros at dropped patches -> [B, 2] (steering rad, throttle)."""
-        return self.head(self.mlp(self.convs(self.grid_image(grids))))
+    def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
+        image_features = self.mlp[:2](self.convs(self.grid_image(grids)))  # flattened, dropout (not on the state)
+        return self.head(self.mlp[2:](_with_state(self, image_features, state)))
 
 
 class GridMlpPolicy(_DenseGridInput, nn.Module):
@@ -196,13 +247,14 @@ class GridMlpPolicy(_DenseGridInput, nn.Module):
     """
 
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, reduce: int, dropout: float,
-                 max_steering_rad: float):
+                 max_steering_rad: float, state_dim: int = 0):
         super().__init__()
+        _state_input(self, state_dim)
         self.register_buffer("input_mean", torch.zeros(descriptor_dim))
         self.register_buffer("input_std", torch.ones(descriptor_dim))
         self.reduce = nn.Linear(descriptor_dim, reduce)
         self.mlp = nn.Sequential(
-            nn.Flatten(), nn.Linear(grid.n * reduce, width), nn.GELU(), nn.Dropout(dropout),
+            nn.Flatten(), nn.Linear(grid.n * reduce + state_dim, width), nn.GELU(), nn.Dropout(dropout),
             nn.Linear(width, width // 2), nn.GELU(),
         )
         self.head = BoundedHead(width // 2, max_steering_rad)
@@ -213,9 +265,10 @@ class GridMlpPolicy(_DenseGridInput, nn.Module):
         self.input_mean.copy_(torch.as_tensor(np.asarray(mean, dtype=np.float32)))
         self.input_std.copy_(torch.as_tensor(std))
 
-    def forward(self, grids: torch.Tensor) -> torch.Tensor:
-        """grids [B, N, D] with zeros at dropped patches -> [B, 2] (steering rad, throttle)."""
-        return self.head(self.mlp(self.reduce((grids - self.input_mean) / self.input_std)))
+    def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
+        reduced = self.reduce((grids - self.input_mean) / self.input_std).flatten(1)
+        return self.head(self.mlp(_with_state(self, reduced, state)))
 
 
 def pack_kept(grids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,6 +295,11 @@ def _require(config: dict, key: str):
 def architecture_of(config: dict) -> str:
     """A policy config's architecture (see UNRECORDED_ARCHITECTURE for checkpoints without one)."""
     return config.get("architecture", UNRECORDED_ARCHITECTURE)
+
+
+def state_inputs_of(config: dict) -> tuple[str, ...]:
+    """A policy config's state inputs (sps_driving.core.state); checkpoints without the key read none."""
+    return check_state_names(config.get("state_inputs", ()))
 
 
 def check_architecture(architecture: str, selection: SelectionConfig) -> None:
@@ -285,8 +343,9 @@ class PolicyArchitecture:
         return cls(architecture_of(config), dict(_require(config, "policy")), float(output["max_steering_rad"]))
 
     def config(self, grid: PatchGrid, descriptor_dim: int, selection: SelectionConfig, backbone: str | None = None,
-               position_dim: int | None = None) -> dict:
-        """The policy config of this architecture on a `grid` of `descriptor_dim` descriptors.
+               position_dim: int | None = None, state_inputs: Sequence[str] = ()) -> dict:
+        """The policy config of this architecture on a `grid` of `descriptor_dim` descriptors,
+        reading `state_inputs` (names of sps_driving.core.state) besides.
 
         position_dim (P of the backbone's position table) lets a sequence policy be built without
         the table itself (zeros, e.g. for timing).
@@ -297,6 +356,7 @@ class PolicyArchitecture:
             "grid": {"rows": grid.rows, "cols": grid.cols},
             "descriptor_dim": int(descriptor_dim),
             "selection": selection.to_dict(),
+            "state_inputs": list(check_state_names(state_inputs)),
             "architecture": self.name,
             "policy": dict(self.settings),
             "output": {"max_steering_rad": self.max_steering_rad},
@@ -322,20 +382,22 @@ def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.M
     architecture = PolicyArchitecture.of(config)
     check_architecture(architecture.name, selection)
     dims, max_steering_rad = architecture.settings, architecture.max_steering_rad
+    state_dim = len(state_inputs_of(config))
     if architecture.name == "cnn":
         if config.get("backbone") != PIXELS_BACKBONE:
             raise ValueError(f"a cnn policy reads the {PIXELS_BACKBONE!r} backbone's pooled pixels, "
                              f"not {config.get('backbone')!r} descriptors")
         return CnnPolicy(grid, descriptor_dim, width=int(dims["width"]), dropout=float(dims["dropout"]),
-                         max_steering_rad=max_steering_rad)
+                         max_steering_rad=max_steering_rad, state_dim=state_dim)
     if architecture.name == "mlp":
         if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
             raise ValueError(f"mlp policy needs width >= 2 and reduce >= 1, got {dims}")
         return GridMlpPolicy(grid, descriptor_dim, width=int(dims["width"]), reduce=int(dims["reduce"]),
-                             dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad)
+                             dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad, state_dim=state_dim)
     common = dict(
         descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
         mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad,
+        state_dim=state_dim,
     )
     if not selection.sparse_sequence:
         return GridPolicy(grid, **common)
@@ -413,7 +475,8 @@ def load_policy(directory, device: str = "cpu") -> DrivingPolicy:
 
 
 class DrivingPolicy:
-    """A loaded policy: descriptors of the kept patches in, (steering rad, throttle) out."""
+    """A loaded policy: descriptors of the kept patches (and the state inputs it reads) in,
+    (steering rad, throttle) out."""
 
     def __init__(self, module: nn.Module, config: dict, path: Path | None = None, device: str = "cpu"):
         self.module = module.to(device).eval()
@@ -424,6 +487,7 @@ class DrivingPolicy:
         self.selection = SelectionConfig.from_dict(config["selection"])
         self.descriptor_dim = int(config["descriptor_dim"])
         self.selector = PatchSelector(self.selection, self.grid)
+        self.state_inputs = state_inputs_of(config)
 
     @property
     def sparse_sequence(self) -> bool:
@@ -445,11 +509,19 @@ class DrivingPolicy:
         return descriptors.astype(np.float32, copy=False), indices.astype(np.int64, copy=False)
 
     @torch.no_grad()
-    def predict_batch(self, descriptors: Sequence[np.ndarray], indices: Sequence[np.ndarray]) -> np.ndarray:
-        """[B, 2] (steering rad, throttle) for B frames, each [k_b, D] descriptors at `indices[b]`."""
+    def predict_batch(self, descriptors: Sequence[np.ndarray], indices: Sequence[np.ndarray],
+                      states: Sequence[Mapping[str, float] | None] | None = None) -> np.ndarray:
+        """[B, 2] (steering rad, throttle) for B frames, each [k_b, D] descriptors at `indices[b]`
+        with its state `states[b]` ({name: value} of sps_driving.core.state; a policy without state
+        inputs ignores it). ValueError for bad input, a missing or non-finite state among them."""
         if len(descriptors) != len(indices) or len(descriptors) == 0:
             raise ValueError(f"need one index array per frame, got {len(descriptors)} and {len(indices)}")
         frames = [self._check(d, i) for d, i in zip(descriptors, indices)]
+        state = None
+        if self.state_inputs:
+            if states is None or len(states) != len(frames):
+                raise ValueError(f"this policy reads the state inputs {list(self.state_inputs)}: give one state per frame")
+            state = torch.from_numpy(np.stack([state_vector(self.state_inputs, s) for s in states])).to(self.device)
         if isinstance(self.module, SequencePolicy):
             length = max(len(i) for _, i in frames)
             batch = np.zeros((len(frames), length, self.descriptor_dim), dtype=np.float32)
@@ -457,18 +529,21 @@ class DrivingPolicy:
             padding = np.ones((len(frames), length), dtype=bool)
             for row, (d, i) in enumerate(frames):
                 batch[row, : len(i)], index_batch[row, : len(i)], padding[row, : len(i)] = d, i, False
-            out = self.module(*(torch.from_numpy(a).to(self.device) for a in (batch, index_batch, padding)))
+            out = self.module(*(torch.from_numpy(a).to(self.device) for a in (batch, index_batch, padding)), state)
         else:
             grids = np.zeros((len(frames), self.grid.n, self.descriptor_dim), dtype=np.float32)
             for row, (d, i) in enumerate(frames):
                 grids[row, i] = d
-            out = self.module(torch.from_numpy(grids).to(self.device))
+            out = self.module(torch.from_numpy(grids).to(self.device), state)
         out = out.cpu().numpy().astype(np.float64)
         if not np.all(np.isfinite(out)):
             raise ValueError("policy produced a non-finite command")
         return out
 
-    def predict(self, descriptors: np.ndarray, indices: np.ndarray) -> tuple[float, float]:
-        """(steering rad, throttle) for one frame's kept descriptors [k, D] at patch `indices` [k]."""
-        steering, throttle = self.predict_batch([descriptors], [indices])[0]
+    def predict(self, descriptors: np.ndarray, indices: np.ndarray,
+                state: Mapping[str, float] | None = None) -> tuple[float, float]:
+        """(steering rad, throttle) for one frame's kept descriptors [k, D] at patch `indices` [k]
+        and its `state` ({name: value}, what sps_driving.core.state names; ignored by a policy that
+        reads none). A policy with state inputs given no or a non-finite state raises ValueError."""
+        steering, throttle = self.predict_batch([descriptors], [indices], [state])[0]
         return float(steering), float(throttle)

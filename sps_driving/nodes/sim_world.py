@@ -2,7 +2,8 @@
 
 Publishes, per control step and all with the node clock's stamp at publishing (as a camera driver
 does): the camera (sensor_msgs/Image and CameraInfo), the safety-monitor inputs (lane pose,
-nearest-obstacle range), the vehicle speed, and the privileged expert's command for the same
+nearest-obstacle range), the vehicle speed, the episode's cruise target speed (what a safety driver
+sets on the car, topics.TARGET_SPEED), and the privileged expert's command for the same
 state on topics.REFERENCE_COMMAND. Consumes the vehicle interface's limited command
 (topics.ACTUATION, "topics" backend) and applies the newest one at the next step. Logic:
 sps_driving.sim.live.
@@ -69,6 +70,7 @@ class SimWorldNode(Node):
         self.lane_pub = self.create_publisher(PoseStamped, topics.LANE_POSE, msgs.qos("sensor_out"))
         self.range_pub = self.create_publisher(Range, topics.OBSTACLE_RANGE, msgs.qos("sensor_out"))
         self.twist_pub = self.create_publisher(TwistStamped, topics.VEHICLE_TWIST, msgs.qos("sensor_out"))
+        self.target_speed_pub = self.create_publisher(TwistStamped, topics.TARGET_SPEED, msgs.qos("sensor_out"))
         self.reference_pub = self.create_publisher(JointState, topics.REFERENCE_COMMAND, msgs.qos("stream"))
         self.status_pub = self.create_publisher(DiagnosticArray, "~/status", msgs.qos("status"))
         self.create_subscription(JointState, topics.ACTUATION, self._on_command, msgs.qos("control"))
@@ -114,11 +116,13 @@ class SimWorldNode(Node):
     def _publish_observation(self) -> None:
         obs = self.sim.observe()
         stamp = now_ns(self)
+        # The frame's state first: a policy that reads it finds it there when the frame's descriptors come.
+        self.twist_pub.publish(msgs.to_ros(msgs.twist_fields(obs.speed_mps, stamp)))
+        self.target_speed_pub.publish(msgs.to_ros(msgs.twist_fields(obs.target_speed_mps, stamp)))
         self.image_pub.publish(msgs.to_ros(msgs.image_fields(obs.image, stamp, self.frame_id)))
         self.info_pub.publish(msgs.to_ros(msgs.camera_info_fields(obs.image.shape[0], obs.image.shape[1], stamp, self.frame_id, self.hfov)))
         self.lane_pub.publish(msgs.to_ros(msgs.lane_pose_fields(obs.lateral_offset_m, obs.heading_error_rad, stamp)))
         self.range_pub.publish(msgs.to_ros(msgs.range_fields(obs.obstacle_gap_m, stamp)))
-        self.twist_pub.publish(msgs.to_ros(msgs.twist_fields(obs.speed_mps, stamp)))
         self.reference_pub.publish(msgs.to_ros(msgs.command_fields(obs.expert_steering, obs.expert_throttle, stamp)))
 
     def _finish_episode(self, result: dict) -> None:

@@ -19,6 +19,7 @@ process are the failsafe node's job.
 
 from __future__ import annotations
 
+import math
 import time
 
 from diagnostic_msgs.msg import DiagnosticArray
@@ -126,7 +127,8 @@ class Pacmod3Backend:
         self.logic.on_global_report(msgs.global_status(msg), time.monotonic())
 
     def _on_speed(self, msg) -> None:
-        self.logic.on_speed(float(msg.vehicle_speed), bool(msg.vehicle_speed_valid), time.monotonic())
+        speed = msgs.speed_from_message(msg)
+        self.logic.on_speed(math.nan if speed is None else speed, speed is not None, time.monotonic())
 
     def report(self, logic: VehicleLogic, now_s: float) -> None:
         pass  # reports arrive on their own subscriptions
@@ -261,7 +263,7 @@ class VehicleInterface(LifecycleNode):
             self.logic.on_failsafe(request.stop, time.monotonic())
 
     def _on_twist(self, msg) -> None:
-        self.logic.on_speed(float(msg.twist.linear.x), True, time.monotonic())
+        self.logic.on_speed(msgs.speed_from_message(msg), True, time.monotonic())
 
     def _on_engage(self, request, response):
         if request.data:

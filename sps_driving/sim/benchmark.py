@@ -39,7 +39,7 @@ def render_rate(config: dict, scenario, frames: int) -> tuple[float, float]:
 
 def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
     from sps_driving.core.policy import architecture_of
-    from sps_driving.sim.episodes import PolicyDriver
+    from sps_driving.sim.episodes import PolicyDriver, driving_state
     from sps_driving.sim.render import get_renderer
 
     renderer = get_renderer(config)
@@ -50,7 +50,7 @@ def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
         t0 = time.perf_counter()
         image = renderer.render(world)
         t1 = time.perf_counter()
-        steering, throttle = driver(image, frame_stamp_ns(config, 0, k))
+        steering, throttle = driver(image, frame_stamp_ns(config, 0, k), driving_state(world))
         t2 = time.perf_counter()
         world.step(steering, throttle)
         t3 = time.perf_counter()

@@ -2,8 +2,8 @@
 
 One bag per episode (DIR/episode_00000, ...), on the topics the car records
 (sps_driving.topics), so `sps-driving extract DIR/episode_*` reads them like car bags:
-camera image and camera info, the reference command, vehicle speed, lane pose and the
-nearest-obstacle gap, all stamped with the frame's time.
+camera image and camera info, the reference command, vehicle speed, the episode's cruise target
+speed, lane pose and the nearest-obstacle gap, all stamped with the frame's time.
 
 The car is pushed around (perturbed start, steering pulses, throttle noise) so the data holds
 recoveries; the reference command is always the expert's clean command for the frame's state
@@ -51,6 +51,7 @@ class BagSink:
         bag.write(topics.CAMERA_INFO, msgs.camera_info_fields(image.shape[0], image.shape[1], stamp, "camera", self.hfov), stamp)
         bag.write(topics.REFERENCE_COMMAND, msgs.command_fields(frame.label.steering, frame.label.throttle, stamp), stamp)
         bag.write(topics.VEHICLE_TWIST, msgs.twist_fields(world.state.speed, stamp), stamp)
+        bag.write(topics.TARGET_SPEED, msgs.twist_fields(world.episode.cruise_speed, stamp), stamp)
         bag.write(topics.LANE_POSE, msgs.lane_pose_fields(world.lane.lateral, world.lane.heading_error, stamp), stamp)
         bag.write(topics.OBSTACLE_RANGE, msgs.range_fields(world.nearest_gap(), stamp), stamp)
 

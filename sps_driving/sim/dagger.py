@@ -59,7 +59,7 @@ from sps_driving import bagio
 from sps_driving.resources import portable_path, source_revision
 from sps_driving.sim.collect import COLLECTION_EPISODES, BagSink, episode_seed
 from sps_driving.sim.config import load_sim_config, set_render_width
-from sps_driving.sim.episodes import Frame, PolicyDriver, drive_episode, run_episodes
+from sps_driving.sim.episodes import Frame, PolicyDriver, drive_episode, driving_state, run_episodes
 from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, read_results
 from sps_driving.sim.scenarios import get_scenario
@@ -120,9 +120,10 @@ class MixedDriver:
 
 def cache_row(frame: Frame) -> dict:
     """What the feature cache stores of a rollout frame besides its descriptors: the one place
-    that says it (the label is the expert's clean command for the frame's state; the world also
-    has the speed, frame.world.state.speed, and the target, frame.world.episode.cruise_speed)."""
-    return {"steering": frame.label.steering, "throttle": frame.label.throttle, "stamp_ns": frame.stamp_ns}
+    that says it (the label is the expert's clean command for the frame's state; the state inputs
+    are what the policy read)."""
+    return {"steering": frame.label.steering, "throttle": frame.label.throttle, "stamp_ns": frame.stamp_ns,
+            "state": driving_state(frame.world)}
 
 
 class CacheSink:

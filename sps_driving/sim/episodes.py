@@ -78,8 +78,14 @@ def drive_episode(config: dict, world: World, episode_index: int, driver: Driver
     return result
 
 
+def driving_state(world: World) -> dict:
+    """The state inputs (sps_driving.core.state) of the world's current state: the car's speed and
+    the episode's cruise target speed, as the car's speed report and its safety driver give them."""
+    return {"speed_mps": world.state.speed, "target_speed_mps": world.episode.cruise_speed}
+
+
 class PolicyDriver:
-    """Camera frame -> selected patches -> descriptors -> policy command.
+    """Camera frame (and the car's state) -> selected patches -> descriptors -> policy command.
 
     With all_patches, every patch's descriptor is computed and kept (`frame_descriptors`, and
     `Frame.descriptors` through `drive`), and the policy reads its selected subset of them: DAgger
@@ -108,17 +114,18 @@ class PolicyDriver:
     def reset(self) -> None:
         self.last = (0.0, 0.0)
 
-    def __call__(self, image: np.ndarray, stamp_ns: int) -> tuple[float, float]:
+    def __call__(self, image: np.ndarray, stamp_ns: int, state: dict | None = None) -> tuple[float, float]:
+        """The command for one frame; `state` ({name: value}, `driving_state`) for a policy that reads one."""
         self.frame_descriptors = None
         try:
             indices = self.selector.select(stamp_ns)
-            state = self.extractor.encode(image)
+            encoded = self.extractor.encode(image)
             if self.all_patches is None:
-                descriptors = self.extractor.descriptors(state, indices)
+                descriptors = self.extractor.descriptors(encoded, indices)
             else:
-                self.frame_descriptors = self.extractor.descriptors(state, self.all_patches)
+                self.frame_descriptors = self.extractor.descriptors(encoded, self.all_patches)
                 descriptors = self.frame_descriptors[indices]
-            command = self.policy.predict(descriptors, indices)
+            command = self.policy.predict(descriptors, indices, state)
         except (ValueError, RuntimeError):
             # A frame the stack cannot use is dropped and counted; the car holds the last
             # command, as the vehicle interface does within its staleness timeout.
@@ -133,7 +140,7 @@ class PolicyDriver:
     def drive(self, frame: Frame) -> Command:
         """The episode loop's driver: the command for `frame`'s camera image (with all_patches,
         frame.descriptors gets every patch's descriptor; None for a dropped frame)."""
-        command = Command(*self(frame.image, frame.stamp_ns))
+        command = Command(*self(frame.image, frame.stamp_ns, driving_state(frame.world)))
         frame.descriptors = self.frame_descriptors
         return command
 

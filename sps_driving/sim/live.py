@@ -25,6 +25,7 @@ class Observation:
     heading_error_rad: float
     obstacle_gap_m: float
     speed_mps: float
+    target_speed_mps: float  # the episode's cruise target speed
     expert_steering: float
     expert_throttle: float
     episode: int
@@ -65,6 +66,7 @@ class LiveSim:
             heading_error_rad=world.lane.heading_error,
             obstacle_gap_m=world.nearest_gap(),
             speed_mps=world.state.speed,
+            target_speed_mps=world.episode.cruise_speed,
             expert_steering=reference.steering,
             expert_throttle=reference.throttle,
             episode=self.episode,

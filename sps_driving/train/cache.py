@@ -17,13 +17,16 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
                                 throttle in [-1, 1] (negative = brake), as in sps_driving.topics
         stamps.npy              int64 [n]: the camera frame's header stamp, ns
         sources.npy             int32 [n]: index into meta.json "sources"
+        state.npy               float32 [n, S]: the frame's state inputs (sps_driving.core.state),
+                                columns as meta.json "state" names them, NaN where unknown
       shard_00001/ ...
 
 meta.json keys: format, backbone (name), extractor (the extractor config used), grid {rows,
 cols}, descriptor_dim (D), dtype ("float16"), frames (total), shard_size (frames per shard,
 the last may hold fewer), shards [{path, frames}], sources [names, e.g. bag or episode names:
-validation splits by them], position_table (file name or null), plus anything the writer's
-caller adds (e.g. extraction counts of dropped frames).
+validation splits by them], position_table (file name or null), state (the state.npy columns;
+absent in caches written before state inputs: their frames' states are unknown), plus anything
+the writer's caller adds (e.g. extraction counts of dropped frames).
 
 All .npy files are plain NumPy format, so `np.load(path, mmap_mode="r")` maps them without a
 copy; `FeatureCache` does that for the descriptors and loads the small arrays into memory.
@@ -44,6 +47,7 @@ import torch
 from torch.utils.data import Dataset
 
 from sps_driving.core.grid import PatchGrid
+from sps_driving.core.state import STATE_NAMES
 
 CACHE_FORMAT = "sps_driving.feature_cache/1"
 META_FILE = "meta.json"
@@ -58,6 +62,7 @@ class CacheFrame:
     throttle: float  # [-1, 1]
     stamp_ns: int
     source: str
+    state: dict  # {state input name: value}, NaN where unknown
 
 
 class FeatureCacheWriter:
@@ -65,7 +70,8 @@ class FeatureCacheWriter:
 
     `meta` must hold backbone, grid {rows, cols} and descriptor_dim; extractor and other keys are
     recorded as given. A frame that cannot be stored (wrong shape, NaN/Inf, beyond float16
-    range, non-finite label) raises ValueError and nothing of it is written: callers count and skip.
+    range, non-finite label, infinite state) raises ValueError and nothing of it is written:
+    callers count and skip. A frame's state inputs (sps_driving.core.state) are NaN where unknown.
     """
 
     def __init__(self, directory, meta: dict, position_table: np.ndarray | None = None,
@@ -97,7 +103,9 @@ class FeatureCacheWriter:
         self._closed = False
         self.frames = 0
 
-    def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str) -> None:
+    def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
+            state: dict | None = None) -> None:
+        """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown."""
         descriptors = np.asarray(descriptors)
         if descriptors.shape != (self.grid.n, self.dim):
             raise ValueError(f"descriptors must be [{self.grid.n}, {self.dim}], got {descriptors.shape}")
@@ -109,10 +117,18 @@ class FeatureCacheWriter:
             raise ValueError(f"labels must be finite, got steering={steering}, throttle={throttle}")
         if int(stamp_ns) < 0:
             raise ValueError(f"stamp must be >= 0 ns, got {stamp_ns}")
+        state = dict(state or {})
+        unknown = set(state) - set(STATE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown state inputs {sorted(unknown)}; expected some of {list(STATE_NAMES)}")
+        state_row = np.array([state.get(name, np.nan) for name in STATE_NAMES], dtype=np.float32)
+        if np.isinf(state_row).any():
+            raise ValueError(f"state inputs must be finite or NaN (unknown), got {state}")
         if self._closed:
             raise RuntimeError(f"feature cache {self.directory} is already closed")
         source_id = self._sources.setdefault(str(source), len(self._sources))
-        self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id))
+        self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id,
+                              state_row))
         self.frames += 1
         if len(self._pending) == self.shard_size:
             self._flush()
@@ -123,11 +139,12 @@ class FeatureCacheWriter:
         name = f"shard_{len(self._shards):05d}"
         tmp = self.directory / (name + ".tmp")
         tmp.mkdir()
-        descriptors, targets, stamps, sources = zip(*self._pending)
+        descriptors, targets, stamps, sources, states = zip(*self._pending)
         np.save(tmp / "descriptors.npy", np.stack(descriptors))
         np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
         np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
         np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
+        np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
         os.replace(tmp, self.directory / name)
         self._shards.append({"path": name, "frames": len(self._pending)})
         self._pending = []
@@ -150,6 +167,7 @@ class FeatureCacheWriter:
             "shards": self._shards,
             "sources": list(self._sources),
             "position_table": POSITION_TABLE_FILE if self._has_position_table else None,
+            "state": list(STATE_NAMES),
             "created_unix": time.time(),
         }
         (self.directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
@@ -179,7 +197,8 @@ def _read_cache(directory: Path) -> dict:
     if meta.get("format") != CACHE_FORMAT:
         raise ValueError(f"{meta_path} is not a feature cache of format {CACHE_FORMAT!r}")
     grid_n = int(meta["grid"]["rows"]) * int(meta["grid"]["cols"])
-    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": []}
+    stored_state = list(meta.get("state", []))
+    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": []}
     for shard in meta["shards"]:
         path = directory / shard["path"]
         n = int(shard["frames"])
@@ -189,6 +208,7 @@ def _read_cache(directory: Path) -> dict:
             ("targets", (n, 2), np.float32),
             ("stamps", (n,), np.int64),
             ("sources", (n,), np.int32),
+            *((("state", (n, len(stored_state)), np.float32),) if stored_state else ()),
         ):
             file = path / f"{name}.npy"
             try:
@@ -203,7 +223,14 @@ def _read_cache(directory: Path) -> dict:
         part["descriptors"].append(arrays["descriptors"])
         for key, name in (("targets", "targets"), ("stamps", "stamps"), ("source_ids", "sources")):
             part[key].append(arrays[name])
-    empty = {"targets": np.zeros((0, 2), np.float32), "stamps": np.zeros(0, np.int64), "source_ids": np.zeros(0, np.int32)}
+        # Columns in STATE_NAMES order; NaN (unknown) for an input the cache does not store.
+        state = np.full((n, len(STATE_NAMES)), np.nan, dtype=np.float32)
+        for column, name in enumerate(stored_state):
+            if name in STATE_NAMES:
+                state[:, STATE_NAMES.index(name)] = arrays["state"][:, column]
+        part["state"].append(state)
+    empty = {"targets": np.zeros((0, 2), np.float32), "stamps": np.zeros(0, np.int64), "source_ids": np.zeros(0, np.int32),
+             "state": np.zeros((0, len(STATE_NAMES)), np.float32)}
     for key, default in empty.items():
         part[key] = np.concatenate(part[key]) if part[key] else default
     if len(part["targets"]) != int(meta["frames"]):
@@ -258,6 +285,7 @@ class FeatureCache:
         self._shards = [shard for part in parts for shard in part["descriptors"]]
         self.targets = np.concatenate([part["targets"] for part in parts])
         self.stamps = np.concatenate([part["stamps"] for part in parts])
+        self.state = np.concatenate([part["state"] for part in parts])  # float32 [frames, len(STATE_NAMES)], NaN = unknown
         self.source_ids = np.concatenate([part["source_ids"] + offset for part, offset in zip(parts, offsets)]).astype(np.int32)
         sizes = [len(s) for s in self._shards]
         self._starts = np.cumsum([0] + sizes)[:-1]
@@ -276,7 +304,12 @@ class FeatureCache:
         shard, row = self._locate(int(index))
         steering, throttle = self.targets[index]
         return CacheFrame(self._shards[shard][row], float(steering), float(throttle),
-                          int(self.stamps[index]), self.sources[self.source_ids[index]])
+                          int(self.stamps[index]), self.sources[self.source_ids[index]],
+                          dict(zip(STATE_NAMES, self.state[index].tolist())))
+
+    def state_values(self, names) -> np.ndarray:
+        """float32 [frames, len(names)]: the frames' values of state inputs `names`, NaN where unknown."""
+        return self.state[:, [STATE_NAMES.index(name) for name in names]]
 
     def descriptors(self, indices: Sequence[int]) -> np.ndarray:
         """float32 [B, N, D] dense descriptor grids of frames `indices`."""

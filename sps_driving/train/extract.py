@@ -7,6 +7,12 @@ Each INPUT is either
 - an image folder with labels.csv (columns filename, steering, throttle and optionally
   stamp_ns; frames without stamp_ns get stamps at the configured nominal frame rate).
 
+Each frame also gets its state inputs (sps_driving.core.state: the car's speed, the cruise target
+speed), paired by stamp like the label from the first of each input's topics the bag has (an
+invalid PACMod speed report is an unknown speed), or from labels.csv columns of the same names;
+NaN where unknown (no topic, nothing within the tolerance). Frames are kept either way: the
+trainer decides which state its policy needs, and the counts say how many frames lack one.
+
 Every frame's descriptors are computed for all patches (rate 1.0) by the configured backbone and
 written to the feature cache (docs/feature_cache.md), with the input's name as the frame's
 source. A frame that cannot be used (undecodable image, no command in tolerance, non-finite
@@ -22,7 +28,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import cv2
@@ -31,6 +37,7 @@ import yaml
 from tqdm import tqdm
 
 from sps_driving import topics
+from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
 from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCacheWriter
 
@@ -45,6 +52,7 @@ class LabelledFrame:
     throttle: float
     stamp_ns: int
     drop_reason: str | None = None
+    state: dict = field(default_factory=dict)  # {state input name: value}; unknown ones left out or NaN
 
 
 @dataclass(frozen=True)
@@ -109,8 +117,43 @@ def bag_frame_count(path: Path, topic: str) -> int | None:
         return sum(conn.msgcount for conn in reader.connections if conn.topic == topic)
 
 
+def bag_states(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{state input: (sorted stamps ns, float64 values, NaN where the report said invalid)} from the
+    first of each input's topics (sps_driving.core.state) that the bag has; inputs it lacks are left out."""
+    from sps_driving.bagio import read_messages, topic_types
+    from sps_driving.msgs import MessageError, speed_from_message, stamp_ns
+
+    present = topic_types(path)
+    chosen = {source[0]: name for name in STATE_INPUTS if (source := recorded_source(name, present)) is not None}
+    series = {name: ([], []) for name in chosen.values()}
+    for message in read_messages(path, list(chosen)):
+        try:
+            value = speed_from_message(message.msg)
+        except MessageError:
+            continue
+        stamps, values = series[chosen[message.topic]]
+        stamps.append(stamp_ns(message.msg.header))
+        values.append(math.nan if value is None else value)
+    out = {}
+    for name, (stamps, values) in series.items():
+        order = np.argsort(stamps, kind="stable")
+        out[name] = (np.asarray(stamps, dtype=np.int64)[order], np.asarray(values, dtype=np.float64)[order])
+    return out
+
+
+def matched_state(states: dict, stamp: int, tolerance_ns: int) -> dict:
+    """{name: value} of the state whose stamp is nearest to `stamp`, within the tolerance."""
+    state = {}
+    for name, (stamps, values) in states.items():
+        index = nearest(stamps, stamp)
+        if index is not None and abs(int(stamps[index]) - stamp) <= tolerance_ns:
+            state[name] = float(values[index])
+    return state
+
+
 def bag_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterator[LabelledFrame]:
-    """Camera frames of a bag, each labelled with the nearest reference command by header stamp."""
+    """Camera frames of a bag, each labelled with the nearest reference command by header stamp,
+    and with its state inputs matched the same way."""
     from sps_driving.bagio import read_messages
     from sps_driving.core.image import ImageError, to_rgb
     from sps_driving.msgs import stamp_ns
@@ -127,29 +170,22 @@ def bag_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterat
     stamps = np.asarray(command_stamps, dtype=np.int64)[order]
     values = np.asarray(command_values, dtype=np.float64).reshape(-1, 2)[order]
     tolerance_ns = int(settings.match_tolerance_s * 1e9)
+    states = bag_states(path)
 
     for message in read_messages(path, [settings.camera_topic]):
         msg = message.msg
         stamp = stamp_ns(msg.header)
-        nearest = _nearest(stamps, stamp)
-        if nearest is None or abs(int(stamps[nearest]) - stamp) > tolerance_ns:
+        command = nearest(stamps, stamp)
+        if command is None or abs(int(stamps[command]) - stamp) > tolerance_ns:
             yield LabelledFrame(None, math.nan, math.nan, stamp, "no_command_in_tolerance")
             continue
-        steering, throttle = values[nearest]
+        steering, throttle = values[command]
         try:
             rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
         except ImageError:
             yield LabelledFrame(None, steering, throttle, stamp, "undecodable_image")
             continue
-        yield LabelledFrame(rgb, float(steering), float(throttle), stamp)
-
-
-def _nearest(sorted_stamps: np.ndarray, stamp: int) -> int | None:
-    if len(sorted_stamps) == 0:
-        return None
-    right = int(np.searchsorted(sorted_stamps, stamp))
-    candidates = [i for i in (right - 1, right) if 0 <= i < len(sorted_stamps)]
-    return min(candidates, key=lambda i: abs(int(sorted_stamps[i]) - stamp))
+        yield LabelledFrame(rgb, float(steering), float(throttle), stamp, state=matched_state(states, stamp, tolerance_ns))
 
 
 def folder_rows(path: Path) -> list[dict]:
@@ -167,6 +203,7 @@ def folder_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Ite
         try:
             steering, throttle = float(row["steering"]), float(row["throttle"])
             stamp = int(row["stamp_ns"]) if row.get("stamp_ns") else row_number * period_ns
+            state = {name: float(row[name]) for name in STATE_INPUTS if row.get(name)}
         except (TypeError, ValueError):
             yield LabelledFrame(None, math.nan, math.nan, row_number * period_ns, "bad_label_row")
             continue
@@ -174,7 +211,7 @@ def folder_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Ite
         if bgr is None:
             yield LabelledFrame(None, steering, throttle, stamp, "undecodable_image")
             continue
-        yield LabelledFrame(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), steering, throttle, stamp)
+        yield LabelledFrame(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), steering, throttle, stamp, state=state)
 
 
 def source_names(inputs: Sequence[Path]) -> list[str]:
@@ -213,6 +250,10 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
                 if frame.drop_reason is None:
                     frame.drop_reason = _add_frame(writer, extractor, frame, all_patches, source)
                 counts[frame.drop_reason or "written"] += 1
+                if frame.drop_reason is None:
+                    for name in STATE_INPUTS:
+                        if not math.isfinite(frame.state.get(name, math.nan)):
+                            counts[f"written_without_{name}"] += 1
             report[source] = dict(counts)
         writer.close({"counts": report})
     return report
@@ -225,7 +266,7 @@ def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patc
     except ValueError:  # the extractor's ImageError and input checks
         return "undecodable_image"
     try:
-        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source)
+        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state)
     except ValueError:
         return "invalid_descriptors_or_label"
     return None
@@ -278,6 +319,8 @@ def run(args) -> int:
     print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
           f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}")
     for source, counts in report.items():
-        dropped = {k: v for k, v in counts.items() if k != "written"}
-        print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else ""))
+        dropped = {k: v for k, v in counts.items() if not k.startswith("written")}
+        unknown = {k[len("written_without_"):]: v for k, v in counts.items() if k.startswith("written_without_")}
+        print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else "")
+              + (f", of them without state {unknown}" if unknown else ""))
     return 0 if written else 1

@@ -2,8 +2,16 @@
 
 One readable loop. Every epoch, every training frame gets a fresh patch selection (SPS section
 3.3) applied to its cached dense descriptor grid: zeros at the dropped patches for grid policies,
-only the kept tokens with their original positions for sequence policies. The loss is L2 (MSE)
-on (steering rad, throttle); Adam at lr 1e-3 and ReduceLROnPlateau with patience 10, as the paper.
+only the kept tokens with their original positions for sequence policies. The policy also reads
+the frame's state inputs (`state_inputs`: the car's speed, the cruise target speed; see
+sps_driving.core.state), standardized with training statistics kept in the checkpoint; frames the
+cache has no such state for are left out, and a cache without it at all is refused. The loss is
+L2 (MSE) on (steering rad, throttle), each over its training-target variance; Adam at lr 1e-3 and
+ReduceLROnPlateau with patience 10, as the paper. The validation criterion (early stopping, the
+plateau scheduler, the best checkpoint) weighs the same standardized errors by
+`criterion_weights` (by default the loss weights, without the throttle when the policy does not
+read both speeds: see `criterion_weights`); each epoch also records both validation errors as
+fractions of the validation targets' variance.
 
 Validation is deterministic: each validation frame's selection is the replayable one decided by
 the selection seed and the frame's stamp (what the car would select), so a saved checkpoint
@@ -54,8 +62,10 @@ from sps_driving.core.policy import (
     load_policy,
     read_policy_config,
     save_policy,
+    state_inputs_of,
 )
 from sps_driving.core.selection import PatchSelector, SelectionConfig
+from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
 from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
 
@@ -80,6 +90,7 @@ class TrainConfig:
     rate: float
     seed: int
     keep_probability: list | None
+    state_inputs: list
     architecture: str
     width: int
     reduce: int
@@ -97,6 +108,7 @@ class TrainConfig:
     min_lr: float
     early_stop_patience: int
     loss_weights: list
+    criterion_weights: list | None  # None: `criterion_weights` decides
     validation_fraction: float
     num_workers: int
     device: str
@@ -113,9 +125,13 @@ class TrainConfig:
             raise ValueError("need lr, weight_decay, min_lr >= 0 and 0 < plateau_factor < 1")
         if not (0 <= self.dropout < 1 and self.max_steering_rad > 0):
             raise ValueError("need 0 <= dropout < 1 and max_steering_rad > 0")
-        weights = np.asarray(self.loss_weights, dtype=np.float64)
-        if weights.shape != (2,) or not np.all(np.isfinite(weights)) or np.any(weights < 0) or not weights.any():
-            raise ValueError(f"loss_weights must be two finite non-negative numbers, not both 0, got {self.loss_weights}")
+        for name in ("loss_weights", "criterion_weights"):
+            if getattr(self, name) is None and name == "criterion_weights":
+                continue
+            weights = np.asarray(getattr(self, name), dtype=np.float64)
+            if weights.shape != (2,) or not np.all(np.isfinite(weights)) or np.any(weights < 0) or not weights.any():
+                raise ValueError(f"{name} must be two finite non-negative numbers, not both 0, got {getattr(self, name)}")
+        check_state_names(self.state_inputs)
 
     @classmethod
     def from_yaml(cls, path=TRAIN_CONFIG, **overrides) -> TrainConfig:
@@ -172,6 +188,25 @@ def split_frames(cache: FeatureCache, validation_fraction: float) -> tuple[np.nd
     return train_idx, val_idx, rule
 
 
+def frames_with_state(cache: FeatureCache, names, frames: np.ndarray) -> np.ndarray:
+    """The `frames` whose state inputs `names` the cache knows (finite)."""
+    return frames[np.isfinite(cache.state_values(names)[frames]).all(axis=1)] if names else frames
+
+
+def check_cache_state(cache: FeatureCache, names) -> int:
+    """Frames lacking one of the state inputs `names`; ValueError when the cache lacks one entirely."""
+    known = np.isfinite(cache.state_values(names))
+    absent = [name for column, name in enumerate(names) if not known[:, column].any()]
+    if absent:
+        wanted = "; ".join(f"{n} ({STATE_INPUTS[n].unit}, from {' or '.join(t for t, _ in STATE_INPUTS[n].sources)})"
+                           for n in absent)
+        raise ValueError(
+            f"feature cache {cache.name} has no {wanted}: extracted before state inputs were stored, or from "
+            f"recordings without those topics. Re-extract it (`sps-driving extract`), or train without them "
+            f"(`--state-inputs` with no names, or state_inputs: [] in the training config)")
+    return int((~known.all(axis=1)).sum()) if names else 0
+
+
 # Smallest target spread used to standardize an output: below it the output is treated as constant.
 MIN_TARGET_STD = 1e-3
 
@@ -195,6 +230,30 @@ def l2_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tenso
     return ((prediction - target) ** 2 * weights).mean(dim=1)
 
 
+def criterion_weights(cfg: TrainConfig, state_names) -> list:
+    """The weights of the standardized (steering, throttle) validation errors in the criterion:
+    cfg.criterion_weights when set, else the loss weights, with the throttle's at 0 when the
+    policy lacks the speed or the cruise target. The expert's throttle tracks (target - speed),
+    which no frame shows: on expert drives a policy without them left 0.9-1.1 of the validation
+    throttle variance unexplained at 15 epochs on 32 drives (0.8-1.5 on 8), noise that would
+    otherwise decide early stopping; with them 0.40, and falling (docs/training.md)."""
+    if cfg.criterion_weights is not None:
+        return [float(w) for w in cfg.criterion_weights]
+    weights = [float(w) for w in cfg.loss_weights]
+    if not set(STATE_NAMES) <= set(state_names):
+        weights[1] = 0.0
+    if not any(weights):
+        raise ValueError("the validation criterion would weigh nothing: a policy without state inputs is judged by its "
+                         "steering, and loss_weights gives steering 0; set criterion_weights")
+    return weights
+
+
+def criterion(squared_errors, count: int, scale) -> float:
+    """The validation criterion: the mean over frames and outputs of the squared errors (summed
+    per output over `count` frames) weighted by `scale` (loss_scale of the criterion weights)."""
+    return float(np.dot(np.asarray(scale, dtype=np.float64), np.asarray(squared_errors, dtype=np.float64))) / (2 * count)
+
+
 class SelectedPolicy(nn.Module):
     """Selection applied to dense grids inside forward(), so DistributedDataParallel can wrap it."""
 
@@ -202,38 +261,41 @@ class SelectedPolicy(nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, grids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return self.policy.forward_selected(grids, keep)
+    def forward(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        return self.policy.forward_selected(grids, keep, state)
 
 
 @torch.no_grad()
-def validation_sums(policy: nn.Module, cache: FeatureCache, frames: np.ndarray, selector: PatchSelector,
-                    weights, batch_size: int, device) -> tuple[float, int]:
-    """(sum of per-frame L2 losses, frame count) with each frame's replayable selection; `weights`
-    from loss_scale."""
+def validation_errors(policy: nn.Module, cache: FeatureCache, frames: np.ndarray, selector: PatchSelector,
+                      state_names, batch_size: int, device) -> np.ndarray:
+    """float64 [2]: sums of the squared (steering, throttle) errors over `frames`, each with its
+    replayable selection and its state inputs `state_names`."""
     policy.eval()
-    weights = torch.as_tensor(weights, dtype=torch.float32, device=device)
-    total = 0.0
+    total = np.zeros(2)
+    states = cache.state_values(state_names) if state_names else None
     for start in range(0, len(frames), batch_size):
         batch = frames[start:start + batch_size]
         grids = torch.from_numpy(cache.descriptors(batch)).to(device)
         keep = torch.from_numpy(selector.stamp_masks(cache.stamps[batch])).to(device)
         target = torch.from_numpy(cache.targets[batch]).to(device)
-        total += float(l2_loss(policy.forward_selected(grids, keep), target, weights).double().sum())
-    return total, len(frames)
+        state = None if states is None else torch.from_numpy(states[batch]).to(device)
+        total += ((policy.forward_selected(grids, keep, state) - target) ** 2).double().sum(dim=0).cpu().numpy()
+    return total
 
 
 def evaluate_checkpoint(policy_dir, cache_dir=None, batch_size: int = 64) -> float:
-    """Recompute a checkpoint's validation loss on its recorded split (the cache it was trained on by default)."""
+    """Recompute a checkpoint's validation criterion on its recorded split (the cache it was trained on by default)."""
     policy = load_policy(policy_dir)
     training = policy.config["training"]
     cache = FeatureCache(cache_dir or training["cache"])
     _, val_idx, rule = split_frames(cache, training["split"]["validation_fraction"])
     if rule["validation_sources"] != training["split"]["validation_sources"]:
         raise ValueError(f"cache {cache.name} splits differently from the one {policy_dir} was trained on")
-    weights = loss_scale(training["loss_weights"], training["target_std"])
-    total, count = validation_sums(policy.module, cache, val_idx, policy.selector, weights, batch_size, policy.device)
-    return total / count
+    val_idx = frames_with_state(cache, policy.state_inputs, val_idx)
+    # Checkpoints from before criterion_weights judged by the loss weights.
+    scale = loss_scale(training.get("criterion_weights", training["loss_weights"]), training["target_std"])
+    errors = validation_errors(policy.module, cache, val_idx, policy.selector, policy.state_inputs, batch_size, policy.device)
+    return criterion(errors, len(val_idx), scale)
 
 
 # ---- distributed set-up -----------------------------------------------------------------------
@@ -332,8 +394,16 @@ def _resolved_caches(cache: str | list) -> str | list:
     return [str(Path(c).resolve()) for c in cache] if len(cache) > 1 else str(Path(cache[0]).resolve())
 
 
-def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx: np.ndarray) -> dict:
-    config = cfg.policy_architecture().config(cache.grid, cache.descriptor_dim, cfg.selection(), backbone=cache.backbone)
+def state_statistics(cache: FeatureCache, names, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-input mean and standard deviation [S] of the state inputs `names` over `frames`."""
+    values = cache.state_values(names)[np.sort(frames)].astype(np.float64)
+    return values.mean(axis=0), values.std(axis=0)
+
+
+def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx: np.ndarray, state_names,
+                  judged_by: list) -> dict:
+    config = cfg.policy_architecture().config(cache.grid, cache.descriptor_dim, cfg.selection(), backbone=cache.backbone,
+                                              state_inputs=state_names)
     return {
         **config,
         "extractor": cache.meta.get("extractor"),
@@ -345,6 +415,9 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
             "split": split,
             "loss": "L2 (weighted mean squared error of steering, throttle, each over its training-target variance)",
             "loss_weights": list(cfg.loss_weights),
+            "criterion": "validation early stopping, plateau and best checkpoint: the standardized squared errors "
+                         "weighted by criterion_weights",
+            "criterion_weights": list(judged_by),
             "target_std": target_std(cache.targets[np.sort(train_idx)]),
             "optimizer": {"name": "Adam", "lr": cfg.lr, "weight_decay": cfg.weight_decay},
             "scheduler": {"name": "ReduceLROnPlateau", "patience": cfg.plateau_patience, "factor": cfg.plateau_factor},
@@ -396,7 +469,22 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
     selector = PatchSelector(selection, cache.grid)
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
-    config = policy_config(cfg, cache, split, train_idx)
+    # A resumed run or a fine-tune reads what its checkpoint reads.
+    if cfg.resume:
+        state_names = state_inputs_of(read_policy_config(last_dir))
+    elif init_checkpoint is not None:
+        state_names = state_inputs_of(read_policy_config(init_checkpoint))
+    else:
+        state_names = check_state_names(cfg.state_inputs)
+    split["frames_without_state"] = check_cache_state(cache, state_names)
+    if split["frames_without_state"] and procs.main:
+        tqdm.write(f"warning: {split['frames_without_state']} of {len(cache)} frame(s) lack one of the state inputs "
+                   f"{list(state_names)}; they are left out of training and validation")
+    train_idx, val_idx = frames_with_state(cache, state_names, train_idx), frames_with_state(cache, state_names, val_idx)
+    if len(train_idx) == 0 or len(val_idx) == 0:
+        raise ValueError(f"no training or no validation frames of {cache.name} have the state inputs {list(state_names)}")
+    split.update(train_frames=int(len(train_idx)), validation_frames=int(len(val_idx)))
+    config = policy_config(cfg, cache, split, train_idx, state_names, criterion_weights(cfg, state_names))
     config["training"]["world_size"] = procs.world_size
 
     torch.manual_seed(cfg.seed)  # identical initial weights in every process
@@ -418,6 +506,8 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         policy = build_policy(config, cache.position_table())
         if hasattr(policy, "set_input_statistics"):
             policy.set_input_statistics(*descriptor_statistics(cache, train_idx))
+        if policy.state is not None:
+            policy.state.set_statistics(*state_statistics(cache, state_names, train_idx))
     policy = policy.to(procs.device)
     model = SelectedPolicy(policy)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -446,7 +536,10 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers)
     scale = loss_scale(cfg.loss_weights, config["training"]["target_std"])
     weights = torch.as_tensor(scale, dtype=torch.float32, device=procs.device)
+    criterion_scale = loss_scale(config["training"]["criterion_weights"], config["training"]["target_std"])
+    states = torch.from_numpy(cache.state_values(state_names)) if state_names else None
     val_frames = val_idx[procs.rank::procs.world_size]
+    val_variance = np.maximum(cache.targets[val_idx].astype(np.float64).var(axis=0), MIN_TARGET_STD ** 2)
     stopped_early = False
 
     epochs = tqdm(range(state["epoch"], cfg.epochs), desc="train", unit="epoch", disable=not procs.main,
@@ -457,35 +550,37 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         torch.manual_seed(draw_seed(cfg.seed, epoch, procs.rank, 1))  # dropout: a resumed run draws the same
         model.train()
         loss_sum, frames_seen = 0.0, 0
-        for grids, target, _, _ in tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
+        for grids, target, _, index in tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
             grids, target = grids.to(procs.device), target.to(procs.device)
+            frame_states = None if states is None else states[index].to(procs.device)
             if descriptor_transform is not None:
                 grids = descriptor_transform(grids, generator)
             keep = selector.sample_masks(len(grids), generator, procs.device)
-            loss = l2_loss(model(grids, keep), target, weights).mean()
+            loss = l2_loss(model(grids, keep, frame_states), target, weights).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             loss_sum += float(loss.detach()) * len(grids)
             frames_seen += len(grids)
 
-        val_sum, val_count = validation_sums(policy, cache, val_frames, selector, scale,
-                                             cfg.batch_size, procs.device)
-        loss_sum, frames_seen, val_sum, val_count = procs.all_sum(loss_sum, frames_seen, val_sum, val_count)
-        train_loss, val_loss = loss_sum / frames_seen, val_sum / val_count
+        errors = validation_errors(policy, cache, val_frames, selector, state_names, cfg.batch_size, procs.device)
+        loss_sum, frames_seen, *errors = procs.all_sum(loss_sum, frames_seen, *errors.tolist())
+        train_loss, val_loss = loss_sum / frames_seen, criterion(errors, len(val_idx), criterion_scale)
+        # Fraction of the validation targets' variance left unexplained (1 = no better than their mean).
+        fvu = dict(zip(("steering", "throttle"), (np.asarray(errors) / len(val_idx) / val_variance).tolist()))
         if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
             raise FloatingPointError(f"training diverged in epoch {epoch} (non-finite loss); try a lower --lr")
         scheduler.step(val_loss)
         improved = val_loss < state["best_validation_loss"]
         state.update(epoch=epoch + 1)
         state["history"].append({"epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss,
-                                 "lr": optimizer.param_groups[0]["lr"]})
+                                 "validation_error_fraction": fvu, "lr": optimizer.param_groups[0]["lr"]})
         if improved:
             state.update(best_validation_loss=val_loss, best_epoch=epoch, epochs_without_improvement=0)
         else:
             state["epochs_without_improvement"] += 1
         if procs.main:
-            record = {**config, "validation_loss": val_loss,
+            record = {**config, "validation_loss": val_loss, "validation_error_fraction": fvu,
                       "provenance": {"epoch": epoch, "created_unix": time.time(), "torch": torch.__version__,
                                      "command": " ".join(sys.argv)}}
             if improved:
@@ -493,7 +588,8 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
             save_policy(policy, record, last_dir)
             save_training_state(last_dir, optimizer, scheduler, state)
             epochs.set_postfix(train=f"{train_loss:.5f}", val=f"{val_loss:.5f}", best=f"{state['best_validation_loss']:.5f}")
-            tqdm.write(f"epoch {epoch}: train {train_loss:.6f}  validation {val_loss:.6f}  "
+            tqdm.write(f"epoch {epoch}: train {train_loss:.6f}  validation {val_loss:.6f}  (error/variance: steering "
+                       f"{fvu['steering']:.3f}, throttle {fvu['throttle']:.3f})  "
                        f"lr {optimizer.param_groups[0]['lr']:.2e}" + ("  (best)" if improved else ""))
         if state["epochs_without_improvement"] >= cfg.early_stop_patience:
             stopped_early = True
@@ -508,6 +604,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         "stopped_early": stopped_early,
         "train_frames": int(len(train_idx)),
         "validation_frames": int(len(val_idx)),
+        "state_inputs": list(state_names),
         "world_size": procs.world_size,
         "history": state["history"],
     }
@@ -525,6 +622,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
     parser.add_argument("--architecture", choices=list(ARCHITECTURES),
                         help="mlp (default), transformer, or cnn (the No-FM baseline, on a pixels-backbone cache)")
+    parser.add_argument("--state-inputs", nargs="*", choices=list(STATE_NAMES), metavar="NAME",
+                        help=f"state inputs the policy reads besides the frame ({', '.join(STATE_NAMES)}); "
+                             "given with no names: none")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int)
@@ -542,7 +642,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
-        "variant", "rate", "architecture", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
+        "variant", "rate", "architecture", "state_inputs", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
         "early_stop_patience", "validation_fraction", "num_workers", "device")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
@@ -556,4 +656,8 @@ def run(args) -> int:
               f"{' (stopped early)' if summary['stopped_early'] else ''} on {summary['world_size']} process(es); "
               f"best validation loss {summary['best_validation_loss']:.6f} at epoch {summary['best_epoch']}; "
               f"checkpoint {cfg.out}")
+        best = summary["history"][summary["best_epoch"]]["validation_error_fraction"] if summary["history"] else None
+        if best:
+            print(f"state inputs {summary['state_inputs'] or 'none'}; at the best epoch the validation errors are "
+                  f"{best['steering']:.3f} (steering) and {best['throttle']:.3f} (throttle) of their variance")
     return 0
