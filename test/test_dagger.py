@@ -12,6 +12,7 @@ import yaml
 from sps_driving import topics
 from sps_driving.bagio import read_messages
 from sps_driving.cli import main
+from sps_driving.core.state import STATE_NAMES
 from sps_driving.resources import config_path, source_revision
 from sps_driving.sim import dagger
 from sps_driving.train.cache import FeatureCache
@@ -107,6 +108,9 @@ def test_the_round_cache_equals_extract_of_the_rounds_bags(setup, two_rounds, tm
                                rtol=1e-3, atol=1e-3)
     np.testing.assert_array_equal(direct.targets, extracted.targets)
     np.testing.assert_array_equal(direct.stamps, extracted.stamps)
+    states = direct.state_values(STATE_NAMES)
+    assert np.isfinite(states).all() and (states > 0).all()  # the speed and the cruise target of every frame
+    np.testing.assert_allclose(states, extracted.state_values(STATE_NAMES), rtol=1e-6)
     np.testing.assert_array_equal(direct.position_table(), extracted.position_table())
     same = ("backbone", "extractor", "grid", "descriptor_dim", "dtype", "frames", "sources", "counts", "inputs")
     assert {k: direct.meta[k] for k in same} == {k: extracted.meta[k] for k in same}
@@ -114,7 +118,7 @@ def test_the_round_cache_equals_extract_of_the_rounds_bags(setup, two_rounds, tm
 
 def test_rollout_labels_are_the_experts_commands_for_the_visited_states(setup, two_rounds, tmp_path):
     from sps_driving.sim.config import load_sim_config, set_render_width
-    from sps_driving.sim.episodes import PolicyDriver
+    from sps_driving.sim.episodes import PolicyDriver, driving_state
     from sps_driving.sim.expert import Expert
     from sps_driving.sim.render import get_renderer
     from sps_driving.sim.scenarios import get_scenario
@@ -132,7 +136,7 @@ def test_rollout_labels_are_the_experts_commands_for_the_visited_states(setup, t
     def record(frame, applied):
         # The policy drives on its selection of the dense descriptors: as if it had computed only those.
         assert frame.descriptors.shape == (15, 12)
-        assert selected(frame.image, frame.stamp_ns) == pytest.approx(dense.last)
+        assert selected(frame.image, frame.stamp_ns, driving_state(frame.world)) == pytest.approx(dense.last)
         steps.append((frame.label, applied))
 
     result = dagger.rollout_episode(config, scenario, seed, 0, dense, 0.5, "step", get_renderer(config), [record])

@@ -312,11 +312,19 @@ class FeatureCache:
         return self.state[:, [STATE_NAMES.index(name) for name in names]]
 
     def descriptors(self, indices: Sequence[int]) -> np.ndarray:
-        """float32 [B, N, D] dense descriptor grids of frames `indices`."""
+        """float32 [B, N, D] dense descriptor grids of frames `indices`, read shard by shard (one
+        fancy-indexed read per shard: reading frame by frame made training wait on the cache)."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if indices.size and not (-len(self) <= indices.min() and indices.max() < len(self)):
+            raise IndexError(f"frames {indices.min()}..{indices.max()} out of range for a cache of {len(self)} frames")
+        indices %= max(len(self), 1)
         out = np.empty((len(indices), self.grid.n, self.descriptor_dim), dtype=np.float32)
-        for row, index in enumerate(indices):
-            shard, offset = self._locate(int(index))
-            out[row] = self._shards[shard][offset]
+        shards = np.searchsorted(self._starts, indices, side="right") - 1
+        for shard in np.unique(shards):
+            rows = np.flatnonzero(shards == shard)
+            offsets = indices[rows] - self._starts[shard]
+            order = np.argsort(offsets, kind="stable")  # ascending reads of the mapped file
+            out[rows[order]] = self._shards[shard][offsets[order]]
         return out
 
     def position_table(self) -> np.ndarray | None:
@@ -329,7 +337,9 @@ class FeatureCache:
 
 
 class FeatureDataset(Dataset):
-    """Torch view of some cache frames: (grid float32 [N, D], target float32 [2], stamp ns, frame index)."""
+    """Torch view of some cache frames. Item i: (grid float32 [N, D], target float32 [2], stamp ns,
+    frame index); a list of items (what a BatchSampler yields, with DataLoader(batch_size=None)):
+    the same four batched, read in one pass over the shards."""
 
     def __init__(self, cache: FeatureCache, indices: np.ndarray):
         self.cache = cache
@@ -338,12 +348,14 @@ class FeatureDataset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, item: int):
-        index = int(self.indices[item])
-        frame = self.cache[index]
+    def __getitem__(self, item):
+        if np.ndim(item) == 0:
+            grid, target, stamp, index = self[[item]]
+            return grid[0], target[0], stamp[0], index[0]
+        index = self.indices[np.asarray(item, dtype=np.int64)]
         return (
-            torch.from_numpy(np.asarray(frame.descriptors, dtype=np.float32)),
-            torch.from_numpy(self.cache.targets[index].copy()),
-            torch.tensor(frame.stamp_ns, dtype=torch.int64),
-            torch.tensor(index, dtype=torch.int64),
+            torch.from_numpy(self.cache.descriptors(index)),
+            torch.from_numpy(self.cache.targets[index].astype(np.float32)),
+            torch.from_numpy(self.cache.stamps[index].astype(np.int64)),
+            torch.from_numpy(index),
         )

@@ -50,7 +50,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from sps_driving.core.policy import (
@@ -533,7 +533,9 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
 
     dataset = cache.dataset(train_idx)
     sampler = DistributedSampler(dataset, num_replicas=procs.world_size, rank=procs.rank, shuffle=True, seed=cfg.seed)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers)
+    # Whole batches from the dataset: one read per shard instead of one per frame.
+    batches = BatchSampler(sampler, batch_size=cfg.batch_size, drop_last=False)
+    loader = DataLoader(dataset, batch_size=None, sampler=batches, num_workers=cfg.num_workers)
     scale = loss_scale(cfg.loss_weights, config["training"]["target_std"])
     weights = torch.as_tensor(scale, dtype=torch.float32, device=procs.device)
     criterion_scale = loss_scale(config["training"]["criterion_weights"], config["training"]["target_std"])
