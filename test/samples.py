@@ -13,27 +13,29 @@ def sample_photo(name: str) -> np.ndarray:
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
 
 
-# Tiny settings of the real architectures: the grid MLP (what ships) and the transformer (which
+# Tiny settings of the real architectures: the grid MLP (what ships) and the transformers (which
 # the sequence-fed variants, spps and mspps, need).
 TINY_SETTINGS = {"mlp": {"width": 16, "reduce": 2, "dropout": 0.0},
-                 "transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0}}
+                 "transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0},
+                 "positional_transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0,
+                                            "reduce": 2}}
 
 
 def tiny_policy(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed=0, backbone="dinov2_vits14",
                 architecture=None, state_inputs=()):
     """A tiny random policy (real architecture, random weights) saved as a checkpoint at
     `directory`; returns the directory. The architecture is the shipped one, the grid MLP, unless
-    the variant feeds the kept patches as a sequence (then the transformer) or one is named; it
+    the variant feeds the kept patches as a sequence (then the positional transformer) or one is named; it
     reads `state_inputs` (sps_driving.core.state names) besides, standardized as if speeds were
     spread 8 +- 2 m/s."""
     import torch
 
     from sps_driving.core.grid import PatchGrid
-    from sps_driving.core.policy import SEQUENCE_ARCHITECTURE, PolicyArchitecture, build_policy, save_policy
+    from sps_driving.core.policy import SEQUENCE_ARCHITECTURES, PolicyArchitecture, build_policy, save_policy
     from sps_driving.core.selection import SelectionConfig
 
     selection = SelectionConfig(variant, rate, seed)
-    name = architecture or (SEQUENCE_ARCHITECTURE if selection.sparse_sequence else "mlp")
+    name = architecture or (SEQUENCE_ARCHITECTURES[0] if selection.sparse_sequence else "mlp")
     config = PolicyArchitecture(name, TINY_SETTINGS[name], 0.5).config(PatchGrid(rows, cols), dim, selection,
                                                                        backbone=backbone, position_dim=dim,
                                                                        state_inputs=state_inputs)

@@ -90,7 +90,7 @@ def test_bench_times_the_architecture_of_the_policy_it_is_given(tmp_path, capsys
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["policy_architecture"]["checkpoint"] == "spps"  # outside the repository: its name only
-    assert result["policy_architecture"]["architecture"] == "transformer"
+    assert result["policy_architecture"]["architecture"] == "positional_transformer"
     assert result["policy_architecture"]["selection"]["variant"] == "spps"
     dense, sparse = result["blip2"]["rows"]
     # a sequence policy reads only the kept patches: less work at a lower rate

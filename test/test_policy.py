@@ -1,15 +1,21 @@
 """Policies and checkpoints. Models are tiny random configs of the real architectures."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.policy import (
+    CELL_EMBEDDING_STD,
     GridPolicy,
+    PositionalGridPolicy,
+    PositionalSequencePolicy,
     SequencePolicy,
+    TableSequencePolicy,
     build_policy,
     load_policy,
     pack_kept,
@@ -20,9 +26,16 @@ from sps_driving.core.selection import PatchSelector, SelectionConfig
 GRID = PatchGrid(3, 5)  # non-square on purpose
 D, P = 8, 6
 TINY = {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0}
+TINY_POSITIONAL = {**TINY, "reduce": 3}
+# Checkpoints of architecture "transformer" written before the positional transformer existed, with
+# the inputs they were given and the outputs they gave then (written by
+# test/data/transformer_checkpoints/README.md's recipe).
+OLD_CHECKPOINTS = Path(__file__).parent / "data" / "transformer_checkpoints"
 
 
-def config(variant="sps", rate=0.5, max_steering_rad=0.5):
+def config(variant="sps", rate=0.5, max_steering_rad=0.5, architecture=None):
+    """A tiny policy config; without an architecture, one of a checkpoint that records none (a transformer)."""
+    recorded = {"architecture": architecture, "policy": TINY_POSITIONAL} if architecture == "positional_transformer" else {}
     return {
         "backbone": {"name": "test-random"},
         "grid": {"rows": GRID.rows, "cols": GRID.cols},
@@ -30,6 +43,7 @@ def config(variant="sps", rate=0.5, max_steering_rad=0.5):
         "selection": SelectionConfig(variant, rate, 0).to_dict(),
         "policy": TINY,
         "output": {"max_steering_rad": max_steering_rad},
+        **recorded,
     }
 
 
@@ -42,11 +56,35 @@ def make(variant="sps", **kwargs):
     return build_policy(config(variant, **kwargs), position_table())
 
 
+def descriptor_statistics():
+    """Per-channel (mean, std) [D] far from (0, 1), as foundation-model descriptors' are."""
+    rng = np.random.default_rng(5)
+    return rng.normal(scale=5.0, size=D).astype(np.float32), np.exp(rng.normal(scale=1.5, size=D)).astype(np.float32)
+
+
+def positional(variant="spps"):
+    """A tiny positional transformer with non-trivial input statistics."""
+    model = make(variant, architecture="positional_transformer")
+    model.set_input_statistics(*descriptor_statistics())
+    return model.eval()
+
+
+def descriptors_like_statistics(shape, seed=0):
+    mean, std = descriptor_statistics()
+    return torch.from_numpy((np.random.default_rng(seed).normal(size=shape) * std + mean).astype(np.float32))
+
+
 def test_variant_picks_the_architecture():
     assert isinstance(make("sps"), GridPolicy) and isinstance(make("threshold"), GridPolicy)
-    assert isinstance(make("spps"), SequencePolicy) and isinstance(make("mspps"), SequencePolicy)
+    assert isinstance(make("spps"), TableSequencePolicy) and isinstance(make("mspps"), TableSequencePolicy)
+    assert not isinstance(make("sps"), SequencePolicy)
     with pytest.raises(ValueError, match="position"):
         build_policy(config("spps"))
+    for variant in ("sps", "threshold"):
+        assert isinstance(make(variant, architecture="positional_transformer"), PositionalGridPolicy)
+    for variant in ("spps", "mspps"):  # its cells are its own: no backbone position table needed
+        assert isinstance(build_policy(config(variant, architecture="positional_transformer")), PositionalSequencePolicy)
+    assert isinstance(make("spps", architecture="positional_transformer"), SequencePolicy)
     with pytest.raises(ValueError, match="policy settings must be exactly"):
         build_policy({**config(), "policy": {**TINY, "widht": 3}})
     with pytest.raises(ValueError, match="max_steering_rad"):
@@ -55,9 +93,10 @@ def test_variant_picks_the_architecture():
         build_policy({k: v for k, v in config().items() if k != "grid"})
 
 
+@pytest.mark.parametrize("architecture", [None, "positional_transformer"])
 @pytest.mark.parametrize("variant", ["sps", "spps"])
-def test_outputs_are_bounded_even_for_huge_inputs(variant):
-    model = make(variant, max_steering_rad=0.3).eval()
+def test_outputs_are_bounded_even_for_huge_inputs(variant, architecture):
+    model = make(variant, max_steering_rad=0.3, architecture=architecture).eval()
     grids = torch.randn(4, GRID.n, D) * 1e4
     keep = torch.rand(4, GRID.n) < 0.5
     keep[:, 0] = True
@@ -98,10 +137,99 @@ def test_sequence_policy_uses_original_positions_and_ignores_token_order_and_pad
     assert (moved - base).abs().max() > 1e-4, "a token's position embedding comes from its original index"
 
 
+def test_a_positional_sequence_policy_reads_where_each_token_is():
+    model = positional("spps")
+    desc = descriptors_like_statistics((1, 5, D))
+    idx = torch.tensor([[0, 3, 7, 12, 14]])
+    order = [3, 0, 4, 1, 2]
+    with torch.no_grad():
+        base = model(desc, idx)
+        both_permuted = model(desc[:, order], idx[:, order])
+        positions_permuted = model(desc, idx[:, order])
+        padded = model(torch.cat([desc, descriptors_like_statistics((1, 2, D), seed=1)], 1),
+                       torch.cat([idx, torch.tensor([[5, 6]])], 1), torch.tensor([[False] * 5 + [True] * 2]))
+        padded_batch = model(torch.cat([desc, desc]), torch.cat([idx, idx[:, order]]))
+    torch.testing.assert_close(both_permuted, base, atol=1e-6, rtol=0)
+    torch.testing.assert_close(padded, base, atol=1e-6, rtol=0)
+    torch.testing.assert_close(padded_batch[1:], positions_permuted, atol=1e-6, rtol=0)
+    # the same things seen at other places: a clearly different command (steering bound 0.5 rad)
+    assert (positions_permuted - base).abs().max() > 1e-2, "the output depends on where each token is"
+    with torch.no_grad():  # and not only through the readout's cells: the encoder sees the cell embeddings
+        model.cell_embedding.zero_()
+        without_cells = model(desc, idx)
+    assert (without_cells - base).abs().max() > 1e-3
+
+
+def test_a_positional_transformer_standardizes_with_statistics_saved_in_its_checkpoint(tmp_path):
+    mean, std = descriptor_statistics()
+    for variant in ("sps", "mspps"):
+        model = positional(variant)
+        grids = descriptors_like_statistics((4, GRID.n, D), seed=2)
+        keep = torch.from_numpy(PatchSelector(SelectionConfig(variant, 0.5, 0), GRID).stamp_masks([1, 2, 3, 4]))
+        with torch.no_grad():
+            expected = model.forward_selected(grids, keep)
+        save_policy(model, config(variant, architecture="positional_transformer"), tmp_path / variant)
+        loaded = load_policy(tmp_path / variant)
+        assert "position_dim" not in json.loads((tmp_path / variant / "config.json").read_text())
+        np.testing.assert_array_equal(loaded.module.input_mean.numpy(), mean)
+        np.testing.assert_array_equal(loaded.module.input_std.numpy(), std)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.module.forward_selected(grids, keep), expected, atol=1e-6, rtol=0)
+            # the statistics are what the inputs are measured by: standardized inputs and unit statistics agree
+            loaded.module.set_input_statistics(np.zeros(D), np.ones(D))
+            standardized = (grids - torch.from_numpy(mean)) / torch.from_numpy(std)
+            if variant == "sps":
+                torch.testing.assert_close(loaded.module(standardized), model(grids), atol=1e-5, rtol=0)
+            else:
+                torch.testing.assert_close(loaded.module(*pack_kept(standardized, keep)), model(*pack_kept(grids, keep)),
+                                           atol=1e-5, rtol=0)
+            assert (loaded.module.forward_selected(grids, keep) - expected).abs().max() > 1e-3
+
+
+def test_cell_embeddings_start_on_the_scale_of_the_standardized_tokens():
+    """The first transformer's 0.02 position codes were ~1% of its raw-descriptor tokens; the
+    positional transformer's are as large as its standardized, LayerNorm'd tokens."""
+    def rms(t):
+        return float(t.detach().pow(2).mean().sqrt())
+
+    grids = descriptors_like_statistics((8, GRID.n, D), seed=3) * 10  # token norms ~46, as DINOv2's
+    scale = float(grids.norm(dim=-1).mean())
+    model = positional("sps")
+    model.set_input_statistics(grids.mean(dim=(0, 1)).numpy(), grids.std(dim=(0, 1)).numpy())
+    with torch.no_grad():
+        tokens = model.input_norm(model.input_proj((grids - model.input_mean) / model.input_std))
+        ratio = rms(model.cell_embedding) / rms(tokens)
+        old = make("sps")
+        old_ratio = rms(old.position_embedding) / rms(old.input_proj(grids))
+    assert 20 < scale and rms(model.cell_embedding) == pytest.approx(CELL_EMBEDDING_STD, rel=0.3)
+    assert 0.5 < ratio < 2.0, ratio
+    assert old_ratio < 0.05, old_ratio
+
+
+@pytest.mark.parametrize("variant", ["sps", "mspps"])
+def test_transformer_checkpoints_from_before_the_positional_transformer_give_the_same_outputs(variant):
+    recorded = json.loads((OLD_CHECKPOINTS / variant / "config.json").read_text())
+    assert recorded["architecture"] == "transformer" and set(recorded["policy"]) == set(TINY)
+    policy = load_policy(OLD_CHECKPOINTS / variant)
+    assert isinstance(policy.module, GridPolicy if variant == "sps" else TableSequencePolicy)
+    io = load_file(str(OLD_CHECKPOINTS / "inputs_outputs.safetensors"))
+    keep = io[f"{variant}_keep"]
+    with torch.no_grad():
+        output = policy.module.forward_selected(io["grids"], keep, io["state"])
+    torch.testing.assert_close(output, io[f"{variant}_output"], atol=1e-6, rtol=0)
+    # and through the car's per-frame path
+    states = [{"speed_mps": float(s[0]), "target_speed_mps": float(s[1])} for s in io["state"]]
+    per_frame = [policy.predict(g[k].numpy(), np.flatnonzero(k.numpy()), s) for g, k, s in zip(io["grids"], keep, states)]
+    np.testing.assert_allclose(per_frame, io[f"{variant}_output"].numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("architecture", [None, "positional_transformer"])
 @pytest.mark.parametrize("variant", ["sps", "threshold", "spps", "mspps"])
-def test_predict_matches_the_training_forward(tmp_path, variant):
-    model = make(variant)
-    save_policy(model, config(variant), tmp_path / "ckpt")
+def test_predict_matches_the_training_forward(tmp_path, variant, architecture):
+    model = make(variant, architecture=architecture)
+    if architecture:
+        model.set_input_statistics(*descriptor_statistics())
+    save_policy(model, config(variant, architecture=architecture), tmp_path / "ckpt")
     policy = load_policy(tmp_path / "ckpt")
     selector = PatchSelector(SelectionConfig(variant, 0.5, 0), GRID)
     grids = np.random.default_rng(2).normal(size=(5, GRID.n, D)).astype(np.float32)

@@ -167,6 +167,27 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path)
         train(config(cache_dir, tmp_path / "straight", epochs=4))
 
 
+def test_a_positional_transformer_trains_on_standardized_tokens_without_a_position_table(tmp_path):
+    from sps_driving.train.trainer import descriptor_statistics
+
+    cache_dir = make_cache(tmp_path / "cache", frames_per_source=48, with_position_table=False)
+    cfg = config(cache_dir, tmp_path / "m", architecture="positional_transformer", reduce=2, variant="spps", epochs=8,
+                 lr=3e-3)
+    summary = train(cfg)
+    history = [h["validation_loss"] for h in summary["history"]]
+    assert min(history) < 0.7 * history[0], f"validation loss should fall: {history}"
+    recorded = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert recorded["architecture"] == "positional_transformer" and "position_dim" not in recorded
+    assert recorded["policy"] == {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0, "reduce": 2}
+    policy = load_policy(tmp_path / "m")
+    cache = FeatureCache(cache_dir)
+    train_idx, _, _ = split_frames(cache, 0.1)
+    mean, std = descriptor_statistics(cache, train_idx)
+    np.testing.assert_allclose(policy.module.input_mean.numpy(), mean, atol=1e-6)
+    np.testing.assert_allclose(policy.module.input_std.numpy(), std, atol=1e-6)
+    assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
+
+
 def test_command_line_errors_are_reported_not_raised(tmp_path, capsys):
     from sps_driving.cli import main
 

@@ -1,14 +1,29 @@
 """Driving policies over patch descriptors, and their checkpoints.
 
-Two small transformer policies (architecture "transformer"), both ending in a CLS token read out
-to (steering, throttle):
+Transformer policies (architecture "positional_transformer", the one to train): every descriptor
+channel standardized with training-set statistics (buffers the trainer sets with
+`set_input_statistics`), projected to the model width and LayerNorm'd, plus a learned embedding
+of its grid cell at the same scale (unit RMS); a pre-norm transformer encoder; then a per-cell
+readout: each token reduced to `reduce` channels and put back at its cell (zeros at cells with no
+token), the grid flattened in cell order and read by a two-layer MLP, so every readout weight
+knows its cell, as in the grid MLP.
 
-- `GridPolicy` (SPS, threshold, dense Drive-Anywhere): one token per patch of the H' x W' x D
-  grid, zeros at dropped patches (SPS eq. 4), plus a learned position embedding per patch.
-- `SequencePolicy` (SPPS, MSPPS; SPS section 3.4 v2): only the kept descriptors, each with its
-  ORIGINAL position embedding from the backbone's own table (`PatchExtractor.position_table()`,
-  [N, P], a frozen buffer saved in the checkpoint) projected to the model width; a batch of
-  different lengths is padded and masked.
+- `PositionalGridPolicy` (SPS, threshold, dense Drive-Anywhere): one token per patch, zeros at
+  dropped patches (SPS eq. 4) before the standardization.
+- `PositionalSequencePolicy` (SPPS, MSPPS; SPS section 3.4 v2): only the kept descriptors, each
+  at its original cell; a batch of different lengths is padded and masked.
+
+The first transformers (architecture "transformer", kept so their checkpoints load and run as
+they did) read the raw descriptors, whose norms (~46 for DINOv2) swamp their position codes, and
+end in a CLS token; they barely learned where things are (docs/training.md):
+
+- `GridPolicy`: one token per patch, zeros at dropped patches, plus a learned position embedding
+  per patch (initialized at 0.02).
+- `TableSequencePolicy`: only the kept descriptors, each with its ORIGINAL position embedding
+  from the backbone's own table (`PatchExtractor.position_table()`, [N, P], a frozen buffer
+  saved in the checkpoint) projected to the model width.
+
+Every policy that reads the kept tokens as a sequence is a `SequencePolicy`.
 
 A grid MLP (architecture "mlp", the trainer's default): `GridMlpPolicy` standardizes each
 descriptor channel with training-set statistics, reduces every patch to a few channels, flattens
@@ -22,7 +37,8 @@ State inputs (config "state_inputs", names from sps_driving.core.state; none whe
 car's speed and the cruise target speed, which the throttle depends on and no frame shows. Each is
 standardized with training statistics kept as buffers (`StateStandardizer`, set by the trainer);
 the grid MLP concatenates them to its flattened reduced grid, the transformers read them as one
-more token (a linear embedding of the state vector) and the CNN concatenates them to its MLP input.
+more token (a linear embedding of the state vector), the positional transformers concatenate them to
+their flattened readout grid and the CNN concatenates them to its MLP input.
 
 Outputs follow `sps_driving.topics`: steering is the front road-wheel angle in rad (left
 positive), bounded to +-max_steering_rad by tanh scaling; throttle is in [-1, 1] (negative is
@@ -30,10 +46,10 @@ brake) by tanh (`BoundedHead`, shared by all). Both are finite for finite inputs
 
 A checkpoint is a directory with `policy.safetensors` (the module's state dict) and
 `config.json`. The config (`PolicyArchitecture.config` builds it) records: format, architecture ("transformer" when absent), backbone,
-grid {rows, cols}, descriptor_dim D, position_dim P (sequence policies), selection {variant,
+grid {rows, cols}, descriptor_dim D, position_dim P (transformer sequence policies), selection {variant,
 rate, seed, keep_probability}, state_inputs [names], policy (transformer: {width, depth, heads, mlp_ratio, dropout};
-mlp: {width, reduce, dropout}; cnn: {width, dropout}), output {max_steering_rad}, and whatever the trainer adds (training data,
-provenance, validation_loss).
+positional_transformer: {width, depth, heads, mlp_ratio, dropout, reduce}; mlp: {width, reduce, dropout}; cnn: {width,
+dropout}), output {max_steering_rad}, and whatever the trainer adds (training data, provenance, validation_loss).
 """
 
 from __future__ import annotations
@@ -61,14 +77,21 @@ WEIGHTS_FILE = "policy.safetensors"
 CONFIG_FILE = "config.json"
 # config "architecture" -> the names of its policy settings (config "policy"; values: config/train.yaml)
 TRANSFORMER_SETTINGS = ("width", "depth", "heads", "mlp_ratio", "dropout")
+POSITIONAL_TRANSFORMER_SETTINGS = (*TRANSFORMER_SETTINGS, "reduce")
 MLP_SETTINGS = ("width", "reduce", "dropout")
 CNN_SETTINGS = ("width", "dropout")
-ARCHITECTURES = {"transformer": TRANSFORMER_SETTINGS, "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS}
-# The architecture that can read the kept tokens as a sequence (spps, mspps); the others read the
-# whole grid with zeros at dropped patches, where spps would equal sps.
-SEQUENCE_ARCHITECTURE = "transformer"
+ARCHITECTURES = {"positional_transformer": POSITIONAL_TRANSFORMER_SETTINGS, "transformer": TRANSFORMER_SETTINGS,
+                 "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS}
+# The architectures that can read the kept tokens as a sequence (spps, mspps), the one to train
+# first; the others read the whole grid with zeros at dropped patches, where spps would equal sps.
+SEQUENCE_ARCHITECTURES = ("positional_transformer", "transformer")
+# The architecture whose sequence policies read the backbone's position table.
+POSITION_TABLE_ARCHITECTURE = "transformer"
 # Checkpoints written before config "architecture" existed are all transformers.
 UNRECORDED_ARCHITECTURE = "transformer"
+# RMS of a positional transformer's cell embedding at initialization: that of the LayerNorm'd
+# tokens it is added to, so where a token is weighs as much as what it shows from the first step.
+CELL_EMBEDDING_STD = 1.0
 # PilotNet's convolutions (Bojarski et al. 2016): (out channels, kernel px, stride)
 PILOTNET_CONVS = ((24, 5, 2), (36, 5, 2), (48, 5, 2), (64, 3, 1), (64, 3, 1))
 
@@ -128,6 +151,37 @@ class _DenseGridInput:
         return self(grids * keep.unsqueeze(-1).to(grids.dtype), state)
 
 
+class SequencePolicy:
+    """Policies that read only the kept tokens, each at its original cell (spps, mspps):
+    forward(descriptors [B, L, D], indices [B, L], padding [B, L] True at filler slots, state)."""
+
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense grids [B, N, D] and keep masks [B, N]: drop the rest, keep original positions (v2)."""
+        return self(*pack_kept(grids, keep), state)
+
+
+class _StandardizedInput:
+    """Descriptor channels standardized with the training set's per-channel mean and spread:
+    buffers `input_mean`, `input_std` [D] the trainer sets (`set_input_statistics`), saved with the
+    weights. A few channels carry most of the variance of foundation-model descriptors (DINOv2
+    token norms ~46), and the road geometry lives in the small ones."""
+
+    def _input_statistics(self, descriptor_dim: int) -> None:
+        self.register_buffer("input_mean", torch.zeros(descriptor_dim))
+        self.register_buffer("input_std", torch.ones(descriptor_dim))
+
+    @torch.no_grad()
+    def set_input_statistics(self, mean: np.ndarray, std: np.ndarray) -> None:
+        std = np.maximum(np.asarray(std, dtype=np.float32), 1e-6)
+        self.input_mean.copy_(torch.as_tensor(np.asarray(mean, dtype=np.float32)))
+        self.input_std.copy_(torch.as_tensor(std))
+
+
+def _readout_mlp(features: int, width: int, dropout: float) -> list[nn.Module]:
+    """The two hidden layers (width, width // 2) that read a flattened grid (and the state)."""
+    return [nn.Linear(features, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, width // 2), nn.GELU()]
+
+
 class _TransformerPolicy(nn.Module):
     """CLS token + pre-norm transformer encoder + bounded (steering, throttle) head."""
 
@@ -172,7 +226,7 @@ class GridPolicy(_DenseGridInput, _TransformerPolicy):
         return self._encode(self.input_proj(grids) + self.position_embedding, state=state)
 
 
-class SequencePolicy(_TransformerPolicy):
+class TableSequencePolicy(SequencePolicy, _TransformerPolicy):
     def __init__(self, position_table: torch.Tensor, descriptor_dim: int, width: int, depth: int, heads: int,
                  mlp_ratio: float, dropout: float, max_steering_rad: float, state_dim: int = 0):
         super().__init__(width, depth, heads, mlp_ratio, dropout, max_steering_rad, state_dim)
@@ -187,9 +241,62 @@ class SequencePolicy(_TransformerPolicy):
         tokens = self.input_proj(descriptors) + self.position_proj(self.position_table[indices])
         return self._encode(tokens, padding, state)
 
-    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense grids [B, N, D] and keep masks [B, N]: drop the rest, keep original positions (v2)."""
-        return self(*pack_kept(grids, keep), state)
+
+class _PositionalTransformer(_StandardizedInput, nn.Module):
+    """Standardized, LayerNorm'd tokens plus learned cell embeddings, a pre-norm transformer
+    encoder, and a per-cell readout into the bounded (steering, throttle) head (module docstring)."""
+
+    def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, depth: int, heads: int, mlp_ratio: float,
+                 dropout: float, reduce: int, max_steering_rad: float, state_dim: int = 0):
+        super().__init__()
+        _state_input(self, state_dim)
+        self._input_statistics(descriptor_dim)
+        self.input_proj = nn.Linear(descriptor_dim, width)
+        self.input_norm = nn.LayerNorm(width)
+        self.cell_embedding = nn.Parameter(torch.empty(grid.n, width))
+        nn.init.trunc_normal_(self.cell_embedding, std=CELL_EMBEDDING_STD, a=-2 * CELL_EMBEDDING_STD,
+                              b=2 * CELL_EMBEDDING_STD)
+        layer = nn.TransformerEncoderLayer(
+            width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
+        )
+        # No dropout on the attention weights (the feed-forward and residual dropout stay): PyTorch's
+        # fused CPU attention takes none, and with it a training epoch ran 3.7x faster.
+        layer.self_attn.dropout = 0.0
+        # No nested-tensor fast path: padded batches and single frames must take the same arithmetic.
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.reduce = nn.Linear(width, reduce)
+        self.mlp = nn.Sequential(*_readout_mlp(grid.n * reduce + state_dim, width, dropout))
+        self.head = BoundedHead(width // 2, max_steering_rad)
+
+    def _read(self, descriptors: torch.Tensor, indices: torch.Tensor | None = None, padding: torch.Tensor | None = None,
+              state: torch.Tensor | None = None) -> torch.Tensor:
+        """descriptors [B, L, D] at cells `indices` [B, L] (None: all N cells in order), padding
+        [B, L] True at filler slots (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
+        tokens = self.input_norm(self.input_proj((descriptors - self.input_mean) / self.input_std))
+        tokens = tokens + (self.cell_embedding if indices is None else self.cell_embedding[indices])
+        reduced = self.reduce(self.norm(self.encoder(tokens, src_key_padding_mask=padding)))
+        if indices is None:
+            cells = reduced
+        else:  # each token back at its cell; cells without one (dropped patches) and filler slots read zeros
+            if padding is not None:
+                reduced = reduced.masked_fill(padding.unsqueeze(-1), 0.0)
+            cells = reduced.new_zeros(reduced.shape[0], self.cell_embedding.shape[0], reduced.shape[-1])
+            cells = cells.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, reduced.shape[-1]), reduced)
+        return self.head(self.mlp(_with_state(self, cells.flatten(1), state)))
+
+
+class PositionalGridPolicy(_DenseGridInput, _PositionalTransformer):
+    def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
+        return self._read(grids, state=state)
+
+
+class PositionalSequencePolicy(SequencePolicy, _PositionalTransformer):
+    def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor | None = None,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+        """descriptors [B, L, D] of kept patches `indices` [B, L]; padding [B, L] True at filler slots."""
+        return self._read(descriptors, indices, padding, state)
 
 
 class CnnPolicy(_DenseGridInput, nn.Module):
@@ -235,35 +342,24 @@ class CnnPolicy(_DenseGridInput, nn.Module):
         return self.head(self.mlp[2:](_with_state(self, image_features, state)))
 
 
-class GridMlpPolicy(_DenseGridInput, nn.Module):
+class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
     """Every patch's descriptor standardized and reduced to `reduce` channels, the grid flattened
     in patch order (so each weight knows its patch's place), then a two-layer MLP.
 
     Dropped patches are zeros (SPS eq. 4), as in GridPolicy. The per-channel descriptor mean and
-    spread are buffers the trainer sets from the training frames (`set_input_statistics`): a few
-    channels carry most of the variance of foundation-model descriptors, and the road geometry
-    lives in the small ones. For sps and threshold; spps and mspps, which feed the kept tokens
-    as a sequence, need the transformer (on a zero-filled grid spps would equal sps).
+    spread are buffers the trainer sets from the training frames (`set_input_statistics`). For sps
+    and threshold; spps and mspps, which feed the kept tokens as a sequence, need a transformer
+    (on a zero-filled grid spps would equal sps).
     """
 
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, reduce: int, dropout: float,
                  max_steering_rad: float, state_dim: int = 0):
         super().__init__()
         _state_input(self, state_dim)
-        self.register_buffer("input_mean", torch.zeros(descriptor_dim))
-        self.register_buffer("input_std", torch.ones(descriptor_dim))
+        self._input_statistics(descriptor_dim)
         self.reduce = nn.Linear(descriptor_dim, reduce)
-        self.mlp = nn.Sequential(
-            nn.Flatten(), nn.Linear(grid.n * reduce + state_dim, width), nn.GELU(), nn.Dropout(dropout),
-            nn.Linear(width, width // 2), nn.GELU(),
-        )
+        self.mlp = nn.Sequential(nn.Flatten(), *_readout_mlp(grid.n * reduce + state_dim, width, dropout))
         self.head = BoundedHead(width // 2, max_steering_rad)
-
-    @torch.no_grad()
-    def set_input_statistics(self, mean: np.ndarray, std: np.ndarray) -> None:
-        std = np.maximum(np.asarray(std, dtype=np.float32), 1e-6)
-        self.input_mean.copy_(torch.as_tensor(np.asarray(mean, dtype=np.float32)))
-        self.input_std.copy_(torch.as_tensor(std))
 
     def _reduced(self, grids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """reduce((grids * keep - mean) / std), flattened [B, N * reduce], with the standardization
@@ -320,10 +416,10 @@ def check_architecture(architecture: str, selection: SelectionConfig) -> None:
     """Raise ValueError unless `architecture` is known and can take `selection`'s variant."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown policy architecture {architecture!r}; expected one of {list(ARCHITECTURES)}")
-    if architecture != SEQUENCE_ARCHITECTURE and selection.sparse_sequence:
+    if architecture not in SEQUENCE_ARCHITECTURES and selection.sparse_sequence:
         raise ValueError(f"a {architecture} policy reads the whole grid (zeros at dropped patches): use variant sps or "
                          f"threshold, not {selection.variant}, which feeds the kept tokens as a sequence "
-                         f"(architecture {SEQUENCE_ARCHITECTURE})")
+                         f"(architecture {SEQUENCE_ARCHITECTURES[0]})")
 
 
 @dataclass(frozen=True)
@@ -361,8 +457,8 @@ class PolicyArchitecture:
         """The policy config of this architecture on a `grid` of `descriptor_dim` descriptors,
         reading `state_inputs` (names of sps_driving.core.state) besides.
 
-        position_dim (P of the backbone's position table) lets a sequence policy be built without
-        the table itself (zeros, e.g. for timing).
+        position_dim (P of the backbone's position table) lets a transformer sequence policy be
+        built without the table itself (zeros, e.g. for timing); the other architectures ignore it.
         """
         check_architecture(self.name, selection)
         config = {
@@ -375,7 +471,7 @@ class PolicyArchitecture:
             "policy": dict(self.settings),
             "output": {"max_steering_rad": self.max_steering_rad},
         }
-        if position_dim is not None and selection.sparse_sequence:
+        if position_dim is not None and selection.sparse_sequence and self.name == POSITION_TABLE_ARCHITECTURE:
             config["position_dim"] = int(position_dim)
         return config
 
@@ -386,8 +482,9 @@ class PolicyArchitecture:
 def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.Module:
     """A fresh policy module for `config` (see the module docstring for its keys).
 
-    Sequence policies (spps, mspps) need the backbone's position table [N, P]; without one they
-    get a zero table of shape [N, config["position_dim"]] that loading a checkpoint fills.
+    Sequence policies (spps, mspps) of architecture "transformer" need the backbone's position
+    table [N, P]; without one they get a zero table of shape [N, config["position_dim"]] that
+    loading a checkpoint fills. The other architectures ignore it.
     """
     grid_cfg = _require(config, "grid")
     grid = PatchGrid(int(grid_cfg["rows"]), int(grid_cfg["cols"]))
@@ -413,6 +510,11 @@ def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.M
         mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad,
         state_dim=state_dim,
     )
+    if architecture.name == "positional_transformer":
+        if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
+            raise ValueError(f"positional_transformer policy needs width >= 2 and reduce >= 1, got {dims}")
+        positional = PositionalSequencePolicy if selection.sparse_sequence else PositionalGridPolicy
+        return positional(grid, reduce=int(dims["reduce"]), **common)
     if not selection.sparse_sequence:
         return GridPolicy(grid, **common)
     if position_table is None:
@@ -424,7 +526,7 @@ def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.M
         table = torch.as_tensor(np.asarray(position_table, dtype=np.float32))
         if table.ndim != 2 or table.shape[0] != grid.n:
             raise ValueError(f"position table must be [{grid.n}, P], got {tuple(table.shape)}")
-    return SequencePolicy(table, **common)
+    return TableSequencePolicy(table, **common)
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -442,7 +544,7 @@ def save_policy(model: nn.Module, config: dict, directory) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model = getattr(model, "module", model)  # unwrap DistributedDataParallel
     config = {"format": POLICY_FORMAT, **config}
-    if isinstance(model, SequencePolicy):
+    if isinstance(model, TableSequencePolicy):
         config["position_dim"] = int(model.position_table.shape[1])
     tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
     text = json.dumps(config, indent=2, allow_nan=False, sort_keys=False)

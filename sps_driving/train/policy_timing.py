@@ -5,7 +5,7 @@
 Times the architecture of the shipped policy (models/sps50_dinov2, what the car runs), of a
 checkpoint (--policy), or one of config/train.yaml's (--architecture), on the checkpoint's grid
 (or --rows, --cols, --descriptor-dim). Grid variants (sps) see all N patches whatever the rate;
-sequence variants (spps, transformer only) see only the kept ones, so their time falls with the
+sequence variants (spps, transformers only) see only the kept ones, so their time falls with the
 rate. Weights are random (timing does not depend on them). A benchmark that prints numbers, not a test.
 """
 
@@ -22,7 +22,7 @@ from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.policy import (
     ARCHITECTURES,
-    SEQUENCE_ARCHITECTURE,
+    SEQUENCE_ARCHITECTURES,
     DrivingPolicy,
     PolicyArchitecture,
     build_policy,
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         what = f"the architecture of {portable_path(args.policy or shipped_policy())}"
     grid = PatchGrid(args.rows or int(checkpoint["grid"]["rows"]), args.cols or int(checkpoint["grid"]["cols"]))
     descriptor_dim = args.descriptor_dim or int(checkpoint["descriptor_dim"])
-    variants = ("sps", "spps") if architecture.name == SEQUENCE_ARCHITECTURE else ("sps",)
+    variants = ("sps", "spps") if architecture.name in SEQUENCE_ARCHITECTURES else ("sps",)
     runs = [(variant, rate) for variant in variants for rate in RATES]
     results = {run: time_policy(architecture, *run, grid, descriptor_dim, checkpoint.get("backbone"), args.repeats,
                                 device=args.device)

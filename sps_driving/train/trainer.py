@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from sps_driving.core.policy import (
     ARCHITECTURES,
+    POSITION_TABLE_ARCHITECTURE,
     PolicyArchitecture,
     architecture_of,
     build_policy,
@@ -119,7 +120,7 @@ class TrainConfig:
         for name in ("width", "reduce", "depth", "heads", "epochs", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.architecture == "transformer" and self.width % self.heads:
+        if "heads" in ARCHITECTURES[self.architecture] and self.width % self.heads:
             raise ValueError(f"width {self.width} must be a multiple of heads {self.heads}")
         if not (self.lr >= 0 and self.weight_decay >= 0 and self.min_lr >= 0 and 0 < self.plateau_factor < 1):
             raise ValueError("need lr, weight_decay, min_lr >= 0 and 0 < plateau_factor < 1")
@@ -465,7 +466,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         raise FileExistsError(f"{out} already holds a training run: continue it with --resume or choose another --out")
     cache = FeatureCache(cfg.cache)
     selection = cfg.selection()
-    if cfg.architecture == "transformer" and selection.sparse_sequence and cache.position_table() is None:
+    if cfg.architecture == POSITION_TABLE_ARCHITECTURE and selection.sparse_sequence and cache.position_table() is None:
         raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
     selector = PatchSelector(selection, cache.grid)
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
@@ -623,7 +624,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
     parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
     parser.add_argument("--architecture", choices=list(ARCHITECTURES),
-                        help="mlp (default), transformer, or cnn (the No-FM baseline, on a pixels-backbone cache)")
+                        help="mlp (default), positional_transformer (spps, mspps), transformer (the first one, "
+                             "for comparison), or cnn (the No-FM baseline, on a pixels-backbone cache)")
     parser.add_argument("--state-inputs", nargs="*", choices=list(STATE_NAMES), metavar="NAME",
                         help=f"state inputs the policy reads besides the frame ({', '.join(STATE_NAMES)}); "
                              "given with no names: none")
@@ -632,7 +634,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float)
     parser.add_argument("--width", type=int)
-    parser.add_argument("--reduce", type=int, help="mlp: channels each patch's descriptor is reduced to")
+    parser.add_argument("--reduce", type=int, help="mlp: channels each patch's descriptor is reduced to; "
+                                                   "positional_transformer: channels each token is read out with")
     parser.add_argument("--depth", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--early-stop-patience", type=int)
