@@ -260,7 +260,7 @@ class _PositionalTransformer(_StandardizedInput, nn.Module):
             width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
         )
         # No dropout on the attention weights (the feed-forward and residual dropout stay): PyTorch's
-        # fused CPU attention takes none, and with it a training epoch ran 3.7x faster.
+        # fused CPU attention takes none, and with it a training step ran ~3x faster (256 tokens).
         layer.self_attn.dropout = 0.0
         # No nested-tensor fast path: padded batches and single frames must take the same arithmetic.
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
