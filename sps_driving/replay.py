@@ -17,6 +17,11 @@ published (the graph keys every frame by its stamp) and is counted as dropped. T
 image of the bag accounted for as a command or a drop with its reason, command error against the
 bag's reference commands, failures, interventions, time stopping, per-stage latency, compute and
 graph overhead) is computed from those records by `build_report`, which needs no ROS.
+
+The reference commands are the ones that drove the car: /vehicle/command in the world's bags; in
+a car's bag, what the safety driver did, from its PACMod 3 reports (sps_driving.train.car_labels,
+with the rules `sps-driving extract` labels by: only the frames the human drove, moving forward),
+so a field recording validates a policy as a world recording does. The report says which.
 """
 
 from __future__ import annotations
@@ -234,7 +239,13 @@ def format_report(r: dict) -> str:
     ]
     for reason, count in sorted(r["drops"].items()):
         lines.append(f"  dropped, {reason}: {count}")
-    lines.append(f"reference commands matched: {r['reference_commands']}")
+    source = f" (from {r['reference_source']})" if r.get("reference_source") else ""
+    lines.append(f"reference commands matched: {r['reference_commands']}{source}")
+    if r.get("reference_unavailable"):
+        lines.append(f"  no reference: {r['reference_unavailable']}")
+    if r.get("reference_excluded"):
+        excluded = ", ".join(f"{k} {v}" for k, v in sorted(r["reference_excluded"].items()))
+        lines.append(f"  frames without the human's command: {excluded}")
     for name in ("steering", "throttle"):
         lines.append(
             f"  {name:9s} MAE {num(r[name + '_mae'])}  RMSE {num(r[name + '_rmse'])}  max {num(r[name + '_max'])}"
@@ -261,6 +272,19 @@ def format_report(r: dict) -> str:
     for stage, stats in r["compute_ms"].items():
         lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")
     return "\n".join(lines)
+
+
+def human_reference(car, frame_log_times: dict) -> tuple[dict, dict]:
+    """({stamp: (steering, throttle)} of the frames a car_labels.CarLabels labels, {reason: count}
+    of the frames it does not) for frames {camera stamp: log time in the bag}."""
+    reference, excluded = {}, {}
+    for stamp, log_time in frame_log_times.items():
+        label = car.label(stamp, log_time)
+        if label.drop_reason:
+            excluded[label.drop_reason] = excluded.get(label.drop_reason, 0) + 1
+        else:
+            reference[stamp] = (label.steering, label.throttle)
+    return reference, excluded
 
 
 def reference_commands(bag: Path, topic: str = topics.REFERENCE_COMMAND) -> dict:
@@ -294,6 +318,7 @@ class Player:
         # Camera stamp -> when the frame entered the graph: when the later of its image and its
         # CameraInfo was published, ns. One per image played.
         self.frames: dict[int, int] = {}
+        self.frame_log_times: dict[int, int] = {}  # camera stamp -> the image's log time in the bag, ns
         self.repeated_stamps = 0  # images not played: their stamp already was
         self._info_published: dict[int, int] = {}  # camera stamp -> when its CameraInfo was published, ns
         self.done: set[int] = set()  # frames with a command or a reported drop
@@ -402,6 +427,7 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
             bar.update(1)
             stamp = msgs.stamp_ns(item.msg.header)
             if published:
+                player.frame_log_times[stamp] = item.log_time_ns
                 image_stamps.add(stamp)
                 if not has_info:
                     info = to_bag(msgs.camera_info_fields(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id, None))
@@ -540,6 +566,11 @@ def replay_bag(
     from sps_driving.core.policy import read_policy_config
 
     played = played_topics(read_policy_config(checkpoint), bag_topics)
+    reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
+    try:
+        car, unavailable = car_reference(bag, reference_topic, params_file), None
+    except ValueError as exc:  # a car bag whose reports cannot tell the human's driving: replayed without a reference
+        car, unavailable = None, str(exc)
     input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
     input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
 
@@ -573,12 +604,37 @@ def replay_bag(
     with BagWriter(out, storage) as writer:
         for rec in sorted(player.records, key=lambda r: r.log_time_ns):
             writer.write(rec.topic, rec.msg, rec.log_time_ns)
-    reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
-    report = build_report(player.frames, player.records, reference_commands(bag, reference_topic), wall_s, player.repeated_stamps)
+    if car is None:
+        reference, excluded = reference_commands(bag, reference_topic), {}
+        reference_source = reference_topic if reference else None
+    else:
+        reference, excluded = human_reference(car, player.frame_log_times)
+        reference_source = "pacmod3 reports: the safety driver's driving"
+    report = build_report(player.frames, player.records, reference, wall_s, player.repeated_stamps)
+    report.update(reference_source=reference_source, reference_excluded=excluded)
+    if unavailable:
+        report["reference_unavailable"] = unavailable
     report["mode"] = "lockstep" if lockstep else "realtime"
     report["unreadable_messages"] = player.unreadable
     report["output_bag"] = str(out)
     return report
+
+
+def car_reference(bag: Path, reference_topic: str, params_file: Path):
+    """The car's labels (car_labels.CarLabels) when the bag's reference is the safety driver's
+    (`sps-driving extract`'s choice of label source, by config/train.yaml), else None; ValueError
+    when the bag lacks reports they need."""
+    from dataclasses import replace
+
+    from sps_driving.bagio import topic_types
+    from sps_driving.graph import car_facts
+    from sps_driving.train.car_labels import read_car_labels
+    from sps_driving.train.extract import ExtractSettings, bag_label_source
+
+    settings = replace(ExtractSettings.from_yaml(), command_topic=reference_topic)
+    if bag_label_source(topic_types(bag), settings) == "command":
+        return None
+    return read_car_labels(bag, settings.car_label_rules(), float(car_facts(params_file)["steering_ratio"]))
 
 
 def default_output(bag: Path) -> Path:

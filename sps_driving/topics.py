@@ -46,6 +46,7 @@ PACMOD_STEERING_RPT = "/pacmod/steering_rpt"  # SystemRptFloat: output = measure
 PACMOD_ACCEL_RPT = "/pacmod/accel_rpt"  # SystemRptFloat: output = accelerator pedal 0..1
 PACMOD_BRAKE_RPT = "/pacmod/brake_rpt"  # SystemRptFloat: output = brake pedal 0..1
 PACMOD_TURN_RPT = "/pacmod/turn_rpt"  # SystemRptInt
+PACMOD_SHIFT_RPT = "/pacmod/shift_rpt"  # SystemRptInt: output = gear (SHIFT_REVERSE, SHIFT_FORWARD, ...)
 PACMOD_SPEED_RPT = "/pacmod/vehicle_speed_rpt"  # VehicleSpeedRpt: vehicle_speed m/s, vehicle_speed_valid
 PACMOD_ENABLED = "/pacmod/enabled"  # std_msgs/Bool
 PACMOD_COMMANDS = {
