@@ -567,7 +567,7 @@ def replay_bag(
                 wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
                 # Each stage's input has its reader (and this recorder where it records it).
                 readers = {
-                    topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
+                    topics.IMAGE: 2 if overlay else 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
                     topics.POLICY_COMMAND: 2,
                 }
                 wait_for_topics(node, readers, startup_timeout_s, graph)
