@@ -7,6 +7,7 @@ import math
 
 import cv2
 import numpy as np
+import pytest
 import torch
 import yaml
 from samples import tiny_policy
@@ -88,3 +89,15 @@ def test_an_episode_without_failure_writes_no_strip(tmp_path):
     row = evaluate(policy, tmp_path / "eval", 1.0)
     assert row["interventions"] == 0 and row["failures"] == {}
     assert not list((tmp_path / "eval").rglob("*.png"))
+
+
+def test_a_config_without_strip_settings_is_a_clear_error_unless_strips_are_off(tmp_path):
+    config = load_sim_config()
+    del config["eval"]["failure_strips"]
+    (tmp_path / "sim.yaml").write_text(yaml.safe_dump(config))
+    policy = constant_steering_policy(tmp_path / "straight", 0.0, keep_weights=False)
+    args = ["eval", "--policy", str(policy), "--episodes", "1", "--episode-s", "0.3", "--workers", "1", "--scenarios", SCENARIO,
+            "--sim-config", str(tmp_path / "sim.yaml")]
+    with pytest.raises(SystemExit, match="no eval.failure_strips"):
+        main(args + ["--out", str(tmp_path / "eval")])
+    assert main(args + ["--out", str(tmp_path / "plain"), "--no-failure-strips"]) == 0

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sps_driving.sim.config import PROFILES, load_sim_config
 from sps_driving.sim.episodes import run_episodes
-from sps_driving.sim.failure_strips import strips_folder
+from sps_driving.sim.failure_strips import StripSettings, strips_folder
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missing_tasks, read_results
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
@@ -42,9 +42,15 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
     tasks = _missing(settings, scenarios, path)
     if not tasks:
         return []
+    folder = None
+    if failure_strips and settings.policy_dir:
+        try:
+            StripSettings.from_config(config)  # a bad setting stops the run here, not in every worker
+        except ValueError as exc:
+            raise SystemExit(f"eval: {exc}") from None
+        folder = strips_folder(out, settings.method)
     record = Recorder(settings, path, len(tasks))
     try:
-        folder = strips_folder(out, settings.method) if failure_strips and settings.policy_dir else None
         run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config, folder)
     finally:
         record.close()

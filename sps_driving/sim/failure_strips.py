@@ -40,7 +40,10 @@ class StripSettings:
 
     @classmethod
     def from_config(cls, config: dict) -> StripSettings:
-        values = config["eval"]["failure_strips"]
+        values = config.get("eval", {}).get("failure_strips")
+        if not isinstance(values, dict):
+            raise ValueError("the simulator config has no eval.failure_strips (seconds, every_n_frames, max_per_episode, "
+                             "height_px; see config/sim.yaml); or evaluate with --no-failure-strips")
         settings = cls(float(values["seconds"]), int(values["every_n_frames"]), int(values["max_per_episode"]),
                        int(values["height_px"]))
         if not (math.isfinite(settings.seconds) and settings.seconds > 0) or min(
