@@ -52,6 +52,7 @@ RECORDED = {
     topics.SAFETY_EVENTS: "diagnostic_msgs/msg/DiagnosticArray",
     topics.SAFETY_STOP: "diagnostic_msgs/msg/DiagnosticArray",
     topics.STAGE_TIMING: "diagnostic_msgs/msg/DiagnosticArray",
+    topics.POLICY_OVERLAY: "sensor_msgs/msg/Image",  # with --overlay
 }
 # Besides the camera; and the topics of the policy's state inputs the bag has (`played_topics`).
 PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)
@@ -461,6 +462,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, help="policy folder (default: the policy checkpoint of config/graph.yaml)")
     parser.add_argument("--backbone-config", type=Path, help="extraction settings YAML (default: config/extraction.yaml)")
     parser.add_argument("--params", type=Path, help="graph parameters file (default: config/graph.yaml)")
+    parser.add_argument("--overlay", action="store_true",
+                        help=f"the policy node publishes what it sees on {topics.POLICY_OVERLAY} (its publish_overlay), "
+                             "recorded in the output bag")
     parser.add_argument("--frame-timeout", type=float, default=60.0, help="s to wait for one frame's command in lockstep")
     parser.add_argument("--startup-timeout", type=float, default=180.0, help="s to wait for the nodes to come up")
     parser.add_argument("--log-dir", type=Path, help="keep the node logs here")
@@ -495,8 +499,9 @@ class ReplayError(ValueError):
 
 
 def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_timeout_s: float,
-                     backbone_config: Path | None = None) -> dict:
-    """Per-node parameters over the params file for a replay."""
+                     backbone_config: Path | None = None, overlay: bool = False) -> dict:
+    """Per-node parameters over the params file for a replay (`overlay`: the policy node publishes
+    what it sees, topics.POLICY_OVERLAY, which the output bag records)."""
     params = {
         "selection": {"checkpoint": str(checkpoint)},
         "extractor": {"checkpoint": str(checkpoint)},
@@ -507,6 +512,8 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
         "vehicle_interface": {**VEHICLE_WITHOUT_CAR, "max_command_latency_s": 0.0},
         "safety_monitor": {},
     }
+    if overlay:
+        params["policy"]["publish_overlay"] = True
     if backbone_config:
         params["extractor"]["backbone_config"] = str(Path(backbone_config).resolve())
     if lockstep:  # frames come as fast as the graph computes them, not at 30 fps
@@ -531,6 +538,7 @@ def replay_bag(
     log_dir: Path | None = None,
     storage: str = "sqlite3",
     topic_map: dict | None = None,
+    overlay: bool = False,
 ) -> dict:
     """Play `bag` through a freshly started graph, write what it published to `out`, return the
     report (`build_report` plus mode, output_bag, unreadable_messages). `topic_map` renames bag
@@ -582,7 +590,7 @@ def replay_bag(
     rclpy.init(context=context)
     node = Node("sps_replay", context=context)
     player = Player(node, input_types)
-    parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config)
+    parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config, overlay)
     graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
     try:
         with graph:
@@ -590,7 +598,7 @@ def replay_bag(
                 wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
                 # Each stage's input has its reader (and this recorder where it records it).
                 readers = {
-                    topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
+                    topics.IMAGE: 2 if overlay else 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
                     topics.POLICY_COMMAND: 2,
                 }
                 wait_for_topics(node, readers, startup_timeout_s, graph)
@@ -649,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
         report = replay_bag(
             args.bag, out, lockstep=args.lockstep, checkpoint=args.checkpoint, backbone_config=args.backbone_config,
             params_file=args.params, frame_timeout_s=args.frame_timeout, startup_timeout_s=args.startup_timeout,
-            log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic),
+            log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic), overlay=args.overlay,
         )
     except ReplayError as exc:
         print(f"error: {exc}")

@@ -19,6 +19,9 @@ CAMERA_INFO = "/camera/camera_info"  # sensor_msgs/CameraInfo, one per image, sa
 SELECTION = "/sps/selection"  # sensor_msgs/Image mono8 H'xW', 255 = patch computed
 DESCRIPTORS = "/sps/descriptors"  # computed descriptors with their patch indices
 POLICY_COMMAND = "/sps/command"  # sensor_msgs/JointState: the policy's output
+# sensor_msgs/Image rgb8: the camera frame with the policy's kept patches outlined, the dropped ones dimmed and
+# each kept patch tinted by its attribution; the frame's stamp; only when the policy node's publish_overlay is true
+POLICY_OVERLAY = "/policy/overlay"
 REFERENCE_COMMAND = "/vehicle/command"  # sensor_msgs/JointState: the command that drove the car (driver/expert)
 VEHICLE_TWIST = "/vehicle/twist"  # geometry_msgs/TwistStamped, linear.x = speed m/s
 # geometry_msgs/TwistStamped, linear.x = the cruise target speed in m/s that the safety driver set (as for
