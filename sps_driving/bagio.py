@@ -81,6 +81,8 @@ def read_messages(path: str | Path, topics: Iterable[str] | None = None) -> Iter
     with Reader(Path(path)) as reader:
         wanted = set(topics) if topics is not None else None
         connections = [c for c in reader.connections if wanted is None or c.topic in wanted]
+        if not connections:  # none of the topics is in the bag (rosbags reads every connection for an empty list)
+            return
         store = bag_typestore(connections)
         for conn, log_time, raw in reader.messages(connections=connections):
             yield BagMessage(conn.topic, conn.msgtype, log_time, store.deserialize_cdr(raw, conn.msgtype))

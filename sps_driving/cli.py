@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("sps_driving.bench", "per-frame extraction timing at several selection rates"),
     "replay": ("sps_driving.replay", "play a rosbag2 through the live ROS 2 graph and report"),
     "interventions": ("sps_driving.interventions", "count safety-driver interventions in a field-test bag"),
+    "record": ("sps_driving.record", "record a data drive or field test on the car (ros2 bag record, mcap)"),
     "faults": ("sps_driving.faults", "fault-injection matrix of the drive-by-wire path against the live graph"),
     "collect": ("sps_driving.sim.collect", "record expert drives in the simulator as rosbag2"),
     "eval": ("sps_driving.sim.evaluate", "closed-loop out-of-distribution evaluation"),

@@ -41,6 +41,7 @@ from sps_driving.core.backbones import (
     runtime_facts,
     torch_only_reason,
 )
+from sps_driving.core.overlay import FrameOverlay
 
 PARAMETER = "node parameter"
 DEFAULTS = "config/extraction.yaml"
@@ -149,6 +150,13 @@ def extractor_for_policy(policy: str | Path | Mapping, parameters: Mapping | Non
     with runtime `parameters` (device, threads, ...): evaluation, graph evaluation, fine-tuning
     and replay all take the policy's settings this way (the extractor node with `checkpoint`)."""
     return open_extractor(extraction_settings(parameters, policy, config_file, parameter_source))
+
+
+def frame_overlay(extraction_config: Mapping, grid) -> FrameOverlay:
+    """Where the patches of these (resolved) extraction settings lie on a camera frame, for
+    drawing a policy's view; a backbone without an input_size setting (BLIP-2) tiles its roi evenly."""
+    shape = (grid.rows, grid.cols)
+    return FrameOverlay(extraction_config.get("roi"), extraction_config.get("input_size") or shape, shape)
 
 
 def open_extractor(settings: ExtractionSettings | Mapping | None = None) -> OpenedExtractor:

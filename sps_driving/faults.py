@@ -127,11 +127,11 @@ class Harness:
         from rclpy.node import Node
 
         from sps_driving.core.control import ControlLimits
-        from sps_driving.graph import Graph, default_params_file, isolate_ros
+        from sps_driving.graph import Graph, car_facts, default_params_file, isolate_ros
 
         self.kind, self.work, self.hold_s = graph_kind, work, hold_s
         base = yaml.safe_load(default_params_file().read_text())
-        shared = base["/**"]["ros__parameters"]
+        shared = car_facts()
         vi = {**base["vehicle_interface"]["ros__parameters"], **shared}
         self.limits = ControlLimits.from_dict({k: vi[k] for k in ControlLimits.names()})
         self.steering_ratio = float(shared["steering_ratio"])

@@ -52,6 +52,13 @@ def default_params_file() -> Path:
     return config_path("graph.yaml")
 
 
+def car_facts(params_file: Path | None = None) -> dict:
+    """The facts of the car that several nodes share (the params file's `/**` section: the steering
+    ratio, the stop brake), for tools that read recordings of it."""
+    path = Path(params_file) if params_file else default_params_file()
+    return dict((yaml.safe_load(path.read_text()) or {}).get("/**", {}).get("ros__parameters", {}))
+
+
 def private_domain_id(environ: Mapping[str, str], pid: int) -> int:
     """The ROS domain of a tool's graph: DOMAIN_VARIABLE when set, else one picked by `pid`."""
     chosen = environ.get(DOMAIN_VARIABLE, "").strip()

@@ -100,7 +100,9 @@ def _on_vehicle_interface_status(log: AutonomyLog, time_ns: int, topic: str, msg
         )
 
 
-def analyze(bag: Path) -> dict:
+def autonomy_log(bag: Path) -> tuple[AutonomyLog, dict[str, str]]:
+    """The bag's engagement history (finished), from its reports by log time, and {topic: role}
+    of the topics it was read from. ValueError when the bag has no engagement reports."""
     from sps_driving.bagio import read_messages, topic_types
 
     roles = selected_topics(topic_types(bag))
@@ -133,6 +135,11 @@ def analyze(bag: Path) -> dict:
         elif role == "speed_rpt" and msg.vehicle_speed_valid:
             log.on_speed(t, float(msg.vehicle_speed))
     log.finish()
+    return log, roles
+
+
+def analyze(bag: Path) -> dict:
+    log, roles = autonomy_log(bag)
     summary = log.summary()
     summary["bag"] = str(bag)
     summary["sources"] = roles

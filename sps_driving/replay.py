@@ -17,6 +17,11 @@ published (the graph keys every frame by its stamp) and is counted as dropped. T
 image of the bag accounted for as a command or a drop with its reason, command error against the
 bag's reference commands, failures, interventions, time stopping, per-stage latency, compute and
 graph overhead) is computed from those records by `build_report`, which needs no ROS.
+
+The reference commands are the ones that drove the car: /vehicle/command in the world's bags; in
+a car's bag, what the safety driver did, from its PACMod 3 reports (sps_driving.train.car_labels,
+with the rules `sps-driving extract` labels by: only the frames the human drove, moving forward),
+so a field recording validates a policy as a world recording does. The report says which.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ RECORDED = {
     topics.SAFETY_EVENTS: "diagnostic_msgs/msg/DiagnosticArray",
     topics.SAFETY_STOP: "diagnostic_msgs/msg/DiagnosticArray",
     topics.STAGE_TIMING: "diagnostic_msgs/msg/DiagnosticArray",
+    topics.POLICY_OVERLAY: "sensor_msgs/msg/Image",  # with --overlay
 }
 # Besides the camera; and the topics of the policy's state inputs the bag has (`played_topics`).
 PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)
@@ -234,7 +240,13 @@ def format_report(r: dict) -> str:
     ]
     for reason, count in sorted(r["drops"].items()):
         lines.append(f"  dropped, {reason}: {count}")
-    lines.append(f"reference commands matched: {r['reference_commands']}")
+    source = f" (from {r['reference_source']})" if r.get("reference_source") else ""
+    lines.append(f"reference commands matched: {r['reference_commands']}{source}")
+    if r.get("reference_unavailable"):
+        lines.append(f"  no reference: {r['reference_unavailable']}")
+    if r.get("reference_excluded"):
+        excluded = ", ".join(f"{k} {v}" for k, v in sorted(r["reference_excluded"].items()))
+        lines.append(f"  frames without the human's command: {excluded}")
     for name in ("steering", "throttle"):
         lines.append(
             f"  {name:9s} MAE {num(r[name + '_mae'])}  RMSE {num(r[name + '_rmse'])}  max {num(r[name + '_max'])}"
@@ -261,6 +273,19 @@ def format_report(r: dict) -> str:
     for stage, stats in r["compute_ms"].items():
         lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")
     return "\n".join(lines)
+
+
+def human_reference(car, frame_log_times: dict) -> tuple[dict, dict]:
+    """({stamp: (steering, throttle)} of the frames a car_labels.CarLabels labels, {reason: count}
+    of the frames it does not) for frames {camera stamp: log time in the bag}."""
+    reference, excluded = {}, {}
+    for stamp, log_time in frame_log_times.items():
+        label = car.label(stamp, log_time)
+        if label.drop_reason:
+            excluded[label.drop_reason] = excluded.get(label.drop_reason, 0) + 1
+        else:
+            reference[stamp] = (label.steering, label.throttle)
+    return reference, excluded
 
 
 def reference_commands(bag: Path, topic: str = topics.REFERENCE_COMMAND) -> dict:
@@ -294,6 +319,7 @@ class Player:
         # Camera stamp -> when the frame entered the graph: when the later of its image and its
         # CameraInfo was published, ns. One per image played.
         self.frames: dict[int, int] = {}
+        self.frame_log_times: dict[int, int] = {}  # camera stamp -> the image's log time in the bag, ns
         self.repeated_stamps = 0  # images not played: their stamp already was
         self._info_published: dict[int, int] = {}  # camera stamp -> when its CameraInfo was published, ns
         self.done: set[int] = set()  # frames with a command or a reported drop
@@ -402,6 +428,7 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
             bar.update(1)
             stamp = msgs.stamp_ns(item.msg.header)
             if published:
+                player.frame_log_times[stamp] = item.log_time_ns
                 image_stamps.add(stamp)
                 if not has_info:
                     info = to_bag(msgs.camera_info_fields(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id, None))
@@ -435,6 +462,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, help="policy folder (default: the policy checkpoint of config/graph.yaml)")
     parser.add_argument("--backbone-config", type=Path, help="extraction settings YAML (default: config/extraction.yaml)")
     parser.add_argument("--params", type=Path, help="graph parameters file (default: config/graph.yaml)")
+    parser.add_argument("--overlay", action="store_true",
+                        help=f"the policy node publishes what it sees on {topics.POLICY_OVERLAY} (its publish_overlay), "
+                             "recorded in the output bag")
     parser.add_argument("--frame-timeout", type=float, default=60.0, help="s to wait for one frame's command in lockstep")
     parser.add_argument("--startup-timeout", type=float, default=180.0, help="s to wait for the nodes to come up")
     parser.add_argument("--log-dir", type=Path, help="keep the node logs here")
@@ -469,8 +499,9 @@ class ReplayError(ValueError):
 
 
 def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_timeout_s: float,
-                     backbone_config: Path | None = None) -> dict:
-    """Per-node parameters over the params file for a replay."""
+                     backbone_config: Path | None = None, overlay: bool = False) -> dict:
+    """Per-node parameters over the params file for a replay (`overlay`: the policy node publishes
+    what it sees, topics.POLICY_OVERLAY, which the output bag records)."""
     params = {
         "selection": {"checkpoint": str(checkpoint)},
         "extractor": {"checkpoint": str(checkpoint)},
@@ -481,6 +512,8 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
         "vehicle_interface": {**VEHICLE_WITHOUT_CAR, "max_command_latency_s": 0.0},
         "safety_monitor": {},
     }
+    if overlay:
+        params["policy"]["publish_overlay"] = True
     if backbone_config:
         params["extractor"]["backbone_config"] = str(Path(backbone_config).resolve())
     if lockstep:  # frames come as fast as the graph computes them, not at 30 fps
@@ -505,6 +538,7 @@ def replay_bag(
     log_dir: Path | None = None,
     storage: str = "sqlite3",
     topic_map: dict | None = None,
+    overlay: bool = False,
 ) -> dict:
     """Play `bag` through a freshly started graph, write what it published to `out`, return the
     report (`build_report` plus mode, output_bag, unreadable_messages). `topic_map` renames bag
@@ -540,6 +574,11 @@ def replay_bag(
     from sps_driving.core.policy import read_policy_config
 
     played = played_topics(read_policy_config(checkpoint), bag_topics)
+    reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
+    try:
+        car, unavailable = car_reference(bag, reference_topic, params_file), None
+    except ValueError as exc:  # a car bag whose reports cannot tell the human's driving: replayed without a reference
+        car, unavailable = None, str(exc)
     input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
     input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
 
@@ -551,7 +590,7 @@ def replay_bag(
     rclpy.init(context=context)
     node = Node("sps_replay", context=context)
     player = Player(node, input_types)
-    parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config)
+    parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config, overlay)
     graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
     try:
         with graph:
@@ -559,7 +598,7 @@ def replay_bag(
                 wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
                 # Each stage's input has its reader (and this recorder where it records it).
                 readers = {
-                    topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
+                    topics.IMAGE: 2 if overlay else 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
                     topics.POLICY_COMMAND: 2,
                 }
                 wait_for_topics(node, readers, startup_timeout_s, graph)
@@ -573,12 +612,37 @@ def replay_bag(
     with BagWriter(out, storage) as writer:
         for rec in sorted(player.records, key=lambda r: r.log_time_ns):
             writer.write(rec.topic, rec.msg, rec.log_time_ns)
-    reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
-    report = build_report(player.frames, player.records, reference_commands(bag, reference_topic), wall_s, player.repeated_stamps)
+    if car is None:
+        reference, excluded = reference_commands(bag, reference_topic), {}
+        reference_source = reference_topic if reference else None
+    else:
+        reference, excluded = human_reference(car, player.frame_log_times)
+        reference_source = "pacmod3 reports: the safety driver's driving"
+    report = build_report(player.frames, player.records, reference, wall_s, player.repeated_stamps)
+    report.update(reference_source=reference_source, reference_excluded=excluded)
+    if unavailable:
+        report["reference_unavailable"] = unavailable
     report["mode"] = "lockstep" if lockstep else "realtime"
     report["unreadable_messages"] = player.unreadable
     report["output_bag"] = str(out)
     return report
+
+
+def car_reference(bag: Path, reference_topic: str, params_file: Path):
+    """The car's labels (car_labels.CarLabels) when the bag's reference is the safety driver's
+    (`sps-driving extract`'s choice of label source, by config/train.yaml), else None; ValueError
+    when the bag lacks reports they need."""
+    from dataclasses import replace
+
+    from sps_driving.bagio import topic_types
+    from sps_driving.graph import car_facts
+    from sps_driving.train.car_labels import read_car_labels
+    from sps_driving.train.extract import ExtractSettings, bag_label_source
+
+    settings = replace(ExtractSettings.from_yaml(), command_topic=reference_topic)
+    if bag_label_source(topic_types(bag), settings) == "command":
+        return None
+    return read_car_labels(bag, settings.car_label_rules(), float(car_facts(params_file)["steering_ratio"]))
 
 
 def default_output(bag: Path) -> Path:
@@ -593,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
         report = replay_bag(
             args.bag, out, lockstep=args.lockstep, checkpoint=args.checkpoint, backbone_config=args.backbone_config,
             params_file=args.params, frame_timeout_s=args.frame_timeout, startup_timeout_s=args.startup_timeout,
-            log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic),
+            log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic), overlay=args.overlay,
         )
     except ReplayError as exc:
         print(f"error: {exc}")

@@ -19,6 +19,9 @@ CAMERA_INFO = "/camera/camera_info"  # sensor_msgs/CameraInfo, one per image, sa
 SELECTION = "/sps/selection"  # sensor_msgs/Image mono8 H'xW', 255 = patch computed
 DESCRIPTORS = "/sps/descriptors"  # computed descriptors with their patch indices
 POLICY_COMMAND = "/sps/command"  # sensor_msgs/JointState: the policy's output
+# sensor_msgs/Image rgb8: the camera frame with the policy's kept patches outlined, the dropped ones dimmed and
+# each kept patch tinted by its attribution; the frame's stamp; only when the policy node's publish_overlay is true
+POLICY_OVERLAY = "/policy/overlay"
 REFERENCE_COMMAND = "/vehicle/command"  # sensor_msgs/JointState: the command that drove the car (driver/expert)
 VEHICLE_TWIST = "/vehicle/twist"  # geometry_msgs/TwistStamped, linear.x = speed m/s
 # geometry_msgs/TwistStamped, linear.x = the cruise target speed in m/s that the safety driver set (as for
@@ -46,6 +49,7 @@ PACMOD_STEERING_RPT = "/pacmod/steering_rpt"  # SystemRptFloat: output = measure
 PACMOD_ACCEL_RPT = "/pacmod/accel_rpt"  # SystemRptFloat: output = accelerator pedal 0..1
 PACMOD_BRAKE_RPT = "/pacmod/brake_rpt"  # SystemRptFloat: output = brake pedal 0..1
 PACMOD_TURN_RPT = "/pacmod/turn_rpt"  # SystemRptInt
+PACMOD_SHIFT_RPT = "/pacmod/shift_rpt"  # SystemRptInt: output = gear (SHIFT_REVERSE, SHIFT_FORWARD, ...)
 PACMOD_SPEED_RPT = "/pacmod/vehicle_speed_rpt"  # VehicleSpeedRpt: vehicle_speed m/s, vehicle_speed_valid
 PACMOD_ENABLED = "/pacmod/enabled"  # std_msgs/Bool
 PACMOD_COMMANDS = {

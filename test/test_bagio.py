@@ -70,6 +70,7 @@ def test_bag_roundtrip(tmp_path, storage):
     assert math.atan2(2 * pose.orientation.z * pose.orientation.w, 1 - 2 * pose.orientation.z**2) == pytest.approx(-0.3)
     only_cmd = list(bagio.read_messages(path, [topics.REFERENCE_COMMAND]))
     assert len(only_cmd) == 1
+    assert list(bagio.read_messages(path, [topics.POLICY_OVERLAY])) == []  # a topic the bag does not have
 
 
 def test_pacmod_reports_are_registered():

@@ -156,7 +156,7 @@ def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
     for remap in (r for n in launch.findall("node") for r in n.findall("remap")):
         assert remap.get("from") in known
     readers = {n.get("exec"): {r.get("from"): r.get("to") for r in n.findall("remap")} for n in launch.findall("node")}
-    for node in ("extractor",):
+    for node in ("extractor", "policy"):  # the policy reads the camera for its overlay (publish_overlay)
         assert readers[node][topics.IMAGE] == "$(var camera_topic)"
     for node in ("selection", "vehicle_interface"):
         assert readers[node][topics.CAMERA_INFO] == "$(var camera_info_topic)"

@@ -4,7 +4,14 @@ attribution; a strip of captioned frames."""
 import numpy as np
 import pytest
 
-from sps_driving.core.overlay import DROPPED_DIM, KEPT_OUTLINE_RGB, draw_selection, frame_strip
+from sps_driving.core.overlay import (
+    CAPTION_LINE_PX,
+    DROPPED_DIM,
+    KEPT_OUTLINE_RGB,
+    FrameOverlay,
+    draw_selection,
+    frame_strip,
+)
 
 # a 2x2 grid over the lower 20x20 px of a 30x20 frame (the rows above are outside the region)
 RECTANGLES = np.array([[0, 10, 10, 20], [10, 10, 20, 20], [0, 20, 10, 30], [10, 20, 20, 30]], float)
@@ -44,3 +51,21 @@ def test_frame_strip_puts_scaled_frames_side_by_side():
     strip = frame_strip([FRAME, np.zeros((60, 40, 3), np.uint8)], ["t -0.2 s", "t 0.0 s"], height=60)
     assert strip.shape == (60, 40 + 40, 3) and strip.dtype == np.uint8
     assert (strip[40:, 5] == 200).all() and (strip[40:, 45] == 0).all()  # below the captions
+
+
+def test_a_caption_of_two_lines_is_written_on_two_lines():
+    one = frame_strip([np.zeros((60, 80, 3), np.uint8)], ["-0.3 s"], height=60)
+    two = frame_strip([np.zeros((60, 80, 3), np.uint8)], ["-0.3 s\ncollision"], height=60)
+    band = slice(4 + CAPTION_LINE_PX, 20 + CAPTION_LINE_PX)  # rows of the second line
+    assert not one[band].any() and two[band].any()
+    assert (one[:20] == two[:20]).all()  # the first line as before
+
+
+def test_frame_overlay_caches_rectangles_per_frame_size_and_refuses_a_grid_that_does_not_tile():
+    overlay = FrameOverlay([0.5, 1.0, 0.0, 1.0], (28, 56), (2, 4))
+    out = overlay.draw(np.full((40, 80, 3), 200, np.uint8), kept=np.array([0]))
+    assert (out[:20] == 200).all() and out[25, 35].tolist() == [round(200 * DROPPED_DIM)] * 3
+    assert overlay.rectangles((40, 80)) is overlay.rectangles((40, 80))
+    np.testing.assert_array_equal(overlay.rectangles((40, 80))[0], [0, 20, 20, 30])
+    with pytest.raises(ValueError, match="does not tile"):
+        FrameOverlay(None, (28, 56), (3, 4))

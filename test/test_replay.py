@@ -138,7 +138,8 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     equals the core run in-process on the same frames and the bag's state. The state of each frame
     was recorded after its image (as a car or `collect` records it), and PACMod 3's speed report
     carries the speed (a car bag). A second image with an already played stamp is held back and
-    counted as a drop."""
+    counted as a drop. With --overlay the policy node draws the first frame (every 5th) and the
+    output bag records it."""
     from samples import tiny_policy
 
     from sps_driving import cli
@@ -168,10 +169,13 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     code = cli.main([
         "replay", str(tmp_path / "drive"), "--out", str(out), "--json", "--checkpoint", str(ckpt),
         "--backbone-config", str(tmp_path / "extraction.yaml"), "--frame-timeout", "60", "--log-dir", str(tmp_path / "logs"),
+        "--overlay",
     ])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     assert (report["frames_in"], report["frames_out"], report["frames_dropped"]) == (5, 4, 1)
+    overlays = [m.msg for m in read_messages(out, [topics.POLICY_OVERLAY])]
+    assert [msgs.stamp_ns(m.header) for m in overlays] == [t0] and (overlays[0].height, overlays[0].width) == (600, 960)
     assert report["drops"] == {"repeated stamp": 1}
     assert report["frames_out"] + sum(report["drops"].values()) == report["frames_in"]
     assert 0.0 <= report["vehicle_stopping_fraction"] <= 1.0

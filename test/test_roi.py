@@ -149,7 +149,7 @@ def test_roi_round_trips_through_a_feature_cache_and_a_checkpoint_to_the_simulat
                                expected.encode(noise(seed=10)).patches, atol=2e-3)  # fp16 cache
     policy = tmp_path / "policy"
     assert main(["train", "--cache", str(cache_dir), "--out", str(policy), "--architecture", "cnn", "--epochs", "1",
-                 "--width", "8", "--validation-fraction", "0.5"]) == 0
+                 "--width", "8", "--validation-fraction", "0.5", "--state-inputs"]) == 0
     assert json.loads((policy / "config.json").read_text())["extractor"]["roi"] == ROI
     assert extractor_for_policy(policy).extractor.roi == ROI
     assert PolicyDriver(str(policy)).extractor.roi == ROI

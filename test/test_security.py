@@ -183,7 +183,8 @@ def test_each_node_creates_only_endpoints_its_enclave_allows(policy, tmp_path):
         parameters={
             "camera_driver": {"source": str(frames), "width": 96, "height": 60, "loop": True},
             "selection": {"checkpoint": str(ckpt)},
-            "policy": {"checkpoint": str(ckpt), "vehicle_backend": "pacmod3"},
+            # With its overlay on, it also reads the camera and publishes /policy/overlay.
+            "policy": {"checkpoint": str(ckpt), "vehicle_backend": "pacmod3", "publish_overlay": True},
             "vehicle_interface": {"backend": "pacmod3"},
         },
         log_dir=tmp_path / "logs",
@@ -196,7 +197,7 @@ def test_each_node_creates_only_endpoints_its_enclave_allows(policy, tmp_path):
                 probe.node,
                 {topics.CAMERA_INFO: 2, topics.DESCRIPTORS: 1, topics.POLICY_COMMAND: 1, topics.OBSTACLE_RANGE: 1,
                  topics.SAFETY_STOP: 1, topics.PACMOD_SPEED_RPT: 2, topics.PACMOD_STEERING_RPT: 2,
-                 topics.TARGET_SPEED: 1},
+                 topics.TARGET_SPEED: 1, topics.IMAGE: 1},
                 60,
                 graph,
             )

@@ -536,3 +536,13 @@ def to_pacmod(command: VehicleCommand, limits: ControlLimits, steering_ratio: fl
         brake=clip(-command.throttle, 0.0, limits.max_brake),
         hazards=command.hazards,
     )
+
+
+def from_pacmod(steering_wheel_rad, accel, brake, steering_ratio: float):
+    """PACMod 3 steering-wheel angle (rad) and accelerator and brake pedals (0..1) -> road-wheel
+    angle (rad) and signed throttle (negative = brake): the inverse of `to_pacmod` without its
+    limits, for what a safety driver did (the reports' outputs). Both pedals pressed count as
+    their difference. Takes numbers or NumPy arrays."""
+    if not (math.isfinite(steering_ratio) and steering_ratio > 0):
+        raise ValueError(f"steering_ratio must be a positive number, got {steering_ratio!r}")
+    return steering_wheel_rad / steering_ratio, accel - brake

@@ -10,6 +10,8 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
+from sps_driving.core.image import patch_rectangles
+
 DROPPED_DIM = 0.45  # brightness factor of patches the selection dropped (unitless)
 KEPT_OUTLINE_RGB = (255, 255, 255)
 ATTRIBUTION_RGB = (255, 40, 0)  # tint of the most influential patch of a frame
@@ -62,16 +64,43 @@ def draw_selection(image_rgb: np.ndarray, rectangles: np.ndarray, kept: np.ndarr
     return out
 
 
+class FrameOverlay:
+    """A policy's view drawn on camera frames of any size: its patches lie where its extraction
+    settings put them (the `roi` resized to `input_size` (height, width) px, a `grid_shape`
+    (rows, cols) grid over it); their rectangles are computed once per frame size."""
+
+    def __init__(self, roi, input_size: tuple[int, int], grid_shape: tuple[int, int]):
+        self.roi, self.input_size, self.grid_shape = roi, tuple(input_size), tuple(grid_shape)
+        self._rectangles: dict[tuple[int, int], np.ndarray] = {}
+        self.rectangles(self.input_size)  # refuses a grid that does not tile the input, or a bad roi
+
+    def rectangles(self, frame_size: tuple[int, int]) -> np.ndarray:
+        """float [N, 4] patch rectangles on a frame of frame_size (height, width) px (core.image.patch_rectangles)."""
+        key = (int(frame_size[0]), int(frame_size[1]))
+        if key not in self._rectangles:
+            self._rectangles[key] = patch_rectangles(key, self.roi, self.input_size, self.grid_shape)
+        return self._rectangles[key]
+
+    def draw(self, image_rgb: np.ndarray, kept: np.ndarray, attribution: np.ndarray | None = None) -> np.ndarray:
+        """draw_selection on this frame's patch rectangles."""
+        return draw_selection(image_rgb, self.rectangles(image_rgb.shape[:2]), kept, attribution)
+
+
+CAPTION_LINE_PX = 16  # px between caption lines
+
+
 def frame_strip(frames: list[np.ndarray], captions: list[str], height: int = 160) -> np.ndarray:
-    """Frames side by side, each scaled to `height` px with its caption burnt in at the top left:
-    a failure's last seconds in one image."""
+    """Frames side by side, each scaled to `height` px with its caption (lines split at "\n")
+    burnt in at the top left: a failure's last seconds in one image."""
     if not frames or len(frames) != len(captions):
         raise ValueError(f"{len(frames)} frames and {len(captions)} captions: need one caption per frame, at least one")
     tiles = []
     for frame, caption in zip(frames, captions):
         scale = height / frame.shape[0]
         tile = cv2.resize(frame, (max(1, round(frame.shape[1] * scale)), height), interpolation=cv2.INTER_AREA)
-        cv2.putText(tile, caption, (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.42, (0, 0, 0), 3, cv2.LINE_AA)
-        cv2.putText(tile, caption, (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.42, (255, 255, 255), 1, cv2.LINE_AA)
+        for line, text in enumerate(caption.split("\n")):
+            origin = (4, 14 + line * CAPTION_LINE_PX)
+            cv2.putText(tile, text, origin, cv2.FONT_HERSHEY_SIMPLEX, 0.42, (0, 0, 0), 3, cv2.LINE_AA)
+            cv2.putText(tile, text, origin, cv2.FONT_HERSHEY_SIMPLEX, 0.42, (255, 255, 255), 1, cv2.LINE_AA)
         tiles.append(tile)
     return np.concatenate(tiles, axis=1)

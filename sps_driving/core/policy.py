@@ -73,6 +73,9 @@ from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import check_state_names, state_vector
 
 POLICY_FORMAT = "sps_driving.policy/1"
+# Occlusion attribution runs its occluded copies of a frame in batches of at most this many grid
+# elements (float32: 16 MiB per batch), whatever the grid and the number of kept patches.
+ATTRIBUTION_BATCH_ELEMENTS = 1 << 22
 WEIGHTS_FILE = "policy.safetensors"
 CONFIG_FILE = "config.json"
 # config "architecture" -> the names of its policy settings (config "policy"; values: config/train.yaml)
@@ -663,3 +666,35 @@ class DrivingPolicy:
         reads none). A policy with state inputs given no or a non-finite state raises ValueError."""
         steering, throttle = self.predict_batch([descriptors], [indices], [state])[0]
         return float(steering), float(throttle)
+
+    @torch.no_grad()
+    def attribution(self, descriptors: np.ndarray, indices: np.ndarray, state: Mapping[str, float] | None = None,
+                    batch_elements: int = ATTRIBUTION_BATCH_ELEMENTS) -> np.ndarray:
+        """Occlusion attribution of one frame: float32 [k], for each kept patch `indices[i]` the
+        change of the steering command (rad) when that patch alone is dropped and the policy sees
+        the rest: steering(kept without it) - steering(kept). Dropped as the selection drops it
+        (grid policies: zeros at its place; sequence policies: left out of the sequence). The k + 1
+        forwards run in batches of at most `batch_elements` grid elements (memory bounded)."""
+        descriptors, indices = self._check(descriptors, indices)
+        n, dim = self.grid.n, self.descriptor_dim
+        grid = np.zeros((1, n, dim), dtype=np.float32)
+        grid[0, indices] = descriptors
+        grid = torch.from_numpy(grid).to(self.device)
+        # Row 0 keeps every selected patch; row i + 1 drops indices[i] as well.
+        keep = np.zeros((len(indices) + 1, n), dtype=bool)
+        keep[:, indices] = True
+        keep[np.arange(1, len(indices) + 1), indices] = False
+        keep = torch.from_numpy(keep).to(self.device)
+        state_row = None
+        if self.state_inputs:
+            state_row = torch.from_numpy(state_vector(self.state_inputs, state)[None]).to(self.device)
+        rows = max(1, int(batch_elements) // (n * dim))
+        steering = []
+        for start in range(0, len(keep), rows):
+            masks = keep[start:start + rows]
+            batch_state = None if state_row is None else state_row.expand(len(masks), -1)
+            steering.append(self.module.forward_selected(grid.expand(len(masks), -1, -1), masks, batch_state)[:, 0])
+        steering = torch.cat(steering).cpu().numpy().astype(np.float64)
+        if not np.all(np.isfinite(steering)):
+            raise ValueError("policy produced a non-finite command")
+        return (steering[1:] - steering[0]).astype(np.float32)

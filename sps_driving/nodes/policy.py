@@ -10,16 +10,30 @@ topics.TARGET_SPEED or, until a message arrives there, the `target_speed_mps` pa
 state is the value whose header stamp is nearest to the frame's stamp, as training paired them; a
 frame without one within the age limit (none received, stale, or reported invalid) is dropped and
 counted by reason, never driven from an old speed.
+
+With `publish_overlay` the node also shows what the policy sees, on topics.POLICY_OVERLAY: every
+`overlay_every_n`-th commanded frame's camera image (read from topics.IMAGE, matched to the
+descriptors by stamp) with the kept patches outlined, the dropped ones dimmed and, with
+`overlay_attribution`, each kept patch tinted by its occlusion attribution. A worker thread at a
+lower CPU priority draws it after the command is out, so the command never waits for it; a frame
+whose image has not arrived within `overlay_image_timeout_s`, or that a newer one replaces while
+the worker is busy, is skipped and counted. Off by default: on the car it copies every camera
+frame into this process and spends k + 1 policy forwards per attributed frame on the CPU the
+command path shares.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections import OrderedDict
 
 from rclpy.node import Node
-from sensor_msgs.msg import JointState, PointCloud2
+from sensor_msgs.msg import Image, JointState, PointCloud2
 
 from sps_driving import msgs, topics
+from sps_driving.core.image import ImageError
 from sps_driving.core.state import SPEED_TOPICS, StateTracker, StateUnavailable, live_source
 from sps_driving.nodes.common import Param, StageTimer, declare, run
 from sps_driving.resources import SHIPPED_POLICY
@@ -34,7 +48,15 @@ PARAMETERS = {
     "max_speed_age_s": Param(0.1, "the speed nearest a frame's stamp may be this far from it, else the frame is dropped",
                              "s", above=0.0),
     "max_target_speed_age_s": Param(1.0, "the same for the cruise target speed, once one has arrived", "s", above=0.0),
+    "publish_overlay": Param(False, f"publish {topics.POLICY_OVERLAY}: camera frames with the kept patches drawn (RViz, "
+                             "Foxglove); off on the car, where it costs a camera subscription and CPU beside the command path"),
+    "overlay_every_n": Param(5, "draw every n-th commanded frame (from the first)", "frames", min=1),
+    "overlay_attribution": Param(True, "tint each kept patch by its occlusion attribution (k + 1 policy forwards per drawn frame)"),
+    "overlay_image_timeout_s": Param(0.5, "a frame to draw whose camera image has not arrived within this is skipped",
+                                     "s", above=0.0),
 }
+OVERLAY_IMAGES = 30  # camera images kept for matching by stamp (1 s at 30 fps); the oldest go first
+OVERLAY_NICENESS = 10  # added to the overlay thread's nice value: the command path comes first
 # State input -> the parameter of its age limit.
 MAX_AGE_PARAMETERS = {"speed_mps": "max_speed_age_s", "target_speed_mps": "max_target_speed_age_s"}
 
@@ -55,6 +77,7 @@ class PolicyNode(Node):
         self.state_tracker = None
         if self.policy.state_inputs:
             self.state_tracker = self._read_state(p)
+        self.overlay = OverlayPublisher(self, p) if p["publish_overlay"] else None
         self.create_subscription(PointCloud2, topics.DESCRIPTORS, self._on_descriptors, msgs.qos("stream"))
         sel = self.policy.selection
         self.get_logger().info(f"policy {p['checkpoint']}: {sel.variant} rate {sel.rate}, D={self.policy.descriptor_dim}, "
@@ -98,8 +121,96 @@ class PolicyNode(Node):
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
             return
         self.publisher.publish(msgs.to_ros(msgs.command_fields(steering, throttle, stamp)))
+        if self.overlay is not None and self.counters["frames"] % self.overlay.every_n == 0:
+            self.overlay.submit(stamp, values, indices, state)
         self.counters["frames"] += 1
         self.stage_timer.publish(stamp, started, self.counters)
+
+    def destroy_node(self):
+        if self.overlay is not None:
+            self.overlay.stop()
+        return super().destroy_node()
+
+
+class OverlayPublisher:
+    """The policy's view on topics.POLICY_OVERLAY (see the module docstring): camera images kept
+    by stamp, the newest frame to draw, and the worker thread that draws and publishes it."""
+
+    def __init__(self, node: PolicyNode, p: dict):
+        from sps_driving.extractors import extraction_settings, frame_overlay
+
+        self.node, self.policy = node, node.policy
+        self.every_n, self.with_attribution = p["overlay_every_n"], p["overlay_attribution"]
+        self.image_timeout_s = p["overlay_image_timeout_s"]
+        # Where the patches lie on the frame: the extraction settings the checkpoint records.
+        self.drawer = frame_overlay(extraction_settings(checkpoint=self.policy.config).config, self.policy.grid)
+        node.counters.update(overlay_published=0, overlay_no_image=0, overlay_skipped_busy=0, overlay_invalid=0)
+        self._lock = threading.Condition()
+        self._images: OrderedDict[int, Image] = OrderedDict()
+        self._pending = None  # (stamp, descriptors, indices, state, monotonic s when handed over)
+        self._running = True
+        self.publisher = node.create_publisher(Image, topics.POLICY_OVERLAY, msgs.qos("image"))
+        node.create_subscription(Image, topics.IMAGE, self._on_image, msgs.qos("image"))
+        self.worker = threading.Thread(target=self._work, name="overlay", daemon=True)
+        self.worker.start()
+        node.get_logger().info(f"overlay on {topics.POLICY_OVERLAY}: every {self.every_n} frame(s), "
+                               f"attribution {'on' if self.with_attribution else 'off'}")
+
+    def _on_image(self, msg: Image) -> None:
+        with self._lock:
+            self._images[msgs.stamp_ns(msg.header)] = msg
+            while len(self._images) > OVERLAY_IMAGES:
+                self._images.popitem(last=False)
+            self._lock.notify()
+
+    def submit(self, stamp: int, descriptors, indices, state) -> None:
+        """Hand a commanded frame to the worker; never waits for it."""
+        with self._lock:
+            if self._pending is not None:
+                self.node.counters["overlay_skipped_busy"] += 1
+            self._pending = (stamp, descriptors, indices, state, time.monotonic())
+            self._lock.notify()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._running = False
+            self._lock.notify()
+        self.worker.join(timeout=2.0)
+
+    def _next(self):
+        """The pending frame and its image once the image is in; a frame whose image is late is skipped."""
+        with self._lock:
+            while self._running:
+                if self._pending is not None:
+                    image = self._images.get(self._pending[0])
+                    if image is not None:
+                        job, self._pending = self._pending, None
+                        return job, image
+                    if time.monotonic() - self._pending[-1] > self.image_timeout_s:
+                        self._pending = None
+                        self.node.counters["overlay_no_image"] += 1
+                        self.node.get_logger().warning("overlay: no camera image with the frame's stamp arrived in time",
+                                                       throttle_duration_sec=5.0)
+                        continue
+                self._lock.wait(timeout=0.05)
+        return None
+
+    def _work(self) -> None:
+        # Linux: the nice value is per thread (and the threads torch starts from here inherit it).
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + OVERLAY_NICENESS)
+        while (item := self._next()) is not None:
+            (stamp, descriptors, indices, state, _), image = item
+            try:
+                rgb = msgs.image_to_rgb(image)
+                attribution = self.policy.attribution(descriptors, indices, state) if self.with_attribution else None
+                drawn = self.drawer.draw(rgb, indices, attribution)
+            except (ImageError, ValueError, RuntimeError) as exc:  # a bad frame; torch errors
+                self.node.counters["overlay_invalid"] += 1
+                self.node.get_logger().warning(f"overlay: {exc}", throttle_duration_sec=5.0)
+                continue
+            self.publisher.publish(msgs.to_ros(msgs.image_fields(drawn, stamp, image.header.frame_id)))
+            self.node.counters["overlay_published"] += 1
 
 
 def main(args=None) -> int:

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from sps_driving.sim.config import frame_stamp_ns
 from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.scenarios import get_scenario
-from sps_driving.sim.world import World, make_episode
+from sps_driving.sim.world import StepResult, World, make_episode
 
 
 @dataclass
@@ -43,6 +45,9 @@ class Frame:
 
 Driver = Callable[[Frame], Command]  # the command that moves the car at this frame
 Sink = Callable[[Frame, Command], None]  # gets every frame with the command that moved the car
+# Called after a step with a failure (the world's intervention already made): the frame whose
+# command preceded it, and the step's result with the failures.
+FailureHook = Callable[[Frame, StepResult], None]
 
 
 def follow_label(frame: Frame) -> Command:
@@ -55,13 +60,14 @@ def episode_steps(config: dict) -> int:
 
 
 def drive_episode(config: dict, world: World, episode_index: int, driver: Driver, expert: Expert | None = None,
-                  renderer=None, sinks: Sequence[Sink] = ()) -> dict:
+                  renderer=None, sinks: Sequence[Sink] = (), on_failure: FailureHook | None = None) -> dict:
     """Drive `world` for one episode; the loop of collection, evaluation and DAgger rollouts.
 
     Each step makes the frame (stamp of `episode_index`, camera image when a `renderer` is given,
     the `expert`'s clean command as the label when one is given), asks `driver` for the command,
-    hands the frame and that command to every sink, then steps the world. Returns the world's
-    result with min_gap_m, the smallest free gap to any actor over the episode (m).
+    hands the frame and that command to every sink, then steps the world (and calls `on_failure`
+    after a step with a failure). Returns the world's result with min_gap_m, the smallest free gap
+    to any actor over the episode (m).
     """
     steps = episode_steps(config)
     min_gap = math.inf
@@ -72,7 +78,10 @@ def drive_episode(config: dict, world: World, episode_index: int, driver: Driver
         command = driver(frame)
         for sink in sinks:
             sink(frame, command)
-        min_gap = min(min_gap, world.step(command.steering, command.throttle).gap_m)
+        step_result = world.step(command.steering, command.throttle)
+        min_gap = min(min_gap, step_result.gap_m)
+        if step_result.failures and on_failure is not None:
+            on_failure(frame, step_result)
     result = world.result(steps * world.dt).as_dict()
     result["min_gap_m"] = min_gap
     return result
@@ -84,16 +93,30 @@ def driving_state(world: World) -> dict:
     return {"speed_mps": world.state.speed, "target_speed_mps": world.episode.cruise_speed}
 
 
+@dataclass(frozen=True)
+class FrameView:
+    """What the policy saw at one frame and what it did (for failure strips)."""
+
+    time_s: float  # s, the world's time at the frame
+    image: np.ndarray  # uint8 HxWx3 RGB camera frame
+    indices: np.ndarray  # int64 [k] kept patches
+    descriptors: np.ndarray  # float32 [k, D] their descriptors
+    state: dict | None  # the state inputs it was given
+    steering: float  # rad, the command
+
+
 class PolicyDriver:
     """Camera frame (and the car's state) -> selected patches -> descriptors -> policy command.
 
     With all_patches, every patch's descriptor is computed and kept (`frame_descriptors`, and
     `Frame.descriptors` through `drive`), and the policy reads its selected subset of them: DAgger
     rollouts write that dense grid to a feature cache without extracting the frame twice.
+    With view_history N, `views` keeps the FrameView of the last N frames `drive` computed (a
+    ring buffer; sps_driving.sim.failure_strips draws them).
     """
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
-                 all_patches: bool = False):
+                 all_patches: bool = False, view_history: int = 0):
         from sps_driving.core.policy import load_policy
         from sps_driving.extractors import extractor_for_policy
 
@@ -108,15 +131,20 @@ class PolicyDriver:
         self.selector = self.policy.selector
         self.all_patches = np.arange(self.extractor.grid.n) if all_patches else None
         self.frame_descriptors: np.ndarray | None = None
+        self.views: deque[FrameView] | None = deque(maxlen=view_history) if view_history > 0 else None
+        self._seen: tuple[np.ndarray, np.ndarray] | None = None  # the last computed frame's (indices, descriptors)
         self.last = (0.0, 0.0)
         self.drops = 0
 
     def reset(self) -> None:
         self.last = (0.0, 0.0)
+        if self.views is not None:
+            self.views.clear()
 
     def __call__(self, image: np.ndarray, stamp_ns: int, state: dict | None = None) -> tuple[float, float]:
         """The command for one frame; `state` ({name: value}, `driving_state`) for a policy that reads one."""
         self.frame_descriptors = None
+        self._seen = None
         try:
             indices = self.selector.select(stamp_ns)
             encoded = self.extractor.encode(image)
@@ -135,26 +163,32 @@ class PolicyDriver:
             self.drops += 1
             return self.last
         self.last = command
+        self._seen = (indices, descriptors)
         return command
 
     def drive(self, frame: Frame) -> Command:
         """The episode loop's driver: the command for `frame`'s camera image (with all_patches,
         frame.descriptors gets every patch's descriptor; None for a dropped frame)."""
-        command = Command(*self(frame.image, frame.stamp_ns, driving_state(frame.world)))
+        state = driving_state(frame.world)
+        command = Command(*self(frame.image, frame.stamp_ns, state))
         frame.descriptors = self.frame_descriptors
+        if self.views is not None and self._seen is not None:
+            self.views.append(FrameView(frame.world.time, frame.image, *self._seen, state, command.steering))
         return command
 
 
-def run_episode(config: dict, scenario_name: str, seed: int, driver=None, renderer=None) -> dict:
+def run_episode(config: dict, scenario_name: str, seed: int, driver=None, renderer=None, strips=None) -> dict:
     """One closed-loop episode on layout `seed` (its frames stamped as episode `seed`); `driver`
-    None means the privileged expert (no camera needed)."""
+    None means the privileged expert (no camera needed). `strips` (sim.failure_strips.FailureStrips
+    of this driver) writes a strip of each failure."""
     world = World(config, make_episode(config, get_scenario(scenario_name), seed))
     drops_before = getattr(driver, "drops", 0)
     if driver is None:
         result = drive_episode(config, world, seed, follow_label, expert=Expert(config))
     else:
         driver.reset()
-        result = drive_episode(config, world, seed, driver.drive, renderer=renderer)
+        on_failure = None if strips is None else strips.episode(scenario_name, seed)
+        result = drive_episode(config, world, seed, driver.drive, renderer=renderer, on_failure=on_failure)
     result["episode"] = seed  # as in rows from before layouts were chosen, where the index was the seed
     result["dropped_frames"] = getattr(driver, "drops", 0) - drops_before
     return result
@@ -164,7 +198,8 @@ def run_episode(config: dict, scenario_name: str, seed: int, driver=None, render
 _WORKER: dict = {}
 
 
-def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int, backbone_config: str | None) -> None:
+def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int, backbone_config: str | None,
+                 strips_folder: str | None = None) -> None:
     _WORKER.clear()  # in process (one worker), an earlier run's driver must not drive this one's expert episodes
     _WORKER["config"] = config
     if policy_dir is not None:
@@ -178,20 +213,32 @@ def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         _WORKER["renderer"] = get_renderer(config)
-        _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config)
+        if strips_folder is None:
+            _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config)
+        else:
+            from sps_driving.sim.failure_strips import FailureStrips, StripSettings
+
+            settings = StripSettings.from_config(config)
+            driver = PolicyDriver(policy_dir, device, threads, backbone_config,
+                                  view_history=settings.history_frames(float(config["control_rate_hz"])))
+            _WORKER["driver"] = driver
+            _WORKER["strips"] = FailureStrips(Path(strips_folder), settings, driver)
 
 
 def _run_task(task: tuple[str, int]) -> dict:
     scenario_name, seed = task
-    return run_episode(_WORKER["config"], scenario_name, seed, _WORKER.get("driver"), _WORKER.get("renderer"))
+    return run_episode(_WORKER["config"], scenario_name, seed, _WORKER.get("driver"), _WORKER.get("renderer"),
+                       _WORKER.get("strips"))
 
 
 def run_episodes(config: dict, policy_dir: str | None, tasks: list[tuple[str, int]], workers: int, device: str,
-                 record: Callable[[dict], None], backbone_config: str | None = None) -> None:
+                 record: Callable[[dict], None], backbone_config: str | None = None,
+                 strips_folder: Path | None = None) -> None:
     """Run (scenario, layout seed) `tasks` with the policy at `policy_dir` (None: the expert) in
-    `workers` processes, handing each finished episode's result to `record` as it comes."""
+    `workers` processes, handing each finished episode's result to `record` as it comes; with
+    `strips_folder`, a policy's failures are drawn there (sps_driving.sim.failure_strips)."""
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
-    init = (config, policy_dir, device, threads, backbone_config)
+    init = (config, policy_dir, device, threads, backbone_config, None if strips_folder is None else str(strips_folder))
     if workers <= 1:
         _init_worker(*init)
         for task in tasks:

@@ -11,7 +11,9 @@ on-car nodes, with the vehicle interface's limits and watchdogs; sps_driving.sim
 Layouts: episode seeds --first-seed .. --first-seed + episodes - 1, the same in every scenario and
 for every method, below the first collection seed (sps_driving.sim.world.COLLECTION_SEED_BASE),
 so no layout is ever trained on. Every finished episode is appended to OUT/results.jsonl, and a
-rerun skips the episodes already there (sps_driving.sim.results). Tables and plots
+rerun skips the episodes already there (sps_driving.sim.results). In process, each failure of a
+policy's episode is drawn as a strip of its last 2 s, what the policy kept and where its steering
+came from, into OUT/failures/<method>/ (sps_driving.sim.failure_strips; --no-failure-strips: none). Tables and plots
 (sps_driving.sim.tables) are written from every method's rows in results.jsonl on this run's
 layouts with this run's episode length and image size.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from sps_driving.sim.config import PROFILES, load_sim_config
 from sps_driving.sim.episodes import run_episodes
+from sps_driving.sim.failure_strips import StripSettings, strips_folder
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missing_tasks, read_results
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
@@ -31,16 +34,24 @@ from sps_driving.sim.world import COLLECTION_SEED_BASE
 
 
 def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
-             backbone_config: str | None = None) -> list[dict]:
-    """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl."""
+             backbone_config: str | None = None, failure_strips: bool = True) -> list[dict]:
+    """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl
+    (and, with `failure_strips`, a policy's failures drawn into out/failures/<method>/)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
     tasks = _missing(settings, scenarios, path)
     if not tasks:
         return []
+    folder = None
+    if failure_strips and settings.policy_dir:
+        try:
+            StripSettings.from_config(config)  # a bad setting stops the run here, not in every worker
+        except ValueError as exc:
+            raise SystemExit(f"eval: {exc}") from None
+        folder = strips_folder(out, settings.method)
     record = Recorder(settings, path, len(tasks))
     try:
-        run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config)
+        run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config, folder)
     finally:
         record.close()
     return record.rows
@@ -102,6 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
     parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. precision: int8)")
+    parser.add_argument("--no-failure-strips", dest="failure_strips", action="store_false",
+                        help="in process: draw no strip of the frames before each failure (OUT/failures/<method>/)")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
     parser.add_argument("--graph", action="store_true",
                         help="drive through the live ROS 2 graph (sim_world node + the on-car nodes) instead of in process; "
@@ -160,7 +173,11 @@ def run(args) -> int:
     if args.graph:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:
-        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device, args.backbone_config)
+        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device, args.backbone_config,
+                 args.failure_strips)
+        folder = strips_folder(out, method)
+        if policy_dir is not None and folder.is_dir():
+            print(f"failure strips: {sum(1 for _ in folder.glob('*.png'))} in {folder}")
     # Tables compare methods under the same settings on this run's layouts: rows of other profiles
     # and other layouts (development ones beside held-out ones) stay in the file only.
     same = (settings.episode_s, settings.width, settings.height)

@@ -19,14 +19,17 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
         sources.npy             int32 [n]: index into meta.json "sources"
         state.npy               float32 [n, S]: the frame's state inputs (sps_driving.core.state),
                                 columns as meta.json "state" names them, NaN where unknown
+        intervention.npy        bool [n]: the frame is in the seconds after a safety driver's
+                                override (sps_driving.train.car_labels)
       shard_00001/ ...
 
 meta.json keys: format, backbone (name), extractor (the extractor config used), grid {rows,
 cols}, descriptor_dim (D), dtype ("float16"), frames (total), shard_size (frames per shard,
 the last may hold fewer), shards [{path, frames}], sources [names, e.g. bag or episode names:
 validation splits by them], position_table (file name or null), state (the state.npy columns;
-absent in caches written before state inputs: their frames' states are unknown), plus anything
-the writer's caller adds (e.g. extraction counts of dropped frames).
+absent in caches written before state inputs: their frames' states are unknown), intervention
+(true: the shards hold intervention.npy; absent in older caches, whose frames read as not in
+one), plus anything the writer's caller adds (e.g. extraction counts of dropped frames).
 
 All .npy files are plain NumPy format, so `np.load(path, mmap_mode="r")` maps them without a
 copy; `FeatureCache` does that for the descriptors and loads the small arrays into memory.
@@ -63,6 +66,7 @@ class CacheFrame:
     stamp_ns: int
     source: str
     state: dict  # {state input name: value}, NaN where unknown
+    intervention: bool = False  # in the seconds after a safety driver's override
 
 
 class FeatureCacheWriter:
@@ -104,8 +108,9 @@ class FeatureCacheWriter:
         self.frames = 0
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
-            state: dict | None = None) -> None:
-        """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown."""
+            state: dict | None = None, intervention: bool = False) -> None:
+        """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown;
+        `intervention`: the frame follows a safety driver's override."""
         descriptors = np.asarray(descriptors)
         if descriptors.shape != (self.grid.n, self.dim):
             raise ValueError(f"descriptors must be [{self.grid.n}, {self.dim}], got {descriptors.shape}")
@@ -128,7 +133,7 @@ class FeatureCacheWriter:
             raise RuntimeError(f"feature cache {self.directory} is already closed")
         source_id = self._sources.setdefault(str(source), len(self._sources))
         self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id,
-                              state_row))
+                              state_row, bool(intervention)))
         self.frames += 1
         if len(self._pending) == self.shard_size:
             self._flush()
@@ -139,12 +144,13 @@ class FeatureCacheWriter:
         name = f"shard_{len(self._shards):05d}"
         tmp = self.directory / (name + ".tmp")
         tmp.mkdir()
-        descriptors, targets, stamps, sources, states = zip(*self._pending)
+        descriptors, targets, stamps, sources, states, interventions = zip(*self._pending)
         np.save(tmp / "descriptors.npy", np.stack(descriptors))
         np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
         np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
         np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
         np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
+        np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
         os.replace(tmp, self.directory / name)
         self._shards.append({"path": name, "frames": len(self._pending)})
         self._pending = []
@@ -168,6 +174,7 @@ class FeatureCacheWriter:
             "sources": list(self._sources),
             "position_table": POSITION_TABLE_FILE if self._has_position_table else None,
             "state": list(STATE_NAMES),
+            "intervention": True,
             "created_unix": time.time(),
         }
         (self.directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
@@ -198,7 +205,8 @@ def _read_cache(directory: Path) -> dict:
         raise ValueError(f"{meta_path} is not a feature cache of format {CACHE_FORMAT!r}")
     grid_n = int(meta["grid"]["rows"]) * int(meta["grid"]["cols"])
     stored_state = list(meta.get("state", []))
-    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": []}
+    has_intervention = bool(meta.get("intervention"))
+    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": [], "intervention": []}
     for shard in meta["shards"]:
         path = directory / shard["path"]
         n = int(shard["frames"])
@@ -209,6 +217,7 @@ def _read_cache(directory: Path) -> dict:
             ("stamps", (n,), np.int64),
             ("sources", (n,), np.int32),
             *((("state", (n, len(stored_state)), np.float32),) if stored_state else ()),
+            *((("intervention", (n,), np.bool_),) if has_intervention else ()),
         ):
             file = path / f"{name}.npy"
             try:
@@ -229,8 +238,9 @@ def _read_cache(directory: Path) -> dict:
             if name in STATE_NAMES:
                 state[:, STATE_NAMES.index(name)] = arrays["state"][:, column]
         part["state"].append(state)
+        part["intervention"].append(arrays["intervention"] if has_intervention else np.zeros(n, dtype=bool))
     empty = {"targets": np.zeros((0, 2), np.float32), "stamps": np.zeros(0, np.int64), "source_ids": np.zeros(0, np.int32),
-             "state": np.zeros((0, len(STATE_NAMES)), np.float32)}
+             "state": np.zeros((0, len(STATE_NAMES)), np.float32), "intervention": np.zeros(0, dtype=bool)}
     for key, default in empty.items():
         part[key] = np.concatenate(part[key]) if part[key] else default
     if len(part["targets"]) != int(meta["frames"]):
@@ -286,6 +296,7 @@ class FeatureCache:
         self.targets = np.concatenate([part["targets"] for part in parts])
         self.stamps = np.concatenate([part["stamps"] for part in parts])
         self.state = np.concatenate([part["state"] for part in parts])  # float32 [frames, len(STATE_NAMES)], NaN = unknown
+        self.intervention = np.concatenate([part["intervention"] for part in parts])  # bool [frames]: after an override
         self.source_ids = np.concatenate([part["source_ids"] + offset for part, offset in zip(parts, offsets)]).astype(np.int32)
         sizes = [len(s) for s in self._shards]
         self._starts = np.cumsum([0] + sizes)[:-1]
@@ -305,7 +316,7 @@ class FeatureCache:
         steering, throttle = self.targets[index]
         return CacheFrame(self._shards[shard][row], float(steering), float(throttle),
                           int(self.stamps[index]), self.sources[self.source_ids[index]],
-                          dict(zip(STATE_NAMES, self.state[index].tolist())))
+                          dict(zip(STATE_NAMES, self.state[index].tolist())), bool(self.intervention[index]))
 
     def state_values(self, names) -> np.ndarray:
         """float32 [frames, len(names)]: the frames' values of state inputs `names`, NaN where unknown."""

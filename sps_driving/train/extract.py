@@ -2,8 +2,12 @@
 
 Each INPUT is either
 - a rosbag2 directory (it has metadata.yaml): camera frames (sensor_msgs/Image) on the camera
-  topic, each paired with the reference command (sensor_msgs/JointState "steering", "throttle")
-  whose header stamp is nearest to the frame's, if within the configured tolerance; or
+  topic, labelled from one of two sources (`label_source`; auto: the first the bag has):
+  - "command": the reference command (sensor_msgs/JointState "steering", "throttle") whose header
+    stamp is nearest to the frame's, if within the configured tolerance (the world's bags);
+  - "pacmod3": what the safety driver did, from the car's PACMod 3 reports interpolated to the
+    frame's stamp, human driving only, and the frames after each override marked as an
+    intervention (sps_driving.train.car_labels; the car's bags); or
 - an image folder with labels.csv (columns filename, steering, throttle and optionally
   stamp_ns; frames without stamp_ns get stamps at the configured nominal frame rate).
 
@@ -16,14 +20,16 @@ trainer decides which state its policy needs, and the counts say how many frames
 Every frame's descriptors are computed for all patches (rate 1.0) by the configured backbone and
 written to the feature cache (docs/feature_cache.md), with the input's name as the frame's
 source. A frame that cannot be used (undecodable image, no command in tolerance, non-finite
-label or descriptors) is skipped and counted by reason; the counts go to meta.json and the
-summary printed at the end.
+label or descriptors, and for car labels the reasons of car_labels.DROP_REASONS) is skipped and
+counted by reason; the counts go to meta.json ("counts") with, per input, where its labels came
+from and by which rules ("labels"), and to the summary printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 from collections import Counter
@@ -39,7 +45,8 @@ from tqdm import tqdm
 from sps_driving import topics
 from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
 from sps_driving.resources import config_path
-from sps_driving.train.cache import FeatureCacheWriter
+from sps_driving.train.cache import META_FILE, FeatureCacheWriter
+from sps_driving.train.car_labels import CarLabelRules, has_reports, missing_reports, read_car_labels
 
 LABELS_FILE = "labels.csv"
 TRAIN_CONFIG = config_path("train.yaml")
@@ -53,13 +60,23 @@ class LabelledFrame:
     stamp_ns: int
     drop_reason: str | None = None
     state: dict = field(default_factory=dict)  # {state input name: value}; unknown ones left out or NaN
+    intervention: bool = False  # in the seconds after a safety driver's override
+
+
+LABEL_SOURCES = ("auto", "command", "pacmod3")
 
 
 @dataclass(frozen=True)
 class ExtractSettings:
     camera_topic: str = topics.IMAGE
     command_topic: str = topics.REFERENCE_COMMAND
+    label_source: str = "auto"
     match_tolerance_s: float = 0.02
+    max_report_gap_s: float = 0.1
+    min_speed_mps: float = 0.5
+    exclude_reverse: bool = True
+    label_stack_driving: bool = False
+    intervention_window_s: float = 3.0
     image_folder_frame_rate_hz: float = 30.0
     shard_size: int = 512
 
@@ -74,6 +91,13 @@ class ExtractSettings:
     def __post_init__(self) -> None:
         if not (self.match_tolerance_s >= 0 and self.image_folder_frame_rate_hz > 0 and self.shard_size >= 1):
             raise ValueError("need match_tolerance_s >= 0, image_folder_frame_rate_hz > 0 and shard_size >= 1")
+        if self.label_source not in LABEL_SOURCES:
+            raise ValueError(f"label_source must be one of {LABEL_SOURCES}, got {self.label_source!r}")
+        self.car_label_rules()  # checks them
+
+    def car_label_rules(self) -> CarLabelRules:
+        return CarLabelRules(self.max_report_gap_s, self.min_speed_mps, self.exclude_reverse, self.label_stack_driving,
+                             self.intervention_window_s)
 
 
 def input_kind(path: Path) -> str:
@@ -94,9 +118,18 @@ def _command_values(msg) -> tuple[float, float] | None:
     return steering, throttle
 
 
+def bag_label_source(present: dict, settings: ExtractSettings) -> str:
+    """"command" or "pacmod3": where the labels of a bag with topics `present` ({topic: message
+    type}) come from. auto: the reference command when the bag has it (the world's bags; a bag
+    with both says so in the cache's "labels"), else the PACMod 3 reports."""
+    if settings.label_source != "auto":
+        return settings.label_source
+    return "command" if settings.command_topic in present or not has_reports(present) else "pacmod3"
+
+
 def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]:
     """Each input's kind; fails before any extraction on an unknown input or a bag without the
-    camera or command topic (usually a wrong topic name)."""
+    camera topic or what its labels are read from (usually a wrong topic name)."""
     from sps_driving.bagio import topic_types
 
     kinds = [input_kind(Path(path)) for path in inputs]
@@ -104,7 +137,11 @@ def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]
         if kind != "rosbag2":
             continue
         present = topic_types(path)
-        missing = [t for t in (settings.camera_topic, settings.command_topic) if t not in present]
+        missing = [t for t in (settings.camera_topic,) if t not in present]
+        if bag_label_source(present, settings) == "command":
+            missing += [t for t in (settings.command_topic,) if t not in present]
+        else:
+            missing += missing_reports(present, settings.car_label_rules())
         if missing:
             raise ValueError(f"bag {path} has no topic {', '.join(missing)}; its topics: {', '.join(sorted(present))}")
     return kinds
@@ -151,11 +188,10 @@ def matched_state(states: dict, stamp: int, tolerance_ns: int) -> dict:
     return state
 
 
-def bag_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterator[LabelledFrame]:
-    """Camera frames of a bag, each labelled with the nearest reference command by header stamp,
-    and with its state inputs matched the same way."""
+def command_labels(path: Path, settings: ExtractSettings, counts: Counter):
+    """label(stamp, log time) -> LabelledFrame without its image: the reference command whose
+    header stamp is nearest to the frame's, within the tolerance."""
     from sps_driving.bagio import read_messages
-    from sps_driving.core.image import ImageError, to_rgb
     from sps_driving.msgs import stamp_ns
 
     command_stamps, command_values = [], []
@@ -170,22 +206,65 @@ def bag_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterat
     stamps = np.asarray(command_stamps, dtype=np.int64)[order]
     values = np.asarray(command_values, dtype=np.float64).reshape(-1, 2)[order]
     tolerance_ns = int(settings.match_tolerance_s * 1e9)
+
+    def label(stamp: int, _log_time: int) -> LabelledFrame:
+        command = nearest(stamps, stamp)
+        if command is None or abs(int(stamps[command]) - stamp) > tolerance_ns:
+            return LabelledFrame(None, math.nan, math.nan, stamp, "no_command_in_tolerance")
+        steering, throttle = values[command]
+        return LabelledFrame(None, float(steering), float(throttle), stamp)
+
+    return label
+
+
+def human_labels(car):
+    """label(stamp, log time) -> LabelledFrame without its image, from a car_labels.CarLabels;
+    its speed is the frame's speed state input."""
+    def label(stamp: int, log_time: int) -> LabelledFrame:
+        human = car.label(stamp, log_time)
+        if human.drop_reason:
+            return LabelledFrame(None, math.nan, math.nan, stamp, human.drop_reason)
+        return LabelledFrame(None, human.steering, human.throttle, stamp, state={"speed_mps": human.speed_mps},
+                             intervention=human.intervention)
+
+    return label
+
+
+def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: dict, steering_ratio: float) -> Iterator[LabelledFrame]:
+    """Camera frames of a bag, each labelled from the bag's label source (`bag_label_source`) and
+    with its state inputs matched by stamp (the car's labels bring their own speed). `labels` gets
+    where the labels came from and by which rules."""
+    from sps_driving.bagio import read_messages, topic_types
+    from sps_driving.core.image import ImageError, to_rgb
+    from sps_driving.msgs import stamp_ns
+
+    present = topic_types(path)
+    if bag_label_source(present, settings) == "command":
+        label = command_labels(path, settings, counts)
+        labels.update({"from": settings.command_topic, "match_tolerance_s": settings.match_tolerance_s})
+    else:
+        car = read_car_labels(path, settings.car_label_rules(), steering_ratio)
+        label = human_labels(car)
+        labels.update(car.describe())
+    if has_reports(present) and settings.command_topic in present:
+        labels["also_in_bag"] = "pacmod3 reports" if labels["from"] == settings.command_topic else settings.command_topic
+    tolerance_ns = int(settings.match_tolerance_s * 1e9)
     states = bag_states(path)
 
     for message in read_messages(path, [settings.camera_topic]):
         msg = message.msg
-        stamp = stamp_ns(msg.header)
-        command = nearest(stamps, stamp)
-        if command is None or abs(int(stamps[command]) - stamp) > tolerance_ns:
-            yield LabelledFrame(None, math.nan, math.nan, stamp, "no_command_in_tolerance")
+        frame = label(stamp_ns(msg.header), message.log_time_ns)
+        if frame.drop_reason:
+            yield frame
             continue
-        steering, throttle = values[command]
         try:
-            rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
+            frame.rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
         except ImageError:
-            yield LabelledFrame(None, steering, throttle, stamp, "undecodable_image")
+            frame.drop_reason = "undecodable_image"
+            yield frame
             continue
-        yield LabelledFrame(rgb, float(steering), float(throttle), stamp, state=matched_state(states, stamp, tolerance_ns))
+        frame.state = {**matched_state(states, frame.stamp_ns, tolerance_ns), **frame.state}
+        yield frame
 
 
 def folder_rows(path: Path) -> list[dict]:
@@ -225,8 +304,12 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
 
 
 def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
-            settings: ExtractSettings = ExtractSettings(), overwrite: bool = False) -> dict:
-    """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by reason)."""
+            settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None) -> dict:
+    """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by
+    reason; written_intervention: frames after an override). Car labels use the steering ratio of
+    `params_file` (config/graph.yaml by default: the vehicle interface's)."""
+    from sps_driving.graph import car_facts
+
     inputs = [Path(p) for p in inputs]
     kinds = check_inputs(inputs, settings)
     meta = {
@@ -237,15 +320,19 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
         "inputs": [str(p) for p in inputs],
     }
     all_patches = np.arange(extractor.grid.n, dtype=np.int64)
-    report = {}
+    report, labels = {}, {}
+    steering_ratio = float(car_facts(params_file)["steering_ratio"])
     writer = FeatureCacheWriter(out, meta, extractor.position_table(), settings.shard_size, overwrite)
     with writer:
         for path, kind, source in zip(inputs, kinds, source_names(inputs)):
             counts = Counter()
+            labels[source] = {}
             if kind == "rosbag2":
-                frames, total = bag_frames(path, settings, counts), bag_frame_count(path, settings.camera_topic)
+                frames = bag_frames(path, settings, counts, labels[source], steering_ratio)
+                total = bag_frame_count(path, settings.camera_topic)
             else:
                 frames, total = folder_frames(path, settings, counts), len(folder_rows(path))
+                labels[source] = {"from": LABELS_FILE}
             for frame in tqdm(frames, total=total, desc=f"extract {source}", unit="frame"):
                 if frame.drop_reason is None:
                     frame.drop_reason = _add_frame(writer, extractor, frame, all_patches, source)
@@ -254,8 +341,10 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
                     for name in STATE_INPUTS:
                         if not math.isfinite(frame.state.get(name, math.nan)):
                             counts[f"written_without_{name}"] += 1
+                    if frame.intervention:
+                        counts["written_intervention"] += 1
             report[source] = dict(counts)
-        writer.close({"counts": report})
+        writer.close({"counts": report, "labels": labels})
     return report
 
 
@@ -266,7 +355,7 @@ def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patc
     except ValueError:  # the extractor's ImageError and input checks
         return "undecodable_image"
     try:
-        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state)
+        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state, frame.intervention)
     except ValueError:
         return "invalid_descriptors_or_label"
     return None
@@ -291,6 +380,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, ... (overrides the extractor config)")
     parser.add_argument("--camera-topic", help="camera topic in bags (default from --config)")
     parser.add_argument("--command-topic", help="reference command topic in bags (default from --config)")
+    parser.add_argument("--labels", choices=LABEL_SOURCES, dest="label_source",
+                        help="where bag labels come from: the reference command, the car's PACMod 3 reports, or auto "
+                             "(the first the bag has; default from --config)")
+    parser.add_argument("--params", type=Path, help="graph parameters file with the car's steering_ratio (default: config/graph.yaml)")
 
 
 def run(args) -> int:
@@ -304,6 +397,8 @@ def run(args) -> int:
             settings = replace(settings, camera_topic=args.camera_topic)
         if args.command_topic:
             settings = replace(settings, command_topic=args.command_topic)
+        if args.label_source:
+            settings = replace(settings, label_source=args.label_source)
         check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
         extraction = extraction_settings_from_args(args)
         for warning in extraction.warnings:
@@ -311,16 +406,23 @@ def run(args) -> int:
         opened = open_extractor(extraction)
         extractor = opened.extractor
         print(opened.describe())
-        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite)
+        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params)
     except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output
         print(f"error: {error}", file=sys.stderr)
         return 2
     written = sum(c.get("written", 0) for c in report.values())
     print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
           f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}")
+    labels = json.loads((Path(args.out) / META_FILE).read_text())["labels"]
     for source, counts in report.items():
         dropped = {k: v for k, v in counts.items() if not k.startswith("written")}
         unknown = {k[len("written_without_"):]: v for k, v in counts.items() if k.startswith("written_without_")}
         print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else "")
               + (f", of them without state {unknown}" if unknown else ""))
+        print(f"    labels from {labels[source]['from']}" + (f" (the bag also has {labels[source]['also_in_bag']})"
+                                                             if "also_in_bag" in labels[source] else ""))
+        if "interventions" in labels[source]:
+            print(f"    safety-driver interventions: {len(labels[source]['interventions'])}, "
+                  f"{counts.get('written_intervention', 0)} frames written from the "
+                  f"{labels[source]['rules']['intervention_window_s']:g} s after them")
     return 0 if written else 1

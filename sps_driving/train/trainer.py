@@ -113,6 +113,8 @@ class TrainConfig:
     validation_fraction: float
     num_workers: int
     device: str
+    # Loss weight of intervention frames; the default is for settings recorded before it (a DAgger run's).
+    intervention_weight: float = 1.0
     resume: bool = False  # a run mode, not a setting: --resume
 
     def __post_init__(self) -> None:
@@ -126,6 +128,8 @@ class TrainConfig:
             raise ValueError("need lr, weight_decay, min_lr >= 0 and 0 < plateau_factor < 1")
         if not (0 <= self.dropout < 1 and self.max_steering_rad > 0):
             raise ValueError("need 0 <= dropout < 1 and max_steering_rad > 0")
+        if not (math.isfinite(self.intervention_weight) and self.intervention_weight >= 0):
+            raise ValueError(f"intervention_weight must be a finite number >= 0, got {self.intervention_weight}")
         for name in ("loss_weights", "criterion_weights"):
             if getattr(self, name) is None and name == "criterion_weights":
                 continue
@@ -416,6 +420,8 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
             "split": split,
             "loss": "L2 (weighted mean squared error of steering, throttle, each over its training-target variance)",
             "loss_weights": list(cfg.loss_weights),
+            "intervention_weight": cfg.intervention_weight,
+            "intervention_frames": int(cache.intervention[train_idx].sum()),
             "criterion": "validation early stopping, plateau and best checkpoint: the standardized squared errors "
                          "weighted by criterion_weights",
             "criterion_weights": list(judged_by),
@@ -539,6 +545,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     loader = DataLoader(dataset, batch_size=None, sampler=batches, num_workers=cfg.num_workers)
     scale = loss_scale(cfg.loss_weights, config["training"]["target_std"])
     weights = torch.as_tensor(scale, dtype=torch.float32, device=procs.device)
+    frame_weights = torch.from_numpy(np.where(cache.intervention, cfg.intervention_weight, 1.0).astype(np.float32))
     criterion_scale = loss_scale(config["training"]["criterion_weights"], config["training"]["target_std"])
     states = torch.from_numpy(cache.state_values(state_names)) if state_names else None
     val_frames = val_idx[procs.rank::procs.world_size]
@@ -559,7 +566,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
             if descriptor_transform is not None:
                 grids = descriptor_transform(grids, generator)
             keep = selector.sample_masks(len(grids), generator, procs.device)
-            loss = l2_loss(model(grids, keep, frame_states), target, weights).mean()
+            loss = (l2_loss(model(grids, keep, frame_states), target, weights) * frame_weights[index].to(procs.device)).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -639,6 +646,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--early-stop-patience", type=int)
+    parser.add_argument("--intervention-weight", type=float,
+                        help="loss weight of the frames after a safety driver's override (1: like every frame)")
     parser.add_argument("--validation-fraction", type=float)
     parser.add_argument("--num-workers", type=int)
     parser.add_argument("--device", help="auto, cpu, cuda")
@@ -648,7 +657,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
         "variant", "rate", "architecture", "state_inputs", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
-        "early_stop_patience", "validation_fraction", "num_workers", "device")}
+        "early_stop_patience", "validation_fraction", "num_workers", "device", "intervention_weight")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
         summary = train(cfg)

@@ -1,0 +1,228 @@
+"""Labels from the car's own drives: what the safety driver did, read from a recording's PACMod 3
+reports (pacmod3_msgs, ROS 2 layout), for `sps-driving extract` and `sps-driving replay`.
+
+Each camera frame gets the reports' outputs linearly interpolated to its header stamp: the
+steering-wheel angle (`steering_rpt.output`, rad) as the policy's road-wheel angle through the
+configured steering ratio, the pedals (`accel_rpt.output`, `brake_rpt.output`, 0..1) as one
+signed throttle (core.control.from_pacmod: the vehicle interface's split read backwards) and
+the vehicle speed (`vehicle_speed_rpt`, m/s) as the speed state input. Two reports of a topic
+around the stamp further apart than `max_report_gap_s` (or none on one side) give no label.
+
+Only the human's driving is the expert: a frame while the stack drove (PACMod enabled without
+an override) is left out unless `label_stack_driving`; so are frames in reverse (the shift
+report's gear, when recorded, or a negative speed) and at standstill (below `min_speed_mps`).
+Who drove when comes from the engagement history `sps-driving interventions` reads
+(sps_driving.interventions.autonomy_log, by log time, so a frame is placed by its log time);
+its safety-driver overrides are the interventions, and the frames within
+`intervention_window_s` after each are marked: the states where the stack failed, labelled by
+the human who took over (what human-gated DAgger trains on).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sps_driving import topics
+from sps_driving.core.control import from_pacmod
+
+SYSTEM_RPT_FLOAT = "pacmod3_msgs/msg/SystemRptFloat"
+SYSTEM_RPT_INT = "pacmod3_msgs/msg/SystemRptInt"
+VEHICLE_SPEED_RPT = "pacmod3_msgs/msg/VehicleSpeedRpt"
+# The reports every label is made of: name -> (topic, message type).
+REPORTS = {
+    "steering_wheel_rad": (topics.PACMOD_STEERING_RPT, SYSTEM_RPT_FLOAT),
+    "accel": (topics.PACMOD_ACCEL_RPT, SYSTEM_RPT_FLOAT),
+    "brake": (topics.PACMOD_BRAKE_RPT, SYSTEM_RPT_FLOAT),
+    "speed_mps": (topics.PACMOD_SPEED_RPT, VEHICLE_SPEED_RPT),
+}
+GEAR_REPORT = (topics.PACMOD_SHIFT_RPT, SYSTEM_RPT_INT)  # optional: the gear, for the reverse rule
+# Reports that say whether the stack drives (sps_driving.interventions reads them).
+ENGAGEMENT_REPORTS = ((topics.PACMOD_GLOBAL_RPT, "pacmod3_msgs/msg/GlobalRpt"), (topics.PACMOD_ENABLED, "std_msgs/msg/Bool"))
+# Why a frame gets no label, in the order the rules are applied.
+DROP_REASONS = ("stack_driving", "report_gap", "speed_invalid", "reverse", "standstill")
+
+
+@dataclass(frozen=True)
+class CarLabelRules:
+    """Which frames of a car recording become labels (config/train.yaml `extract:` has the values in use)."""
+
+    max_report_gap_s: float = 0.1  # s between the two reports of a topic around a frame
+    min_speed_mps: float = 0.5  # m/s; slower is standstill (0: keep every forward frame)
+    exclude_reverse: bool = True
+    label_stack_driving: bool = False  # true: frames while the stack drove are labels too
+    intervention_window_s: float = 3.0  # s after each override whose frames are marked
+
+    def __post_init__(self) -> None:
+        if not (self.max_report_gap_s > 0 and self.min_speed_mps >= 0 and self.intervention_window_s >= 0):
+            raise ValueError("need max_report_gap_s > 0, min_speed_mps >= 0 and intervention_window_s >= 0")
+
+
+@dataclass(frozen=True)
+class HumanLabel:
+    """A frame's label, or why it has none (`drop_reason`; the values are then NaN)."""
+
+    steering: float  # road-wheel angle, rad, left positive
+    throttle: float  # [-1, 1], negative = brake
+    speed_mps: float
+    intervention: bool  # within intervention_window_s after a safety-driver override
+    drop_reason: str | None = None
+
+
+def has_reports(present: dict) -> bool:
+    """Whether a recording with topics `present` ({topic: message type}) has every report labels need."""
+    return all(present.get(topic) == msgtype for topic, msgtype in REPORTS.values())
+
+
+def missing_reports(present: dict, rules: CarLabelRules) -> list[str]:
+    """The report topics (with their types) a recording lacks for labels under `rules`."""
+    missing = [f"{topic} ({msgtype})" for topic, msgtype in REPORTS.values() if present.get(topic) != msgtype]
+    if not rules.label_stack_driving and not any(present.get(t) == m for t, m in ENGAGEMENT_REPORTS):
+        # Without them the stack's own driving could not be told from the human's.
+        missing.append(" or ".join(f"{t} ({m})" for t, m in ENGAGEMENT_REPORTS))
+    return missing
+
+
+def bracket(stamps: np.ndarray, at_ns: int, max_gap_ns: int) -> tuple[int, float] | None:
+    """Where `at_ns` falls in a report series (sorted int64 stamps): (i, f) with the value at it
+    values[i] + f (values[i + 1] - values[i]); None when the reports around it are further apart
+    than `max_gap_ns` or one side has none."""
+    right = int(np.searchsorted(stamps, at_ns, side="right"))
+    left = right - 1
+    if left >= 0 and stamps[left] == at_ns:
+        return left, 0.0
+    if left < 0 or right >= len(stamps) or int(stamps[right]) - int(stamps[left]) > max_gap_ns:
+        return None
+    return left, (at_ns - int(stamps[left])) / (int(stamps[right]) - int(stamps[left]))
+
+
+def interpolate(values: np.ndarray, where: tuple[int, float]) -> float:
+    """The value of a series at a `bracket` position (NaN where a report used is NaN)."""
+    i, fraction = where
+    return float(values[i]) if fraction == 0.0 else float(values[i] + fraction * (values[i + 1] - values[i]))
+
+
+def _series(stamps: list, values: list) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(stamps, kind="stable")
+    return np.asarray(stamps, dtype=np.int64)[order], np.asarray(values, dtype=np.float64)[order]
+
+
+class CarLabels:
+    """The human's commands of one recording, ready to label its frames (`label`)."""
+
+    def __init__(self, reports: dict, gear: tuple | None, autonomy: list, interventions: list, rules: CarLabelRules,
+                 steering_ratio: float, sources: dict):
+        """reports: {name of REPORTS: (stamps, values)}, speed NaN where invalid; gear: (stamps,
+        values) of the shift report or None; autonomy: [(start, end)] log times (ns) the stack
+        drove; interventions: core.monitor.Transition of each override; sources: {topic: role}
+        of the engagement history."""
+        if not (math.isfinite(steering_ratio) and steering_ratio > 0):
+            raise ValueError(f"steering_ratio must be a positive number, got {steering_ratio!r}")
+        self.reports, self.gear, self.rules, self.steering_ratio = reports, gear, rules, float(steering_ratio)
+        self.autonomy = sorted(autonomy)
+        self._autonomy_starts = [start for start, _ in self.autonomy]
+        self.interventions = list(interventions)
+        self._override_times = sorted(t.time_ns for t in self.interventions)
+        self.sources = dict(sources)
+        self.max_gap_ns = int(round(rules.max_report_gap_s * 1e9))
+        self.window_ns = int(round(rules.intervention_window_s * 1e9))
+
+    def stack_driving(self, log_time_ns: int) -> bool:
+        i = bisect.bisect_right(self._autonomy_starts, log_time_ns) - 1
+        return i >= 0 and log_time_ns < self.autonomy[i][1]
+
+    def after_override(self, log_time_ns: int) -> bool:
+        i = bisect.bisect_right(self._override_times, log_time_ns) - 1
+        return i >= 0 and log_time_ns - self._override_times[i] < self.window_ns
+
+    def reverse_gear(self, stamp_ns: int) -> bool:
+        """The latest shift report at or before the frame says reverse."""
+        if self.gear is None:
+            return False
+        stamps, values = self.gear
+        i = int(np.searchsorted(stamps, stamp_ns, side="right")) - 1
+        return i >= 0 and int(values[i]) == shift_reverse()
+
+    def label(self, stamp_ns: int, log_time_ns: int) -> HumanLabel:
+        """The label of the frame with header stamp `stamp_ns`, recorded at `log_time_ns`."""
+        def dropped(reason: str) -> HumanLabel:
+            return HumanLabel(math.nan, math.nan, math.nan, False, reason)
+
+        if not self.rules.label_stack_driving and self.stack_driving(log_time_ns):
+            return dropped("stack_driving")
+        where = {name: bracket(stamps, stamp_ns, self.max_gap_ns) for name, (stamps, _) in self.reports.items()}
+        if any(w is None for w in where.values()):
+            return dropped("report_gap")
+        at = {name: interpolate(values, where[name]) for name, (_, values) in self.reports.items()}
+        if not math.isfinite(at["speed_mps"]):
+            return dropped("speed_invalid")
+        if self.rules.exclude_reverse and (self.reverse_gear(stamp_ns) or at["speed_mps"] < 0):
+            return dropped("reverse")
+        if abs(at["speed_mps"]) < self.rules.min_speed_mps:
+            return dropped("standstill")
+        steering, throttle = from_pacmod(at["steering_wheel_rad"], at["accel"], at["brake"], self.steering_ratio)
+        return HumanLabel(steering, throttle, at["speed_mps"], self.after_override(log_time_ns))
+
+    def describe(self) -> dict:
+        """What the labels were made from and by which rules (the feature cache's metadata)."""
+        return {
+            "from": "pacmod3 reports",
+            "reports": {name: topic for name, (topic, _) in REPORTS.items()},
+            "steering": f"{topics.PACMOD_STEERING_RPT} output (steering-wheel rad) / steering_ratio",
+            "throttle": f"{topics.PACMOD_ACCEL_RPT} output - {topics.PACMOD_BRAKE_RPT} output",
+            "steering_ratio": self.steering_ratio,
+            "reverse_from": ([GEAR_REPORT[0]] if self.gear is not None else []) + ["negative speed"],
+            "engagement_from": self.sources,
+            "rules": asdict(self.rules),
+            "interventions": [{"time_ns": t.time_ns, "fields": list(t.fields)} for t in self.interventions],
+        }
+
+
+def shift_reverse() -> int:
+    """SystemRptInt.SHIFT_REVERSE of the PACMod 3 message definitions."""
+    from sps_driving.bagio import TYPESTORE
+
+    return int(TYPESTORE.types[SYSTEM_RPT_INT].SHIFT_REVERSE)
+
+
+def read_car_labels(bag: Path, rules: CarLabelRules, steering_ratio: float) -> CarLabels:
+    """The PACMod 3 reports and the engagement history of `bag`. ValueError when it lacks reports
+    labels need (`missing_reports`)."""
+    from sps_driving.bagio import read_messages, topic_types
+    from sps_driving.interventions import autonomy_log
+    from sps_driving.msgs import speed_from_message, stamp_ns
+
+    present = topic_types(bag)
+    missing = missing_reports(present, rules)
+    if missing:
+        raise ValueError(f"bag {bag} has no {', '.join(missing)}: no labels from the car's reports")
+    by_topic = {topic: name for name, (topic, _) in REPORTS.items()}
+    has_gear = present.get(GEAR_REPORT[0]) == GEAR_REPORT[1]
+    series: dict[str, tuple[list, list]] = {name: ([], []) for name in [*REPORTS, "gear"]}
+    for item in read_messages(bag, [*by_topic, *([GEAR_REPORT[0]] if has_gear else [])]):
+        name = by_topic.get(item.topic, "gear")
+        if name == "speed_mps":
+            speed = speed_from_message(item.msg)
+            value = math.nan if speed is None else speed
+        else:
+            value = float(item.msg.output)
+        series[name][0].append(stamp_ns(item.msg.header))
+        series[name][1].append(value)
+    reports = {name: _series(*series[name]) for name in REPORTS}
+    gear = _series(*series["gear"]) if has_gear else None
+
+    log, roles = autonomy_log(bag)
+    autonomy, start = [], None
+    for transition in log.transitions:
+        if transition.event == "engaged":
+            start = transition.time_ns
+        elif start is not None:
+            autonomy.append((start, transition.time_ns))
+            start = None
+    if start is not None:  # still engaged when the recording ended
+        autonomy.append((start, math.inf))
+    return CarLabels(reports, gear, autonomy, log.interventions, rules, steering_ratio, roles)
