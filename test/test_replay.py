@@ -173,7 +173,7 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     ])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert (report["frames_in"], report["frames_out"], report["frames_dropped"]) == (5, 4, 1)
+    assert (report["frames_in"], report["frames_out"], report["frames_dropped"]) == (5, 4, 1), report["drops"]
     overlays = [m.msg for m in read_messages(out, [topics.POLICY_OVERLAY])]
     assert [msgs.stamp_ns(m.header) for m in overlays] == [t0] and (overlays[0].height, overlays[0].width) == (600, 960)
     assert report["drops"] == {"repeated stamp": 1}
