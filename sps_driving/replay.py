@@ -395,7 +395,10 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
          played=PLAYED) -> float:
     """Publish the bag's camera and `played` topics (renamed by `topic_map`); returns the playback
     wall time in s. In lockstep a frame's command is awaited when the next frame begins, so every
-    message recorded before that (the frame's speed among them) is in the graph first."""
+    message recorded before that (the frame's speed among them) is in the graph first. A camera
+    message waits for the messages recorded at its own log time (a recorder writes the frame
+    first, then the speed of that instant), so a frame's state is out before its image: on busy
+    cores the frame could otherwise reach the policy before the state it was recorded with."""
     from tqdm import tqdm
 
     from sps_driving.bagio import read_messages, to_bag
@@ -415,7 +418,20 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
             image_stamps.discard(stamp)
             info_stamps.discard(stamp)
 
-    for item in read_messages(bag, wanted):
+    held: list = []  # camera messages waiting for the rest of their log time
+
+    def in_order():
+        for item in read_messages(bag, wanted):
+            if held and item.log_time_ns > held[0].log_time_ns:
+                yield from held
+                held.clear()
+            if topic_map.get(item.topic, item.topic) in (topics.IMAGE, topics.CAMERA_INFO):
+                held.append(item)
+            else:
+                yield item
+        yield from held
+
+    for item in in_order():
         topic = topic_map.get(item.topic, item.topic)
         if lockstep and topic in (topics.IMAGE, topics.CAMERA_INFO):
             if msgs.stamp_ns(item.msg.header) not in image_stamps | info_stamps:  # the next frame begins
