@@ -65,8 +65,10 @@ from sps_driving.core.policy import (
     save_policy,
     state_inputs_of,
 )
+from sps_driving.core.relative_policy import READOUTS
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
+from sps_driving.core.view import view_record
 from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
 
@@ -115,6 +117,10 @@ class TrainConfig:
     device: str
     # Loss weight of intervention frames; the default is for settings recorded before it (a DAgger run's).
     intervention_weight: float = 1.0
+    # Policy settings added later (their defaults: what runs recorded before them meant).
+    canvas: list | None = None  # mlp: [rows, cols] patches of the canvas its weights are laid out on; None: the grid
+    query_stride: int = 1  # relative_query: queries at every query_stride-th row and column of the grid
+    readout: str = "flatten"  # relative_query: flatten | pool
     resume: bool = False  # a run mode, not a setting: --resume
 
     def __post_init__(self) -> None:
@@ -412,6 +418,7 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
     return {
         **config,
         "extractor": cache.meta.get("extractor"),
+        "view": view_record(cache.grid, (cache.meta.get("extractor") or {}).get("roi")),
         "units": {"steering": "front road-wheel angle, rad, left positive", "throttle": "[-1, 1], negative = brake"},
         "training": {
             "cache": _resolved_caches(cfg.cache),
@@ -631,8 +638,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
     parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
     parser.add_argument("--architecture", choices=list(ARCHITECTURES),
-                        help="mlp (default), positional_transformer (spps, mspps), transformer (the first one, "
-                             "for comparison), or cnn (the No-FM baseline, on a pixels-backbone cache)")
+                        help="mlp (default), positional_transformer (spps, mspps), relative_query (patches read by their "
+                             "offset from the roi's centre; all variants), transformer (the first one, for comparison), "
+                             "or cnn (the No-FM baseline, on a pixels-backbone cache)")
     parser.add_argument("--state-inputs", nargs="*", choices=list(STATE_NAMES), metavar="NAME",
                         help=f"state inputs the policy reads besides the frame ({', '.join(STATE_NAMES)}); "
                              "given with no names: none")
@@ -642,7 +650,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float)
     parser.add_argument("--width", type=int)
     parser.add_argument("--reduce", type=int, help="mlp: channels each patch's descriptor is reduced to; "
-                                                   "positional_transformer: channels each token is read out with")
+                                                   "positional_transformer: channels each token is read out with; "
+                                                   "relative_query: channels each query is read out with (readout flatten)")
+    parser.add_argument("--canvas", type=int, nargs=2, metavar=("ROWS", "COLS"),
+                        help="mlp: lay its weights out on a canvas of this many patches, the grid centred on it")
+    parser.add_argument("--query-stride", type=int, help="relative_query: a query at every Nth row and column")
+    parser.add_argument("--readout", choices=READOUTS, help="relative_query: how the head reads the queries")
     parser.add_argument("--depth", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--early-stop-patience", type=int)
@@ -657,7 +670,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
         "variant", "rate", "architecture", "state_inputs", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
-        "early_stop_patience", "validation_fraction", "num_workers", "device", "intervention_weight")}
+        "early_stop_patience", "validation_fraction", "num_workers", "device", "intervention_weight", "canvas", "query_stride",
+        "readout")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
         summary = train(cfg)
