@@ -113,21 +113,24 @@ class PolicyDriver:
     rollouts write that dense grid to a feature cache without extracting the frame twice.
     With view_history N, `views` keeps the FrameView of the last N frames `drive` computed (a
     ring buffer; sps_driving.sim.failure_strips draws them).
+    With view_width_scale S (frames of the world's wider view, sim.config.widen_view), the
+    extraction is widened to match (sps_driving.core.view.widen_extraction) and the policy reads
+    its window of the wider grid, or refuses it (ValueError) if it reads absolute cells.
     """
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
-                 all_patches: bool = False, view_history: int = 0):
-        from sps_driving.core.policy import load_policy
+                 all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0):
+        from sps_driving.core.policy import load_policy, read_policy_config
         from sps_driving.extractors import extractor_for_policy
 
-        self.policy = load_policy(policy_dir, device=device)
-        self.extraction = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}, backbone_config)
+        policy_config = read_policy_config(policy_dir)
+        self.extraction = extractor_for_policy(policy_config, {"device": device, "threads": threads}, backbone_config,
+                                               view_width_scale=view_width_scale)
         self.extractor = self.extraction.extractor
-        if self.extractor.grid != self.policy.grid or self.extractor.dim != self.policy.descriptor_dim:
-            raise ValueError(
-                f"policy {policy_dir} expects a {self.policy.grid.rows}x{self.policy.grid.cols}x{self.policy.descriptor_dim} "
-                f"descriptor grid but the extractor gives {self.extractor.grid.rows}x{self.extractor.grid.cols}x{self.extractor.dim}"
-            )
+        if self.extractor.dim != int(policy_config["descriptor_dim"]):
+            raise ValueError(f"policy {policy_dir} reads {policy_config['descriptor_dim']} channels per descriptor but the "
+                             f"extractor gives {self.extractor.dim}")
+        self.policy = load_policy(policy_dir, device=device, grid=self.extractor.grid)
         self.selector = self.policy.selector
         self.all_patches = np.arange(self.extractor.grid.n) if all_patches else None
         self.frame_descriptors: np.ndarray | None = None
@@ -213,14 +216,16 @@ def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         _WORKER["renderer"] = get_renderer(config)
+        scale = float(config["camera"].get("view_width_scale", 1.0))  # sim.config.widen_view
         if strips_folder is None:
-            _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config)
+            _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config, view_width_scale=scale)
         else:
             from sps_driving.sim.failure_strips import FailureStrips, StripSettings
 
             settings = StripSettings.from_config(config)
             driver = PolicyDriver(policy_dir, device, threads, backbone_config,
-                                  view_history=settings.history_frames(float(config["control_rate_hz"])))
+                                  view_history=settings.history_frames(float(config["control_rate_hz"])),
+                                  view_width_scale=scale)
             _WORKER["driver"] = driver
             _WORKER["strips"] = FailureStrips(Path(strips_folder), settings, driver)
 

@@ -44,7 +44,8 @@ MARK = "‡"
 
 def method_name(policy_config: dict) -> str:
     """The table column of a policy: No-FM (pixels backbone), I-ViT (the backbone's unmasked patch
-    tokens), else by its selection: DA at rate 1.0, e.g. SPS-50 below."""
+    tokens), else by its selection: DA at rate 1.0, e.g. SPS-50 below; a relative_query policy
+    (which reads every variant as its kept tokens) RQ and its rate, e.g. RQ-50."""
     if policy_config.get("backbone") == "pixels":
         return "No-FM"
     if (policy_config.get("extractor") or {}).get("falloff") == "none":
@@ -52,6 +53,8 @@ def method_name(policy_config: dict) -> str:
     selection = policy_config.get("selection", {})
     rate = float(selection.get("rate", 1.0))
     variant = str(selection.get("variant", "sps"))
+    if policy_config.get("architecture") == "relative_query":
+        return f"RQ-{int(round(rate * 100))}"
     if rate >= 1.0:
         return "DA"
     label = {"sps": "SPS", "spps": "SPPS", "mspps": "MSPPS", "threshold": "SPS-v1"}.get(variant, variant.upper())
