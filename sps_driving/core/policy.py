@@ -93,7 +93,8 @@ CNN_SETTINGS = ("width", "dropout")
 RELATIVE_QUERY_SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, "query_stride", "readout")  # core/relative_policy.py
 ARCHITECTURES = {"positional_transformer": POSITIONAL_TRANSFORMER_SETTINGS, "transformer": TRANSFORMER_SETTINGS,
                  "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS, "relative_query": RELATIVE_QUERY_SETTINGS}
-# Settings added after checkpoints without them were written: the value those checkpoints mean.
+# Settings added after checkpoints without them were written: the value those checkpoints mean (a
+# policy config leaves them out at that value).
 SETTING_DEFAULTS = {"mlp": {"canvas": None}}
 # The architectures that can read the kept tokens as a sequence (spps, mspps), the one to train
 # first; the others read the whole grid with zeros at dropped patches, where spps would equal sps.
@@ -388,6 +389,11 @@ class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
             with torch.no_grad():
                 self.mlp[1].weight[:, :canvas.n * reduce].view(-1, canvas.n, reduce)[:, empty] = 0.0
 
+    @property
+    def reads_a_window(self) -> bool:
+        """Whether it can read a wider grid than its training grid (`set_view`): with a canvas."""
+        return self.canvas is not None
+
     def set_view(self, grid: PatchGrid) -> None:
         """Read grids of `grid`'s size from now on, centred on the canvas (canvas only)."""
         if self.canvas is None:
@@ -477,10 +483,10 @@ class PolicyArchitecture:
     def __post_init__(self) -> None:
         if self.name not in ARCHITECTURES:
             raise ValueError(f"unknown policy architecture {self.name!r}; expected one of {list(ARCHITECTURES)}")
-        object.__setattr__(self, "settings", {**SETTING_DEFAULTS.get(self.name, {}), **self.settings})
-        if set(self.settings) != set(ARCHITECTURES[self.name]):
-            raise ValueError(f"{self.name} policy settings must be exactly {list(ARCHITECTURES[self.name])}, "
-                             f"got {sorted(self.settings)}")
+        optional = set(SETTING_DEFAULTS.get(self.name, ()))
+        if not set(ARCHITECTURES[self.name]) - optional <= set(self.settings) <= set(ARCHITECTURES[self.name]):
+            raise ValueError(f"{self.name} policy settings must be exactly {list(ARCHITECTURES[self.name])} "
+                             f"({sorted(optional) or 'none'} optional), got {sorted(self.settings)}")
         if not self.max_steering_rad > 0:
             raise ValueError(f"max_steering_rad must be positive, got {self.max_steering_rad}")
 
@@ -543,7 +549,7 @@ def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.M
     if architecture.name == "mlp":
         if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
             raise ValueError(f"mlp policy needs width >= 2 and reduce >= 1, got {dims}")
-        canvas = dims["canvas"]
+        canvas = dims.get("canvas", SETTING_DEFAULTS["mlp"]["canvas"])
         if canvas is not None and (not isinstance(canvas, (list, tuple)) or len(canvas) != 2):
             raise ValueError(f"mlp canvas must be null or [rows, cols] (patches), got {canvas!r}")
         return GridMlpPolicy(grid, descriptor_dim, width=int(dims["width"]), reduce=int(dims["reduce"]),
@@ -666,9 +672,9 @@ class DrivingPolicy:
         self.selector = PatchSelector(self.selection, trained)
         self.state_inputs = state_inputs_of(config)
         if self.grid != trained:
-            if not hasattr(self.module, "set_view"):
+            if not getattr(self.module, "reads_a_window", False):
                 raise ValueError(
-                    f"a {architecture_of(config)} policy reads the patches of the {trained.rows}x{trained.cols} grid it was "
+                    f"this {architecture_of(config)} policy reads the patches of the {trained.rows}x{trained.cols} grid it was "
                     f"trained on by their absolute cell, not a {self.grid.rows}x{self.grid.cols} grid: give it that grid "
                     f"(the nominal view, or its central window) or retrain it; a relative_query policy or an mlp with a "
                     f"canvas reads its window of a wider grid")

@@ -141,6 +141,8 @@ class RelativeQueryPolicy(SequencePolicy, _StandardizedInput, nn.Module):
         self.head = BoundedHead(width // 2, max_steering_rad)
         self.set_view(grid)
 
+    reads_a_window = True  # it reads the window about the centre of any grid that holds it (DrivingPolicy)
+
     def set_view(self, grid: PatchGrid, center: tuple[float, float] | None = None) -> None:
         """Read patch indices of `grid` from now on, about `center` (row, col in patch coordinates;
         default the roi's, `grid_center(grid)`), which must put the window's cells on the grid's."""

@@ -56,6 +56,7 @@ from tqdm import tqdm
 from sps_driving.core.policy import (
     ARCHITECTURES,
     POSITION_TABLE_ARCHITECTURE,
+    SETTING_DEFAULTS,
     PolicyArchitecture,
     architecture_of,
     build_policy,
@@ -162,8 +163,11 @@ class TrainConfig:
         return SelectionConfig(self.variant, self.rate, self.seed, self.keep_probability)
 
     def policy_settings(self) -> dict:
-        """The settings of this architecture's policy (the checkpoint's "policy")."""
-        return {key: getattr(self, key) for key in ARCHITECTURES[self.architecture]}
+        """The settings of this architecture's policy (the checkpoint's "policy"), without the ones
+        added later while they are at the value checkpoints without them mean."""
+        defaults = SETTING_DEFAULTS.get(self.architecture, {})
+        return {key: getattr(self, key) for key in ARCHITECTURES[self.architecture]
+                if key not in defaults or getattr(self, key) != defaults[key]}
 
     def policy_architecture(self) -> PolicyArchitecture:
         return PolicyArchitecture(self.architecture, self.policy_settings(), self.max_steering_rad)
