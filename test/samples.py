@@ -14,12 +14,15 @@ def sample_photo(name: str) -> np.ndarray:
 
 
 # Tiny settings of the real architectures: the grid MLP (what ships), the transformers (which
-# the sequence-fed variants, spps and mspps, need) and the CNN (No-FM, on the pixels backbone).
+# the sequence-fed variants, spps and mspps, need), the CNN (No-FM, on the pixels backbone) and
+# the relative-query policy.
 TINY_SETTINGS = {"mlp": {"width": 16, "reduce": 2, "dropout": 0.0},
                  "transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0},
                  "positional_transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0,
                                             "reduce": 2},
-                 "cnn": {"width": 16, "dropout": 0.0}}
+                 "cnn": {"width": 16, "dropout": 0.0},
+                 "relative_query": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0, "reduce": 2,
+                                    "query_stride": 1, "readout": "flatten"}}
 
 
 def tiny_policy(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed=0, backbone="dinov2_vits14",
