@@ -276,7 +276,7 @@ def test_eval_drives_the_relative_policy_on_the_nominal_and_the_wider_view(tmp_p
     torch_backend = tmp_path / "torch.yaml"
     torch_backend.write_text("backend: torch\n")
     args = ["eval", "--policy", str(policy), "--episodes", "1", "--episode-s", "1", "--workers", "1", "--scenarios",
-            "rural-summer-dry-day-car", "--backbone-config", str(torch_backend), "--no-failure-strips"]
+            "rural-summer-dry-day-car", "--backbone-config", str(torch_backend)]
     assert main(args + ["--out", str(tmp_path / "nominal")]) == 0
     assert main(args + ["--view-width-scale", "1.5", "--out", str(tmp_path / "wide")]) == 0
     rows = {name: json.loads((tmp_path / name / "results.jsonl").read_text()) for name in ("nominal", "wide")}
