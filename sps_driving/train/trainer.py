@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -592,7 +593,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         if procs.main:
             record = {**config, "validation_loss": val_loss, "validation_error_fraction": fvu,
                       "provenance": {"epoch": epoch, "created_unix": time.time(), "torch": torch.__version__,
-                                     "command": " ".join(sys.argv)}}
+                                     "command": "sps-driving " + shlex.join(sys.argv[1:])}}
             if improved:
                 save_policy(policy, record, out)
             save_policy(policy, record, last_dir)
