@@ -356,3 +356,22 @@ def test_settings_of_a_window_that_cannot_be_formed_are_refused(tmp_path):
     save_policy(policy.module, policy.config, tmp_path / "p")
     reloaded = load_policy(tmp_path / "p")
     assert isinstance(reloaded.module, PatchPolicy) and reloaded.module.history == policy.module.history
+
+
+def test_the_bench_times_a_patch_policy_command_with_a_full_window(tmp_path, capsys):
+    from sps_driving import cli
+
+    flops = {}
+    for frames in (1, 3):
+        policy = make_policy(state_inputs=(), window_frames=frames)
+        save_policy(policy.module, policy.config, tmp_path / f"t{frames}")
+        argv = ["bench", "--blip2", "tiny", "--dinov2", "none", "--repeats", "1", "--rates", "0.5", "--naive-rates",
+                "--policy", str(tmp_path / f"t{frames}"), "--json"]
+        assert cli.main(argv) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["policy_architecture"]["architecture"] == "patch_policy"
+        assert result["policy_architecture"]["policy"]["window_frames"] == frames
+        (row,) = result["blip2"]["rows"]
+        assert row["policy_ms"] > 0
+        flops[frames] = row["gflop"]["policy"]
+    assert flops[3] > 2.5 * flops[1], f"three frames of tokens per command: {flops}"
