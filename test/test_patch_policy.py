@@ -375,3 +375,15 @@ def test_the_bench_times_a_patch_policy_command_with_a_full_window(tmp_path, cap
         assert row["policy_ms"] > 0
         flops[frames] = row["gflop"]["policy"]
     assert flops[3] > 2.5 * flops[1], f"three frames of tokens per command: {flops}"
+
+
+def test_the_window_coverage_table(capsys):
+    from sps_driving.analysis.window_coverage import main
+
+    assert main(["--rates", "0.5", "--window-frames", "1", "4", "--windows", "100", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["grid"] == [16, 16] and result["frame_stride_s"] == 0.1  # the shipped policy's grid, train.yaml's stride
+    one, four = result["rows"]
+    assert one["independent"] == one["shared"] == 0.5
+    assert four["independent"] == pytest.approx(four["independent_expected"], abs=0.02) and four["independent_expected"] == 0.9375
+    assert four["shared"] == pytest.approx(0.5 * 1 / 4 + 0.75 * 3 / 4, abs=0.02), "a quarter of the windows see one subset"
