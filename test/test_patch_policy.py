@@ -387,3 +387,27 @@ def test_the_window_coverage_table(capsys):
     assert one["independent"] == one["shared"] == 0.5
     assert four["independent"] == pytest.approx(four["independent_expected"], abs=0.02) and four["independent_expected"] == 0.9375
     assert four["shared"] == pytest.approx(0.5 * 1 / 4 + 0.75 * 3 / 4, abs=0.02), "a quarter of the windows see one subset"
+
+
+def test_evaluation_names_a_patch_policy_by_its_rate_and_window():
+    from sps_driving.sim.tables import method_name
+
+    assert method_name(make_policy(window_frames=4).config) == "PP-50-T4"
+    assert method_name(make_policy(window_frames=1, rate=0.3).config) == "PP-30-T1"
+    assert method_name(make_policy(shared_selection=True, rate=1.0).config) == "PP-100-T3-shared"
+
+
+def test_eval_drives_a_patch_policy_in_process(tmp_path):
+    """`sps-driving eval` (renderer -> DINOv2 -> selection -> the policy's history and windows ->
+    vehicle) with a tiny random patch policy over the embedded DINOv2 grid, one short episode."""
+    from samples import tiny_dinov2_policy
+
+    from sps_driving.cli import main
+    from sps_driving.sim.scenarios import SCENARIO_NAMES
+
+    tiny_dinov2_policy(tmp_path / "policy", architecture="patch_policy", state_inputs=STATE)
+    out = tmp_path / "eval"
+    assert main(["eval", "--policy", str(tmp_path / "policy"), "--episodes", "1", "--episode-s", "0.5", "--workers", "1",
+                 "--out", str(out), "--scenarios", SCENARIO_NAMES[0], "--no-failure-strips"]) == 0
+    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert row["method"] == "PP-50-T3" and row["dropped_frames"] == 0 and row["distance_m"] > 0
