@@ -11,7 +11,8 @@ ReduceLROnPlateau with patience 10, as the paper. The validation criterion (earl
 plateau scheduler, the best checkpoint) weighs the same standardized errors by
 `criterion_weights` (by default the loss weights, without the throttle when the policy does not
 read both speeds: see `criterion_weights`); each epoch also records both validation errors as
-fractions of the validation targets' variance.
+fractions of the validation targets' variance. A patch policy trains on windows of frames instead,
+with a loss on every readout (sps_driving.train.windows).
 
 Validation is deterministic: each validation frame's selection is the replayable one decided by
 the selection seed and the frame's stamp (what the car would select), so a saved checkpoint
