@@ -347,6 +347,25 @@ def test_a_patch_policy_run_resumes_exactly(temporal, tmp_path):
         assert torch.equal(x, y), name
 
 
+def test_torchrun_two_cpu_processes_train_a_patch_policy_with_ddp(temporal, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "sps_driving.cli", "train",
+         "--cache", str(temporal), "--out", str(out), "--architecture", "patch_policy", "--window-frames", "3", "--epochs", "2",
+         "--batch-size", "16", "--width", "16", "--depth", "1", "--heads", "2", "--reduce", "3", "--validation-fraction", "0.34"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    recorded = json.loads((out / "config.json").read_text())
+    assert recorded["training"]["world_size"] == 2 and recorded["architecture"] == "patch_policy"
+    # the two processes' validation shards add up to the loss a single process computes
+    assert abs(evaluate_checkpoint(out) - recorded["validation_loss"]) <= 1e-6
+
+
 def test_settings_of_a_window_that_cannot_be_formed_are_refused(tmp_path):
     for bad, match in [({"window_frames": 0}, "window_frames"), ({"stride_tolerance_s": 0.06}, "stride_tolerance_s"),
                        ({"max_gap_s": 0.0}, "max_gap_s")]:
