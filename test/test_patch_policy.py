@@ -218,7 +218,7 @@ def test_a_missing_stride_frame_ends_the_window_and_is_counted():
     assert loose.push(T0 + 2 * STRIDE_NS + 14_000_000 + 20_000_000, "c") == ["c"]
 
 
-def test_windows_never_cross_sources_or_gaps():
+def test_windows_never_cross_sources_or_gaps(tmp_path):
     """Two drives recorded at the same time (equal stamps) and a gap in one of them."""
     stamps = np.concatenate([T0 + np.arange(10) * STRIDE_NS, T0 + np.arange(10) * STRIDE_NS])
     stamps[15:] += 2_000_000_000  # drive b stops for 2 s after its fifth frame
@@ -229,24 +229,11 @@ def test_windows_never_cross_sources_or_gaps():
         assert members[-1] == row and set(sources[members]) == {sources[row]}
         assert np.all(np.diff(stamps[members]) == STRIDE_NS), f"frame {row}: {members}"
     assert windows[15].tolist() == [15, -1, -1] and windows[17].tolist() == [15, 16, 17]
-    cache = FeatureCache(make_cache_dir(["a", "b", "c"]))
+    cache = FeatureCache(make_cache(tmp_path / "cache", sources=("a", "b", "c")))  # frames 33 ms apart
     table = window_table(cache, make_policy().module, STATE)
     present = table >= 0
     assert np.all(cache.source_ids[np.maximum(table, 0)][present] == np.repeat(cache.source_ids[:, None], 3, 1)[present])
     assert np.all(present.sum(axis=1) == np.minimum(np.arange(len(cache)) % 24 // 3 + 1, 3)), "every third frame"
-
-
-_CACHES = {}
-
-
-def make_cache_dir(sources, tmp=None):
-    import tempfile
-    from pathlib import Path
-
-    key = tuple(sources)
-    if key not in _CACHES:
-        _CACHES[key] = make_cache(Path(tempfile.mkdtemp(prefix="pp_cache_")) / "cache", sources=key)
-    return _CACHES[key]
 
 
 # ---- shared selection and what a window reveals ------------------------------------------------
