@@ -38,6 +38,9 @@ And a CNN (architecture "cnn", the No-FM baseline): `CnnPolicy` folds the grid o
 backbone (each descriptor its patch's pooled pixels) back into an image, zeros at dropped
 patches, and runs a PilotNet-like convolution stack and MLP on it.
 
+And the patch policy (architecture "patch_policy", `sps_driving.core.patch_policy`): the kept
+patches of the last T frames under a block-causal mask, one readout per frame.
+
 State inputs (config "state_inputs", names from sps_driving.core.state; none when absent): the
 car's speed and the cruise target speed, which the throttle depends on and no frame shows. Each is
 standardized with training statistics kept as buffers (`StateStandardizer`, set by the trainer);
@@ -54,8 +57,9 @@ A checkpoint is a directory with `policy.safetensors` (the module's state dict) 
 grid {rows, cols}, descriptor_dim D, position_dim P (transformer sequence policies), selection {variant,
 rate, seed, keep_probability}, state_inputs [names], policy (transformer: {width, depth, heads, mlp_ratio, dropout};
 positional_transformer: {width, depth, heads, mlp_ratio, dropout, reduce}; relative_query: those and {query_stride,
-readout}; mlp: {width, reduce, dropout, canvas}; cnn: {width, dropout}), output {max_steering_rad}, and whatever the
-trainer adds (view: the roi and its centre, training data, provenance, validation_loss).
+readout}; mlp: {width, reduce, dropout, canvas}; cnn: {width, dropout}; patch_policy: positional_transformer's and its
+window's, core.history.WINDOW_SETTINGS), output {max_steering_rad}, and whatever the trainer adds (view: the roi and its
+centre, training data, provenance, validation_loss).
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ from torch import nn
 from sps_driving.core.backbones.pixels import CHANNELS, pooled_side
 from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.selection import PatchSelector, SelectionConfig
+from sps_driving.core.history import PATCH_POLICY, WINDOW_SETTINGS, policy_selector
+from sps_driving.core.selection import SelectionConfig
 from sps_driving.core.state import check_state_names, state_vector
 from sps_driving.core.view import WindowSelector, window_origin
 
@@ -90,15 +95,18 @@ TRANSFORMER_SETTINGS = ("width", "depth", "heads", "mlp_ratio", "dropout")
 POSITIONAL_TRANSFORMER_SETTINGS = (*TRANSFORMER_SETTINGS, "reduce")
 MLP_SETTINGS = ("width", "reduce", "dropout", "canvas")
 CNN_SETTINGS = ("width", "dropout")
+# The patch policy (sps_driving.core.patch_policy): a transformer's settings and its window's.
+PATCH_POLICY_SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, *WINDOW_SETTINGS)
 RELATIVE_QUERY_SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, "query_stride", "readout")  # core/relative_policy.py
 ARCHITECTURES = {"positional_transformer": POSITIONAL_TRANSFORMER_SETTINGS, "transformer": TRANSFORMER_SETTINGS,
-                 "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS, "relative_query": RELATIVE_QUERY_SETTINGS}
+                 "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS, PATCH_POLICY: PATCH_POLICY_SETTINGS,
+                 "relative_query": RELATIVE_QUERY_SETTINGS}
 # Settings added after checkpoints without them were written: the value those checkpoints mean (a
 # policy config leaves them out at that value).
 SETTING_DEFAULTS = {"mlp": {"canvas": None}}
 # The architectures that can read the kept tokens as a sequence (spps, mspps), the one to train
 # first; the others read the whole grid with zeros at dropped patches, where spps would equal sps.
-SEQUENCE_ARCHITECTURES = ("positional_transformer", "transformer", "relative_query")
+SEQUENCE_ARCHITECTURES = ("positional_transformer", "transformer", PATCH_POLICY, "relative_query")
 # The architecture whose sequence policies read the backbone's position table.
 POSITION_TABLE_ARCHITECTURE = "transformer"
 # Checkpoints written before config "architecture" existed are all transformers.
@@ -555,6 +563,10 @@ def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.M
         return GridMlpPolicy(grid, descriptor_dim, width=int(dims["width"]), reduce=int(dims["reduce"]),
                              dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad, state_dim=state_dim,
                              canvas=None if canvas is None else PatchGrid(int(canvas[0]), int(canvas[1])))
+    if architecture.name == PATCH_POLICY:
+        from sps_driving.core.patch_policy import build_patch_policy  # which builds on this module
+
+        return build_patch_policy(grid, descriptor_dim, dims, max_steering_rad, state_dim)
     common = dict(
         descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
         mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad,
@@ -669,7 +681,7 @@ class DrivingPolicy:
         self.grid = trained if grid is None else grid
         self.selection = SelectionConfig.from_dict(config["selection"])
         self.descriptor_dim = int(config["descriptor_dim"])
-        self.selector = PatchSelector(self.selection, trained)
+        self.selector = policy_selector(config, trained)
         self.state_inputs = state_inputs_of(config)
         if self.grid != trained:
             if not getattr(self.module, "reads_a_window", False):

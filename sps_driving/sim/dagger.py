@@ -79,9 +79,10 @@ def round_dir(out: Path, index: int) -> Path:
     return out / f"round_{index:02d}"
 
 
-def round_cache(out: Path, index: int) -> Path:
-    # A name of its own per round: several caches train as one only with distinct folder names.
-    return round_dir(out, index) / f"cache_round_{index:02d}"
+def round_cache(out: Path, settings: dict, index: int) -> Path:
+    # Named by its collection seed: several caches train as one only with distinct folder names,
+    # also when a run continues from an earlier run's round caches.
+    return round_dir(out, index) / f"cache_seed_{int(settings['seed']) + index}"
 
 
 def run_path(out: Path, path) -> str:
@@ -185,7 +186,7 @@ def collect_round(config: dict, settings: dict, index: int, policy_dir: Path, ou
     }
     renderer, storage = get_renderer(config), config["collect"]["storage"]
     episodes, counts = [], {}
-    writer = FeatureCacheWriter(round_cache(out, index), meta, extractor.position_table(),
+    writer = FeatureCacheWriter(round_cache(out, settings, index), meta, extractor.position_table(),
                                 ExtractSettings.from_yaml().shard_size, overwrite=True)
     with writer:
         for i, seed in enumerate(tqdm(seeds, desc=f"dagger round {index} rollouts", unit="episode")):
@@ -483,6 +484,11 @@ def run_dagger(args) -> dict:
         raise ValueError(f"--seed {args.seed}: rounds {args.seed}..{args.seed + args.rounds - 1} would collect on layouts "
                          f"of the initial cache ({', '.join(collisions)}): choose another --seed")
     init_cache = FeatureCache(settings["init_cache"])  # checks the caches, and that they train together
+    repeated = sorted({round_cache(out, settings, i).name for i in range(args.rounds)}
+                      & {Path(c).name for c in settings["init_cache"]})
+    if repeated:
+        raise ValueError(f"--init-cache already holds {', '.join(repeated)}, the name of a round's cache: "
+                         f"choose another --seed")
     extractor_record = init_cache.meta.get("extractor") or {"backbone": init_cache.backbone}
     if args.init_policy:
         policy_config = read_policy_config(args.init_policy)
@@ -519,7 +525,7 @@ def run_dagger(args) -> dict:
         name, directory = f"round {index}", round_dir(out, index)
         summary = _read_done(directory) or _finish(
             directory, run_round(config, settings, train_settings, index, latest, caches, out, extractor_record, args))
-        caches.append(round_cache(out, index))
+        caches.append(round_cache(out, settings, index))
         latest = out / summary["policy"]
         rounds.append(summary)
         if better(summary["dev"], best["dev"]):
@@ -549,19 +555,19 @@ def run_round(config: dict, settings: dict, train_settings: dict, index: int, la
     seconds = {}
     start = time.perf_counter()
     rollouts_file = directory / "rollouts.json"
-    if not ((round_cache(out, index) / META_FILE).is_file() and rollouts_file.is_file()):
+    if not ((round_cache(out, settings, index) / META_FILE).is_file() and rollouts_file.is_file()):
         _write_json(rollouts_file, collect_round(config, settings, index, latest, out, extractor_record, args.keep_bags,
                                                  args.device))
     rollouts = json.loads(rollouts_file.read_text())
     seconds["rollouts"] = time.perf_counter() - start
     start = time.perf_counter()
-    trained = train_policy(train_settings, [*caches, round_cache(out, index)], directory / "policy",
+    trained = train_policy(train_settings, [*caches, round_cache(out, settings, index)], directory / "policy",
                            latest if settings["warm_start"] else None, args.device, out)
     seconds["train"] = time.perf_counter() - start
     start = time.perf_counter()
     dev = dev_evaluate(config, settings, directory / "policy", directory / "dev", args.workers, args.device)
     seconds["dev"] = time.perf_counter() - start
-    return {"round": index, **rollouts, "cache": run_path(out, round_cache(out, index)),
+    return {"round": index, **rollouts, "cache": run_path(out, round_cache(out, settings, index)),
             "policy": run_path(out, directory / "policy"), "train": trained, "dev": dev, "seconds": seconds}
 
 

@@ -111,6 +111,8 @@ class PolicyDriver:
     With all_patches, every patch's descriptor is computed and kept (`frame_descriptors`, and
     `Frame.descriptors` through `drive`), and the policy reads its selected subset of them: DAgger
     rollouts write that dense grid to a feature cache without extracting the frame twice.
+    A patch policy reads each frame's window from a history (`streaming`) that `reset` clears and
+    a dropped frame leaves out, as the policy node's.
     With view_history N, `views` keeps the FrameView of the last N frames `drive` computed (a
     ring buffer; sps_driving.sim.failure_strips draws them).
     With view_width_scale S (frames of the world's wider view, sim.config.widen_view), the
@@ -120,6 +122,7 @@ class PolicyDriver:
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
                  all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0):
+        from sps_driving.core.patch_policy import StreamingPolicy
         from sps_driving.core.policy import load_policy, read_policy_config
         from sps_driving.extractors import extractor_for_policy
 
@@ -131,6 +134,7 @@ class PolicyDriver:
             raise ValueError(f"policy {policy_dir} reads {policy_config['descriptor_dim']} channels per descriptor but the "
                              f"extractor gives {self.extractor.dim}")
         self.policy = load_policy(policy_dir, device=device, grid=self.extractor.grid)
+        self.streaming = StreamingPolicy(self.policy)  # a patch policy's history of frames
         self.selector = self.policy.selector
         self.all_patches = np.arange(self.extractor.grid.n) if all_patches else None
         self.frame_descriptors: np.ndarray | None = None
@@ -141,6 +145,7 @@ class PolicyDriver:
 
     def reset(self) -> None:
         self.last = (0.0, 0.0)
+        self.streaming.reset()
         if self.views is not None:
             self.views.clear()
 
@@ -156,7 +161,7 @@ class PolicyDriver:
             else:
                 self.frame_descriptors = self.extractor.descriptors(encoded, self.all_patches)
                 descriptors = self.frame_descriptors[indices]
-            command = self.policy.predict(descriptors, indices, state)
+            command = self.streaming.step(stamp_ns, descriptors, indices, state)
         except (ValueError, RuntimeError):
             # A frame the stack cannot use is dropped and counted; the car holds the last
             # command, as the vehicle interface does within its staleness timeout.
