@@ -8,7 +8,9 @@ token s is read: the same place, seen in another appearance. Per patch, with c t
 M the Manifold fitted to the base frame's visible states:
 
 - coverage of the shift by M: 1 - sum ||s - M(s)||^2 / sum ||s - c||^2 (M(s): s's bounded
-  projection), and the same for Observed (the nearest visible state), pooled over patches;
+  projection), pooled over patches; the same for Observed (the nearest visible state), for the
+  visible mean alone, and for the controls' bounded spaces (random, donor, shared directions
+  around the same mean and caps): what M covers beyond them is what its own directions explain;
 - the shift's size in orbital units: sum ||s - c||^2 / sum mean_h ||h - c||^2, the squared
   shift over the mean squared distance of a hidden view to c.
 
@@ -48,18 +50,20 @@ from sps_driving.core.orbital import Manifold, orbital_offsets
 
 SUMMARY_FILE = "summary.json"
 SCENERY_MODES = ("own", "same")
+PREDICTIONS = ("manifold", "observed", "mean", "random", "donor", "shared")
 
 
-def appearance_errors(family: Family, manifold: Manifold, shifted: np.ndarray) -> dict[str, np.ndarray]:
+def appearance_errors(family: Family, fits: dict[str, Manifold], shifted: np.ndarray) -> dict[str, np.ndarray]:
     """Per anchor [A]: the squared distance of the shifted token s [A, D] to the base token c
-    ("center"), to its bounded projection on the base family's Manifold ("manifold"), to the
-    nearest visible state ("observed"), and the base family's mean squared hidden variation
-    mean_h ||h - c||^2 ("orbit")."""
+    ("center"), to its bounded projection on each of the base family's `fits` (the Manifold and
+    the controls, by name), to the nearest visible state ("observed") and to the visible mean
+    ("mean"); and the base family's mean squared hidden variation mean_h ||h - c||^2 ("orbit")."""
     shifted = np.asarray(shifted, dtype=np.float64)[:, None]
     return {
         "center": ((shifted - family.canonical[:, None]) ** 2).sum(axis=(1, 2)),
-        "manifold": ((shifted - manifold.predict(shifted)) ** 2).sum(axis=(1, 2)),
+        **{name: ((shifted - fit.predict(shifted)) ** 2).sum(axis=(1, 2)) for name, fit in fits.items()},
         "observed": nearest_point_errors(shifted, family.visible)[:, 0],
+        "mean": ((shifted[:, 0] - family.visible.mean(axis=1)) ** 2).sum(axis=1),
         "orbit": ((family.hidden - family.canonical[:, None]) ** 2).sum(axis=2).mean(axis=1),
     }
 
@@ -68,7 +72,7 @@ class ShiftTotals:
     """Running sums of appearance_errors for one target, scenery mode and family."""
 
     def __init__(self) -> None:
-        self.sums = {"center": 0.0, "manifold": 0.0, "observed": 0.0, "orbit": 0.0}
+        self.sums = {name: 0.0 for name in ("center", "orbit", *PREDICTIONS)}
         self.anchors = 0
         self.inside = 0  # anchors whose shift the Manifold covers more than half of
 
@@ -82,7 +86,7 @@ class ShiftTotals:
         s = self.sums
         return {
             "anchors": self.anchors,
-            "coverage": {name: rounded(coverage(s[name], s["center"])) for name in ("manifold", "observed")},
+            "coverage": {name: rounded(coverage(s[name], s["center"])) for name in PREDICTIONS},
             "shift_over_orbit": rounded(s["center"] / s["orbit"]) if s["orbit"] > 0 else None,
             "anchors_half_covered": rounded(self.inside / max(self.anchors, 1)),
         }
@@ -163,7 +167,7 @@ def run_appearance(args, settings: OrbitalSettings) -> int:
                     errors = family_errors(day, settings, rng)
                     orbit[family].add(errors)
                     for key, shifted in tokens.items():
-                        shifts[key][family].add(appearance_errors(day, errors["manifold_fit"], shifted[family][0]))
+                        shifts[key][family].add(appearance_errors(day, errors["fits"], shifted[family][0]))
                 progress.update()
     results = {f"{name} ({mode})": {family: totals.summary() for family, totals in by_family.items()}
                for (name, mode), by_family in shifts.items()}
@@ -187,7 +191,8 @@ def run_appearance(args, settings: OrbitalSettings) -> int:
     for key, by_family in results.items():
         print(f"{key}: " + "; ".join(
             f"{family} Manifold covers {100 * (r['coverage']['manifold'] or 0):.1f}% of the shift "
-            f"(Observed {100 * (r['coverage']['observed'] or 0):.1f}%), shift = {r['shift_over_orbit']:.1f} x orbit"
+            f"(Observed {100 * (r['coverage']['observed'] or 0):.1f}%, visible mean {100 * (r['coverage']['mean'] or 0):.1f}%, "
+            f"random {100 * (r['coverage']['random'] or 0):.1f}%), shift = {r['shift_over_orbit']:.1f} x orbit"
             for family, r in by_family.items()))
     print(f"written to {out}")
     return 0

@@ -136,20 +136,20 @@ def family_errors(family: Family, settings: OrbitalSettings, rng: np.random.Gene
     hidden states (center, observed, manifold, the controls, full), of the Manifold at each rank
     0..max_rank ([A, max_rank + 1]; rank 0 is the visible mean) and at each cap ([A, caps]), the
     hidden coefficients beyond the cap ("clipped", of "coefficients" per anchor), the visible
-    spectrum ([A, K], normalized), its effective rank and top energy; and "manifold_fit" (the
-    Manifold, fitted to the visible states only)."""
+    spectrum ([A, K], normalized), its effective rank and top energy; and "fits": the Manifold
+    (fitted to the visible states only) and the controls' bounded spaces, by name."""
     canonical, visible, hidden = family.canonical, family.visible, family.hidden
     structure = principal(visible)
     rank = settings.rank
     manifold = fit_manifold(visible, rank, settings.cap, structure)
+    fits = {"manifold": manifold, **{name: manifold_on(visible, basis, settings.cap)
+                                     for name, basis in control_bases(structure, rank, rng).items()}}
     out = {
         "center": _errors(hidden, canonical[:, None]),
         "observed": nearest_point_errors(hidden, visible).sum(axis=1),
-        "manifold": _errors(hidden, manifold.predict(hidden)),
-        "manifold_fit": manifold,
+        **{name: _errors(hidden, fit.predict(hidden)) for name, fit in fits.items()},
+        "fits": fits,
     }
-    for name, basis in control_bases(structure, rank, rng).items():
-        out[name] = _errors(hidden, manifold_on(visible, basis, settings.cap).predict(hidden))
     out["full"] = _errors(hidden, fit_manifold(np.concatenate([visible, hidden], axis=1), rank, settings.cap).predict(hidden))
 
     # Every rank and cap at once: on orthonormal directions, the error of a clipped coefficient

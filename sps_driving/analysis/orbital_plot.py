@@ -142,22 +142,25 @@ def plot_anchor_coverage(coverages: dict, path: Path) -> None:
 
 def plot_appearance(results: dict, path: Path) -> None:
     """Per target scenario and scenery: how much of the appearance shift of each patch's token
-    the base frame's Manifold (and Observed) covers, per family; the shift's size in orbital units
-    above the bars."""
+    the base frame's Manifold covers, against Observed, the visible mean alone and the random and
+    shared controls, per family; the shift's size in orbital units at the bars' foot."""
     rows = list(results)
     families = sorted({family for row in results.values() for family in row})
-    fig, axes = plt.subplots(1, len(families), figsize=(max(6.0, 1.2 * len(rows)) * len(families) / 1.4, 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(families), figsize=(max(6.4, 1.6 * len(rows)) * len(families), 4.8), squeeze=False)
+    bars = (("mean", "visible mean", "tab:olive"), ("random", "Random", "tab:purple"), ("shared", "Shared", "tab:green"),
+            ("observed", "Observed", "tab:gray"), ("manifold", "Manifold", None))
+    width = 0.8 / len(bars)
     for ax, family in zip(axes[0], families):
         x = np.arange(len(rows))
-        for offset, name, color in ((-0.2, "observed", "tab:gray"), (0.2, "manifold", COLORS.get(family))):
+        for k, (name, label, color) in enumerate(bars):
             values = [100 * (results[r][family]["coverage"][name] or np.nan) for r in rows]
-            ax.bar(x + offset, values, 0.4, color=color, label=LABELS[name])
+            ax.bar(x + (k - (len(bars) - 1) / 2) * width, values, width, color=color or COLORS.get(family), label=label)
         for xi, r in zip(x, rows):
             ax.text(xi, 2, f"x{results[r][family]['shift_over_orbit']:.0f}", ha="center", fontsize=7, rotation=90)
         ax.axhline(0, color="0.3", linewidth=0.8)
         ax.set_xticks(x, rows, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("coverage of the shifted token, % (vs the base token)")
-        ax.set_title(f"{family}: does the shift stay inside the base frame's Manifold?", fontsize=9)
+        ax.set_ylabel("coverage of the shift, % (x: its size / the orbit's)")
+        ax.set_title(f"{family} tokens: the shift covered by the base frame's spaces", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(axis="y", alpha=0.3)
     _save(fig, path)
