@@ -150,7 +150,12 @@ def family_errors(family: Family, settings: OrbitalSettings, rng: np.random.Gene
         **{name: _errors(hidden, fit.predict(hidden)) for name, fit in fits.items()},
         "fits": fits,
     }
-    out["full"] = _errors(hidden, fit_manifold(np.concatenate([visible, hidden], axis=1), rank, settings.cap).predict(hidden))
+    # Full-32, the ceiling that reads H: NaN for an anchor whose hidden states are not all finite.
+    out["full"] = np.full(len(hidden), np.nan)
+    finite = np.isfinite(hidden).all(axis=(1, 2))
+    if finite.any():
+        both = np.concatenate([visible[finite], hidden[finite]], axis=1)
+        out["full"][finite] = _errors(hidden[finite], fit_manifold(both, rank, settings.cap).predict(hidden[finite]))
 
     # Every rank and cap at once: on orthonormal directions, the error of a clipped coefficient
     # z_c of a state with coefficient z drops by 2 z z_c - z_c^2 from the distance to the mean.

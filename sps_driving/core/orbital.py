@@ -87,7 +87,9 @@ class OrbitalReader:
     view shifts the backbone input and is encoded, and patch j's state is read at slot j.
 
     families: "masked" (the extractor's masked descriptors; not for falloff none) and/or "raw"
-    (the ViT's own final tokens). views_per_pass views share one batched pass up to the masked layer.
+    (the ViT's own final tokens). views_per_pass views share one batched pass up to the masked
+    layer; the unshifted view gets a pass of its own, exactly encode()'s, so its states are the
+    extractor's own descriptors bit for bit.
     """
 
     def __init__(self, extractor, offsets, families=FAMILIES, views_per_pass: int = 8):
@@ -111,6 +113,20 @@ class OrbitalReader:
                                  f"{self.patch_px} px patches: orbital offsets stay below half a patch")
         self.views_per_pass = max(1, int(views_per_pass))
 
+    def _passes(self) -> list[np.ndarray]:
+        """The offsets in order, in chunks of views_per_pass, the unshifted view alone."""
+        passes, chunk = [], []
+        for offset in self.offsets:
+            if not offset.any():
+                passes += [np.array(chunk, np.int64).reshape(-1, 2), offset[None]]
+                chunk = []
+                continue
+            chunk.append(offset)
+            if len(chunk) == self.views_per_pass:
+                passes.append(np.array(chunk))
+                chunk = []
+        return [p for p in [*passes, np.array(chunk, np.int64).reshape(-1, 2)] if len(p)]
+
     def read(self, image_rgb: np.ndarray) -> dict[str, np.ndarray]:
         """{family: float32 [views, N, D]}: row v holds every patch's state under offsets[v]."""
         import torch
@@ -121,8 +137,7 @@ class OrbitalReader:
         pixels = extractor.preprocess(image_rgb)
         every_patch = np.arange(extractor.grid.n, dtype=np.int64)
         out = {family: [] for family in self.families}
-        for start in range(0, len(self.offsets), self.views_per_pass):
-            chunk = self.offsets[start:start + self.views_per_pass]
+        for chunk in self._passes():
             state = extractor.encode_pixels(torch.cat([shift_pixels(pixels, dy, dx) for dy, dx in chunk]))
             if "masked" in out:
                 out["masked"] += [extractor.descriptors(DinoV2State(state.hidden[v:v + 1]), every_patch)
@@ -132,19 +147,19 @@ class OrbitalReader:
         return {family: np.stack(states).astype(np.float32) for family, states in out.items()}
 
 
-def orbital_reader(extractor, config: dict | None, offsets, families=None) -> OrbitalReader:
-    """An OrbitalReader on `extractor` when it runs on torch, else on a torch twin loaded from its
-    resolved extraction `config` (an exported runtime computes the same descriptors, but takes
-    frames, not shifted inputs). families None: the family of the extractor's own descriptors."""
+def visible_reader(extractor, config: dict | None) -> OrbitalReader:
+    """An OrbitalReader of the visible views, in the family of the extractor's own descriptors
+    (what a feature cache stores): on `extractor` when it runs on torch, else on a torch twin
+    loaded from its resolved extraction `config` (an exported runtime computes the same
+    descriptors, but takes frames, not shifted inputs)."""
     if not hasattr(extractor, "encode_pixels"):
         from sps_driving.core.backbones import load_extractor
 
         if not config or config.get("backbone") != "dinov2_vits14":
             raise ValueError(f"orbital states need the DINOv2 backbone, not {getattr(extractor, 'name', extractor)}")
         extractor = load_extractor({**config, "backend": "torch", "precision": "fp32"})
-    if families is None:
-        families = ("raw",) if extractor.unmasked else ("masked",)
-    return OrbitalReader(extractor, offsets, families)
+    visible, _ = orbital_offsets(extractor.input_size[0] // extractor.grid.rows)
+    return OrbitalReader(extractor, visible, ("raw",) if extractor.unmasked else ("masked",))
 
 
 # ---- the Manifold --------------------------------------------------------------------------------
