@@ -32,11 +32,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import scipy.linalg
 import yaml
 
 from sps_driving.core.orbital import (
     FAMILIES,
     Principal,
+    cap_limit,
     effective_rank,
     fit_manifold,
     manifold_on,
@@ -126,8 +128,9 @@ def control_bases(structure: Principal, rank: int, rng: np.random.Generator) -> 
     random = np.linalg.qr(rng.standard_normal((anchors, dim, rank)))[0]
     donor = own[(np.arange(anchors) + int(rng.integers(1, anchors))) % anchors] if anchors > 1 else random
     # The pooled deviations' top directions, from the per-anchor structure: sum_a D_a^T L_a D_a.
-    pooled = np.einsum("akd,ak,ake->de", structure.directions, structure.variances, structure.directions)
-    shared = np.linalg.eigh(pooled)[1][:, ::-1][:, :rank]
+    weighted = structure.directions * np.sqrt(structure.variances)[..., None]
+    pooled = weighted.reshape(-1, dim).T @ weighted.reshape(-1, dim)
+    shared = scipy.linalg.eigh(pooled, subset_by_index=[dim - rank, dim - 1])[1][:, ::-1]
     return {"random": random, "donor": donor, "shared": np.broadcast_to(shared, (anchors, dim, rank))}
 
 
@@ -169,9 +172,10 @@ def family_errors(family: Family, settings: OrbitalSettings, rng: np.random.Gene
         clipped = np.clip(z, -limit, limit)
         return (2 * z * clipped - clipped**2).sum(axis=1)  # [A, max_rank]
 
-    out["rank"] = base[:, None] - np.concatenate([np.zeros((len(base), 1)), np.cumsum(gains(settings.cap * spread), axis=1)], axis=1)
-    out["cap"] = np.stack([base - gains(cap * spread)[:, :rank].sum(axis=1) for cap in settings.caps], axis=1)
-    out["clipped"] = (np.abs(z[..., :rank]) > settings.cap * spread[..., :rank]).sum(axis=(1, 2))
+    limit = cap_limit(settings.cap, spread)
+    out["rank"] = base[:, None] - np.concatenate([np.zeros((len(base), 1)), np.cumsum(gains(limit), axis=1)], axis=1)
+    out["cap"] = np.stack([base - gains(cap_limit(cap, spread))[:, :rank].sum(axis=1) for cap in settings.caps], axis=1)
+    out["clipped"] = (np.abs(z[..., :rank]) > limit[..., :rank]).sum(axis=(1, 2))
     out["coefficients"] = np.full(len(base), z.shape[1] * rank)
     out["spectrum"] = structure.variances / np.maximum(structure.variances.sum(axis=1, keepdims=True), np.finfo(float).tiny)
     out["effective_rank"] = effective_rank(structure.variances)

@@ -177,13 +177,24 @@ class Principal:
 
 
 def principal(visible: np.ndarray) -> Principal:
-    """The principal structure of visible states [A, V, D] (float64; one SVD per anchor)."""
+    """The principal structure of visible states [A, V, D] (float64). With V <= D it comes from
+    each anchor's V x V Gram matrix (its eigenvectors give the directions as X^T u / sqrt(eig)),
+    many times faster than an SVD of every [V, D] matrix; directions of a zero variance are 0."""
     visible = np.asarray(visible, dtype=np.float64)
     if visible.ndim != 3 or visible.shape[1] < 2:
         raise ValueError(f"visible states must be [anchors, views >= 2, D], got {visible.shape}")
     mean = visible.mean(axis=1)
-    _, singular, directions = np.linalg.svd(visible - mean[:, None], full_matrices=False)
-    return Principal(mean, directions, singular**2 / visible.shape[1])
+    centred = visible - mean[:, None]
+    if centred.shape[1] > centred.shape[2]:
+        _, singular, directions = np.linalg.svd(centred, full_matrices=False)
+        return Principal(mean, directions, singular**2 / visible.shape[1])
+    eigenvalues, vectors = np.linalg.eigh(centred @ centred.transpose(0, 2, 1))
+    eigenvalues, vectors = eigenvalues[:, ::-1], vectors[:, :, ::-1]  # strongest first
+    # Below this the Gram matrix's rounding decides the direction: treated as no variance.
+    kept = eigenvalues > eigenvalues[:, :1] * 1e-12
+    scale = np.where(kept, 1.0 / np.sqrt(np.where(kept, eigenvalues, 1.0)), 0.0)
+    directions = np.einsum("avk,avd->akd", vectors, centred) * scale[..., None]
+    return Principal(mean, directions, np.where(kept, eigenvalues, 0.0) / visible.shape[1])
 
 
 @dataclass(frozen=True)
@@ -207,7 +218,7 @@ class Manifold:
 
     def bound(self, coefficients: np.ndarray) -> np.ndarray:
         """Coefficients [A, K, r] clipped to +-cap x spread."""
-        limit = (self.cap * self.spread)[:, None]
+        limit = cap_limit(self.cap, self.spread)[:, None]
         return np.clip(coefficients, -limit, limit)
 
     def point(self, coefficients: np.ndarray) -> np.ndarray:
@@ -218,6 +229,12 @@ class Manifold:
         """[A, K, D]: each state's nearest point of the bounded Manifold along its basis (the
         bounded projection; PMTT's Manifold prediction of a state)."""
         return self.point(self.bound(self.coefficients(states)))
+
+
+def cap_limit(cap: float, spread: np.ndarray) -> np.ndarray:
+    """cap x spread, 0 where the spread is 0 (also for an unbounded cap: no variance, no room)."""
+    spread = np.asarray(spread, dtype=np.float64)
+    return np.multiply(cap, spread, out=np.zeros_like(spread), where=spread > 0)
 
 
 def manifold_on(visible: np.ndarray, basis: np.ndarray, cap: float) -> Manifold:
