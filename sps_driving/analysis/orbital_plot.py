@@ -146,11 +146,11 @@ def plot_appearance(results: dict, path: Path) -> None:
     shared controls, per family; the shift's size in orbital units at the bars' foot."""
     rows = list(results)
     families = sorted({family for row in results.values() for family in row})
-    fig, axes = plt.subplots(1, len(families), figsize=(max(6.4, 1.6 * len(rows)) * len(families), 4.8), squeeze=False)
+    fig, axes = plt.subplots(len(families), 1, figsize=(max(7.0, 1.1 * len(rows)), 4.2 * len(families)), squeeze=False)
     bars = (("mean", "visible mean", "tab:olive"), ("random", "Random", "tab:purple"), ("shared", "Shared", "tab:green"),
             ("observed", "Observed", "tab:gray"), ("manifold", "Manifold", None))
     width = 0.8 / len(bars)
-    for ax, family in zip(axes[0], families):
+    for ax, family in zip(axes[:, 0], families):
         x = np.arange(len(rows))
         for k, (name, label, color) in enumerate(bars):
             values = [100 * (results[r][family]["coverage"][name] or np.nan) for r in rows]
@@ -161,6 +161,6 @@ def plot_appearance(results: dict, path: Path) -> None:
         ax.set_xticks(x, rows, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("coverage of the shift, % (x: its size / the orbit's)")
         ax.set_title(f"{family} tokens: the shift covered by the base frame's spaces", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.grid(axis="y", alpha=0.3)
     _save(fig, path)
