@@ -151,7 +151,7 @@ class Renderer:
                 child.remove_node()
         self.scene = self.root.attach_new_node("scene")
         sc = episode.scenario
-        looks = rng_for(episode.seed, "scenery", sc.name)
+        looks = rng_for(episode.seed, "scenery", episode.scenery or sc.name)
         horizon, zenith = SKY[(sc.time, sc.weather)]
         self.region.set_clear_color((*horizon, 1.0))
         self._sky(horizon, zenith)

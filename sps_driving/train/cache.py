@@ -21,6 +21,10 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
                                 columns as meta.json "state" names them, NaN where unknown
         intervention.npy        bool [n]: the frame is in the seconds after a safety driver's
                                 override (sps_driving.train.car_labels)
+        orbital.npy             float16 [m, V, N, D], only in caches with orbital states: the V
+                                visible orbital states of every patch (sps_driving.core.orbital)
+                                of m of the shard's frames, for Manifold augmentation in training
+        orbital_rows.npy        int32 [m]: which rows of the shard those are, ascending
       shard_00001/ ...
 
 meta.json keys: format, backbone (name), extractor (the extractor config used), grid {rows,
@@ -29,7 +33,8 @@ the last may hold fewer), shards [{path, frames}], sources [names, e.g. bag or e
 validation splits by them], position_table (file name or null), state (the state.npy columns;
 absent in caches written before state inputs: their frames' states are unknown), intervention
 (true: the shards hold intervention.npy; absent in older caches, whose frames read as not in
-one), plus anything the writer's caller adds (e.g. extraction counts of dropped frames).
+one), orbital (only in caches with orbital states: offsets_px [[dy, dx] x V], family, every,
+frames), plus anything the writer's caller adds (e.g. extraction counts of dropped frames).
 
 All .npy files are plain NumPy format, so `np.load(path, mmap_mode="r")` maps them without a
 copy; `FeatureCache` does that for the descriptors and loads the small arrays into memory.
@@ -76,6 +81,8 @@ class FeatureCacheWriter:
     recorded as given. A frame that cannot be stored (wrong shape, NaN/Inf, beyond float16
     range, non-finite label, infinite state) raises ValueError and nothing of it is written:
     callers count and skip. A frame's state inputs (sps_driving.core.state) are NaN where unknown.
+    meta "orbital" ({"offsets_px": [[dy, dx], ...], "family": ...}) makes a cache that holds
+    orbital states: `add(..., orbital=[V, N, D])` for the frames that have them.
     """
 
     def __init__(self, directory, meta: dict, position_table: np.ndarray | None = None,
@@ -101,6 +108,10 @@ class FeatureCacheWriter:
                 raise ValueError(f"position table must be finite [{self.grid.n}, P], got {table.shape}")
             np.save(self.directory / POSITION_TABLE_FILE, table)
         self._has_position_table = position_table is not None
+        orbital = self.meta.get("orbital")
+        self._orbital_views = len(orbital["offsets_px"]) if orbital else 0
+        self._pending_orbital: list[tuple[int, np.ndarray]] = []  # (row in the pending shard, states)
+        self.orbital_frames = 0
         self._sources: dict[str, int] = {}
         self._shards: list[dict] = []
         self._pending: list[tuple] = []
@@ -108,9 +119,10 @@ class FeatureCacheWriter:
         self.frames = 0
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
-            state: dict | None = None, intervention: bool = False) -> None:
+            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None) -> None:
         """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown;
-        `intervention`: the frame follows a safety driver's override."""
+        `intervention`: the frame follows a safety driver's override; `orbital`: its patches'
+        visible orbital states [V, N, D] (a cache made with meta "orbital" only)."""
         descriptors = np.asarray(descriptors)
         if descriptors.shape != (self.grid.n, self.dim):
             raise ValueError(f"descriptors must be [{self.grid.n}, {self.dim}], got {descriptors.shape}")
@@ -129,14 +141,29 @@ class FeatureCacheWriter:
         state_row = np.array([state.get(name, np.nan) for name in STATE_NAMES], dtype=np.float32)
         if np.isinf(state_row).any():
             raise ValueError(f"state inputs must be finite or NaN (unknown), got {state}")
+        if orbital is not None:
+            orbital = self._checked_orbital(orbital)
         if self._closed:
             raise RuntimeError(f"feature cache {self.directory} is already closed")
+        if orbital is not None:
+            self._pending_orbital.append((len(self._pending), orbital))
+            self.orbital_frames += 1
         source_id = self._sources.setdefault(str(source), len(self._sources))
         self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id,
                               state_row, bool(intervention)))
         self.frames += 1
         if len(self._pending) == self.shard_size:
             self._flush()
+
+    def _checked_orbital(self, orbital) -> np.ndarray:
+        if not self._orbital_views:
+            raise ValueError("this cache was made without orbital states (meta \"orbital\"): it cannot store them")
+        orbital = np.asarray(orbital)
+        if orbital.shape != (self._orbital_views, self.grid.n, self.dim):
+            raise ValueError(f"orbital states must be [{self._orbital_views}, {self.grid.n}, {self.dim}], got {orbital.shape}")
+        if not np.all(np.isfinite(orbital)) or np.abs(orbital).max() > FLOAT16_MAX:
+            raise ValueError("orbital states contain NaN or Inf or exceed the float16 range")
+        return orbital.astype(np.float16)
 
     def _flush(self) -> None:
         if not self._pending:
@@ -151,9 +178,15 @@ class FeatureCacheWriter:
         np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
         np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
         np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
+        if self._orbital_views:
+            rows = [row for row, _ in self._pending_orbital]
+            empty = np.zeros((0, self._orbital_views, self.grid.n, self.dim), np.float16)
+            np.save(tmp / "orbital.npy", np.stack([s for _, s in self._pending_orbital]) if rows else empty)
+            np.save(tmp / "orbital_rows.npy", np.asarray(rows, dtype=np.int32))
         os.replace(tmp, self.directory / name)
         self._shards.append({"path": name, "frames": len(self._pending)})
         self._pending = []
+        self._pending_orbital = []
 
     def close(self, extra_meta: dict | None = None) -> Path:
         """Write the last shard and meta.json; `extra_meta` is merged into meta.json. Closing twice is a no-op."""
@@ -177,6 +210,8 @@ class FeatureCacheWriter:
             "intervention": True,
             "created_unix": time.time(),
         }
+        if self._orbital_views:
+            meta["orbital"] = {**self.meta["orbital"], "frames": self.orbital_frames}
         (self.directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
         return self.directory
 
@@ -206,7 +241,9 @@ def _read_cache(directory: Path) -> dict:
     grid_n = int(meta["grid"]["rows"]) * int(meta["grid"]["cols"])
     stored_state = list(meta.get("state", []))
     has_intervention = bool(meta.get("intervention"))
-    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": [], "intervention": []}
+    orbital_views = len(meta["orbital"]["offsets_px"]) if meta.get("orbital") else 0
+    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": [], "intervention": [],
+            "orbital": []}
     for shard in meta["shards"]:
         path = directory / shard["path"]
         n = int(shard["frames"])
@@ -239,6 +276,8 @@ def _read_cache(directory: Path) -> dict:
                 state[:, STATE_NAMES.index(name)] = arrays["state"][:, column]
         part["state"].append(state)
         part["intervention"].append(arrays["intervention"] if has_intervention else np.zeros(n, dtype=bool))
+        part["orbital"].append(_read_orbital(path, n, (orbital_views, grid_n, int(meta["descriptor_dim"])))
+                               if orbital_views else None)
     empty = {"targets": np.zeros((0, 2), np.float32), "stamps": np.zeros(0, np.int64), "source_ids": np.zeros(0, np.int32),
              "state": np.zeros((0, len(STATE_NAMES)), np.float32), "intervention": np.zeros(0, dtype=bool)}
     for key, default in empty.items():
@@ -249,6 +288,21 @@ def _read_cache(directory: Path) -> dict:
     if len(ids) and (ids.min() < 0 or ids.max() >= len(meta["sources"])):
         raise ValueError(f"feature cache {directory} has source ids outside meta.json's sources")
     return part
+
+
+def _read_orbital(path: Path, frames: int, shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(orbital states float16 [m, V, N, D] memory-mapped, their rows in the shard int32 [m]) of a shard."""
+    try:
+        states = np.load(path / "orbital.npy", mmap_mode="r")
+        rows = np.load(path / "orbital_rows.npy")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"the orbital states of feature cache shard {path} cannot be read: {err}") from err
+    if (states.dtype != np.float16 or states.shape[1:] != shape or rows.shape != (len(states),)
+            or np.any(np.diff(rows) <= 0) or (len(rows) and not 0 <= rows.min() <= rows.max() < frames)):
+        raise ValueError(f"the orbital states of feature cache shard {path} are {states.dtype} {states.shape} at rows "
+                         f"{rows.tolist()[:8]}: meta.json says float16 [m, {', '.join(map(str, shape))}] at ascending rows "
+                         f"of its {frames} frames")
+    return states, rows
 
 
 def _compared(meta: dict, key: str):
@@ -300,6 +354,7 @@ class FeatureCache:
         self.source_ids = np.concatenate([part["source_ids"] + offset for part, offset in zip(parts, offsets)]).astype(np.int32)
         sizes = [len(s) for s in self._shards]
         self._starts = np.cumsum([0] + sizes)[:-1]
+        self._read_orbital_index(parts)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -337,6 +392,34 @@ class FeatureCache:
             order = np.argsort(offsets, kind="stable")  # ascending reads of the mapped file
             out[rows[order]] = self._shards[shard][offsets[order]]
         return out
+
+    def _read_orbital_index(self, parts: list[dict]) -> None:
+        """orbital_frames (int64, ascending): the frames with orbital states; orbital_meta: how
+        they were read (the same in every cache that has them)."""
+        metas = [part["meta"]["orbital"] for part in parts if part["meta"].get("orbital")]
+        if any(m["offsets_px"] != metas[0]["offsets_px"] or m["family"] != metas[0]["family"] for m in metas[1:]):
+            raise ValueError(f"feature caches {self.name} hold orbital states of different offsets or families")
+        self.orbital_meta = metas[0] if metas else None
+        self._orbital = [orbital for part in parts for orbital in part["orbital"]]  # per shard: (states, rows) or None
+        # Per frame with states (ascending): its index, its shard and its position in the shard's states.
+        located = [(self._starts[shard] + rows, np.full(len(rows), shard), np.arange(len(rows)))
+                   for shard, (_, rows) in ((k, o) for k, o in enumerate(self._orbital) if o is not None)]
+        columns = [np.concatenate(column).astype(np.int64) for column in zip(*located)] if located else [np.zeros(0, np.int64)] * 3
+        self.orbital_frames, self._orbital_shard, self._orbital_position = columns
+
+    def has_orbital(self, indices) -> np.ndarray:
+        """bool [B]: which frames `indices` have orbital states."""
+        return np.isin(np.asarray(indices, dtype=np.int64), self.orbital_frames)
+
+    def orbital_states(self, indices) -> np.ndarray:
+        """float32 [B, V, N, D]: the visible orbital states of frames `indices`, which must have them."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        where = np.searchsorted(self.orbital_frames, indices)
+        found = where < len(self.orbital_frames)
+        found[found] = self.orbital_frames[where[found]] == indices[found]
+        if not found.all():
+            raise KeyError(f"frames {indices[~found].tolist()[:8]} of {self.name} have no orbital states")
+        return np.stack([self._orbital[self._orbital_shard[w]][0][self._orbital_position[w]] for w in where]).astype(np.float32)
 
     def position_table(self) -> np.ndarray | None:
         """float32 [N, P] backbone position embeddings, or None when the cache has none."""

@@ -23,6 +23,11 @@ source. A frame that cannot be used (undecodable image, no command in tolerance,
 label or descriptors, and for car labels the reasons of car_labels.DROP_REASONS) is skipped and
 counted by reason; the counts go to meta.json ("counts") with, per input, where its labels came
 from and by which rules ("labels"), and to the summary printed at the end.
+
+With --orbital-every K, every K-th written frame also gets the visible orbital states of all its
+patches (sps_driving.core.orbital: 16 sub-patch shifts of the backbone input, read by the torch
+DINOv2 extractor, in the family of the cache's own descriptors), for Manifold augmentation in
+training (docs/feature_cache.md, docs/training.md).
 """
 
 from __future__ import annotations
@@ -304,10 +309,12 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
 
 
 def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
-            settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None) -> dict:
+            settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None,
+            orbital_every: int = 0) -> dict:
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by
     reason; written_intervention: frames after an override). Car labels use the steering ratio of
-    `params_file` (config/graph.yaml by default: the vehicle interface's)."""
+    `params_file` (config/graph.yaml by default: the vehicle interface's). orbital_every K > 0:
+    every K-th written frame also stores its patches' visible orbital states."""
     from sps_driving.graph import car_facts
 
     inputs = [Path(p) for p in inputs]
@@ -319,6 +326,12 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
         "descriptor_dim": int(extractor.dim),
         "inputs": [str(p) for p in inputs],
     }
+    orbital = None
+    if orbital_every:
+        from sps_driving.core.orbital import visible_reader
+
+        orbital = visible_reader(extractor, extractor_config)
+        meta["orbital"] = {"offsets_px": orbital.offsets.tolist(), "family": orbital.families[0], "every": int(orbital_every)}
     all_patches = np.arange(extractor.grid.n, dtype=np.int64)
     report, labels = {}, {}
     steering_ratio = float(car_facts(params_file)["steering_ratio"])
@@ -335,7 +348,8 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
                 labels[source] = {"from": LABELS_FILE}
             for frame in tqdm(frames, total=total, desc=f"extract {source}", unit="frame"):
                 if frame.drop_reason is None:
-                    frame.drop_reason = _add_frame(writer, extractor, frame, all_patches, source)
+                    wants_orbital = orbital is not None and writer.frames % orbital_every == 0
+                    frame.drop_reason = _add_frame(writer, extractor, frame, all_patches, source, orbital if wants_orbital else None)
                 counts[frame.drop_reason or "written"] += 1
                 if frame.drop_reason is None:
                     for name in STATE_INPUTS:
@@ -348,14 +362,18 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
     return report
 
 
-def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patches: np.ndarray, source: str) -> str | None:
-    """Extract and store one frame; returns the drop reason, or None when written."""
+def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patches: np.ndarray, source: str,
+               orbital=None) -> str | None:
+    """Extract and store one frame (with its orbital states when an OrbitalReader `orbital` is
+    given); returns the drop reason, or None when written."""
     try:
         descriptors = extractor.descriptors(extractor.encode(frame.rgb), patches)
+        states = orbital.read(frame.rgb)[orbital.families[0]] if orbital is not None else None
     except ValueError:  # the extractor's ImageError and input checks
         return "undecodable_image"
     try:
-        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state, frame.intervention)
+        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state, frame.intervention,
+                   orbital=states)
     except ValueError:
         return "invalid_descriptors_or_label"
     return None
@@ -384,6 +402,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where bag labels come from: the reference command, the car's PACMod 3 reports, or auto "
                              "(the first the bag has; default from --config)")
     parser.add_argument("--params", type=Path, help="graph parameters file with the car's steering_ratio (default: config/graph.yaml)")
+    parser.add_argument("--orbital-every", type=int, default=0, metavar="K",
+                        help="also store the visible orbital states of every K-th written frame (DINOv2; for "
+                             "`train --orbital-fraction`; about 16x a frame's descriptors each); 0: none (default)")
 
 
 def run(args) -> int:
@@ -406,7 +427,10 @@ def run(args) -> int:
         opened = open_extractor(extraction)
         extractor = opened.extractor
         print(opened.describe())
-        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params)
+        if args.orbital_every < 0:
+            raise ValueError(f"--orbital-every must be 0 (none) or a positive frame interval, got {args.orbital_every}")
+        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params,
+                         args.orbital_every)
     except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -76,6 +76,7 @@ from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
 from sps_driving.core.view import view_record
 from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
+from sps_driving.train.orbital_augment import OrbitalAugmenter
 from sps_driving.train.windows import TrainingWindows, window_validation_errors
 
 TRAIN_CONFIG = config_path("train.yaml")
@@ -133,6 +134,11 @@ class TrainConfig:
     canvas: list | None = None  # mlp: [rows, cols] patches of the canvas its weights are laid out on; None: the grid
     query_stride: int = 1  # relative_query: queries at every query_stride-th row and column of the grid
     readout: str = "flatten"  # relative_query: flatten | pool
+    # Manifold augmentation (sps_driving.train.orbital_augment): the fraction of the patches of training
+    # frames with orbital states resampled from their Manifold of this rank and cap; 0 = off.
+    orbital_fraction: float = 0.0
+    orbital_rank: int = 4
+    orbital_cap: float = 2.0
     resume: bool = False  # a run mode, not a setting: --resume
 
     def __post_init__(self) -> None:
@@ -146,6 +152,9 @@ class TrainConfig:
             raise ValueError("need lr, weight_decay, min_lr >= 0 and 0 < plateau_factor < 1")
         if not (0 <= self.dropout < 1 and self.max_steering_rad > 0):
             raise ValueError("need 0 <= dropout < 1 and max_steering_rad > 0")
+        if not (0.0 <= self.orbital_fraction <= 1.0 and self.orbital_rank >= 1 and self.orbital_cap > 0):
+            raise ValueError(f"need 0 <= orbital_fraction <= 1, orbital_rank >= 1 and orbital_cap > 0, got "
+                             f"{self.orbital_fraction}, {self.orbital_rank}, {self.orbital_cap}")
         if not (math.isfinite(self.intervention_weight) and self.intervention_weight >= 0):
             raise ValueError(f"intervention_weight must be a finite number >= 0, got {self.intervention_weight}")
         for name in ("loss_weights", "criterion_weights"):
@@ -518,6 +527,12 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     split.update(train_frames=int(len(train_idx)), validation_frames=int(len(val_idx)))
     config = policy_config(cfg, cache, split, train_idx, state_names, criterion_weights(cfg, state_names))
     config["training"]["world_size"] = procs.world_size
+    augmenter = None
+    if cfg.orbital_fraction > 0:  # training batches only: validation reads the cache as it is
+        if cfg.architecture == "patch_policy":
+            raise ValueError("--orbital-fraction augments single frames; the patch policy's windows do not take it")
+        augmenter = OrbitalAugmenter(cache, train_idx, cfg.orbital_fraction, cfg.orbital_rank, cfg.orbital_cap)
+        config["training"]["orbital_augmentation"] = augmenter.describe()
 
     torch.manual_seed(cfg.seed)  # identical initial weights in every process
     if cfg.resume:
@@ -597,6 +612,8 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
                 frame_states = None if states is None else states[index].to(procs.device)
                 if descriptor_transform is not None:
                     grids = descriptor_transform(grids, generator)
+                if augmenter is not None:
+                    grids = augmenter(grids, index, generator)
                 keep = selector.sample_masks(len(grids), generator, procs.device)
                 loss = (l2_loss(model(grids, keep, frame_states), target, weights) * frame_weights[index].to(procs.device)).mean()
             optimizer.zero_grad(set_to_none=True)
@@ -691,6 +708,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="patch_policy: one selection per block of T strides instead of one per frame")
     parser.add_argument("--intervention-weight", type=float,
                         help="loss weight of the frames after a safety driver's override (1: like every frame)")
+    parser.add_argument("--orbital-fraction", type=float,
+                        help="Manifold augmentation: resample this fraction of the patches of training frames with orbital "
+                             "states (extract --orbital-every) from their own bounded Manifold; 0: off")
     parser.add_argument("--validation-fraction", type=float)
     parser.add_argument("--num-workers", type=int)
     parser.add_argument("--device", help="auto, cpu, cuda")
@@ -701,7 +721,7 @@ def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
         "variant", "rate", "architecture", "state_inputs", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
         "early_stop_patience", "validation_fraction", "num_workers", "device", "intervention_weight", "window_frames",
-        "frame_stride_s", "shared_selection", "canvas", "query_stride", "readout")}
+        "frame_stride_s", "shared_selection", "canvas", "query_stride", "readout", "orbital_fraction")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
         summary = train(cfg)
