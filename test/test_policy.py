@@ -383,13 +383,17 @@ def test_state_statistics_round_trip_through_the_checkpoint(tmp_path):
 
 
 def test_checkpoints_without_state_inputs_load_and_ignore_a_state(tmp_path):
-    from sps_driving.resources import shipped_policy
+    from samples import tiny_policy
 
-    shipped = load_policy(shipped_policy())
-    assert "state_inputs" not in shipped.config and shipped.state_inputs == ()
-    assert shipped.module.state is None
-    indices = shipped.selector.select(0)
-    descriptors = np.random.default_rng(0).normal(size=(len(indices), shipped.descriptor_dim)).astype(np.float32)
-    command = shipped.predict(descriptors, indices)
+    directory = tiny_policy(tmp_path / "policy")
+    config = json.loads((directory / "config.json").read_text())
+    del config["state_inputs"]  # written before state inputs existed
+    (directory / "config.json").write_text(json.dumps(config))
+    older = load_policy(directory)
+    assert "state_inputs" not in older.config and older.state_inputs == ()
+    assert older.module.state is None
+    indices = older.selector.select(0)
+    descriptors = np.random.default_rng(0).normal(size=(len(indices), older.descriptor_dim)).astype(np.float32)
+    command = older.predict(descriptors, indices)
     assert np.isfinite(command).all()
-    assert shipped.predict(descriptors, indices, {"speed_mps": 3.0, "target_speed_mps": 5.0}) == command
+    assert older.predict(descriptors, indices, {"speed_mps": 3.0, "target_speed_mps": 5.0}) == command
