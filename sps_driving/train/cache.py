@@ -55,6 +55,8 @@ from sps_driving.core.state import STATE_NAMES
 CACHE_FORMAT = "sps_driving.feature_cache/1"
 META_FILE = "meta.json"
 POSITION_TABLE_FILE = "position_table.npy"
+PROGRESS_DIR = "progress"  # an unfinished UnitCacheWriter cache's plan and finished units
+PLAN_FILE = "plan.json"
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -69,6 +71,85 @@ class CacheFrame:
     intervention: bool = False  # in the seconds after a safety driver's override
 
 
+def _frame_row(grid_n: int, dim: int, descriptors, steering: float, throttle: float, stamp_ns: int,
+               state: dict | None, intervention: bool) -> tuple:
+    """One frame as a shard stores it (without its source id); ValueError for a frame that cannot be stored."""
+    descriptors = np.asarray(descriptors)
+    if descriptors.shape != (grid_n, dim):
+        raise ValueError(f"descriptors must be [{grid_n}, {dim}], got {descriptors.shape}")
+    if not np.all(np.isfinite(descriptors)):
+        raise ValueError("descriptors contain NaN or Inf")
+    if np.abs(descriptors).max() > FLOAT16_MAX:
+        raise ValueError(f"descriptors exceed the float16 range (|x| > {FLOAT16_MAX})")
+    if not (np.isfinite(steering) and np.isfinite(throttle)):
+        raise ValueError(f"labels must be finite, got steering={steering}, throttle={throttle}")
+    if int(stamp_ns) < 0:
+        raise ValueError(f"stamp must be >= 0 ns, got {stamp_ns}")
+    state = dict(state or {})
+    unknown = set(state) - set(STATE_NAMES)
+    if unknown:
+        raise ValueError(f"unknown state inputs {sorted(unknown)}; expected some of {list(STATE_NAMES)}")
+    state_row = np.array([state.get(name, np.nan) for name in STATE_NAMES], dtype=np.float32)
+    if np.isinf(state_row).any():
+        raise ValueError(f"state inputs must be finite or NaN (unknown), got {state}")
+    return descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), state_row, bool(intervention)
+
+
+def _write_shard(directory: Path, name: str, rows: list[tuple]) -> dict:
+    """Shard `name` of `rows` (_frame_row's, each with its source id after the stamp), appearing
+    atomically: written as NAME.tmp, then renamed over whatever an interrupted run left there."""
+    tmp, final = directory / (name + ".tmp"), directory / name
+    for leftover in (tmp, final):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir()
+    descriptors, targets, stamps, sources, states, interventions = zip(*rows)
+    np.save(tmp / "descriptors.npy", np.stack(descriptors))
+    np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
+    np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
+    np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
+    np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
+    np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
+    os.replace(tmp, final)
+    return {"path": name, "frames": len(rows)}
+
+
+def _check_meta(meta: dict, shard_size: int) -> PatchGrid:
+    for key in ("backbone", "grid", "descriptor_dim"):
+        if key not in meta:
+            raise ValueError(f"feature cache meta needs {key!r}")
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    return PatchGrid(int(meta["grid"]["rows"]), int(meta["grid"]["cols"]))
+
+
+def _save_position_table(directory: Path, table, grid: PatchGrid) -> None:
+    table = np.asarray(table, dtype=np.float32)
+    if table.ndim != 2 or table.shape[0] != grid.n or not np.all(np.isfinite(table)):
+        raise ValueError(f"position table must be finite [{grid.n}, P], got {table.shape}")
+    np.save(directory / POSITION_TABLE_FILE, table)
+
+
+def _write_meta(directory: Path, meta: dict, extra_meta: dict | None, grid: PatchGrid, dim: int, shard_size: int,
+                shards: list[dict], sources: list[str], has_position_table: bool) -> None:
+    meta = {
+        **meta,
+        **(extra_meta or {}),
+        "format": CACHE_FORMAT,
+        "grid": {"rows": grid.rows, "cols": grid.cols},
+        "descriptor_dim": dim,
+        "dtype": "float16",
+        "frames": sum(int(shard["frames"]) for shard in shards),
+        "shard_size": shard_size,
+        "shards": shards,
+        "sources": sources,
+        "position_table": POSITION_TABLE_FILE if has_position_table else None,
+        "state": list(STATE_NAMES),
+        "intervention": True,
+        "created_unix": time.time(),
+    }
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
+
+
 class FeatureCacheWriter:
     """Append frames, then `close()` (or leave the `with` block) to write the last shard and meta.json.
 
@@ -81,25 +162,17 @@ class FeatureCacheWriter:
     def __init__(self, directory, meta: dict, position_table: np.ndarray | None = None,
                  shard_size: int = 512, overwrite: bool = False):
         self.directory = Path(directory)
-        for key in ("backbone", "grid", "descriptor_dim"):
-            if key not in meta:
-                raise ValueError(f"feature cache meta needs {key!r}")
-        if shard_size < 1:
-            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        self.grid = _check_meta(meta, shard_size)
         if self.directory.exists() and any(self.directory.iterdir()):
             if not overwrite:
                 raise FileExistsError(f"{self.directory} is not empty; choose a new cache directory or overwrite it")
             shutil.rmtree(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.grid = PatchGrid(int(meta["grid"]["rows"]), int(meta["grid"]["cols"]))
         self.dim = int(meta["descriptor_dim"])
         self.shard_size = int(shard_size)
         self.meta = dict(meta)
         if position_table is not None:
-            table = np.asarray(position_table, dtype=np.float32)
-            if table.ndim != 2 or table.shape[0] != self.grid.n or not np.all(np.isfinite(table)):
-                raise ValueError(f"position table must be finite [{self.grid.n}, P], got {table.shape}")
-            np.save(self.directory / POSITION_TABLE_FILE, table)
+            _save_position_table(self.directory, position_table, self.grid)
         self._has_position_table = position_table is not None
         self._sources: dict[str, int] = {}
         self._shards: list[dict] = []
@@ -111,29 +184,11 @@ class FeatureCacheWriter:
             state: dict | None = None, intervention: bool = False) -> None:
         """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown;
         `intervention`: the frame follows a safety driver's override."""
-        descriptors = np.asarray(descriptors)
-        if descriptors.shape != (self.grid.n, self.dim):
-            raise ValueError(f"descriptors must be [{self.grid.n}, {self.dim}], got {descriptors.shape}")
-        if not np.all(np.isfinite(descriptors)):
-            raise ValueError("descriptors contain NaN or Inf")
-        if np.abs(descriptors).max() > FLOAT16_MAX:
-            raise ValueError(f"descriptors exceed the float16 range (|x| > {FLOAT16_MAX})")
-        if not (np.isfinite(steering) and np.isfinite(throttle)):
-            raise ValueError(f"labels must be finite, got steering={steering}, throttle={throttle}")
-        if int(stamp_ns) < 0:
-            raise ValueError(f"stamp must be >= 0 ns, got {stamp_ns}")
-        state = dict(state or {})
-        unknown = set(state) - set(STATE_NAMES)
-        if unknown:
-            raise ValueError(f"unknown state inputs {sorted(unknown)}; expected some of {list(STATE_NAMES)}")
-        state_row = np.array([state.get(name, np.nan) for name in STATE_NAMES], dtype=np.float32)
-        if np.isinf(state_row).any():
-            raise ValueError(f"state inputs must be finite or NaN (unknown), got {state}")
+        row = _frame_row(self.grid.n, self.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
         if self._closed:
             raise RuntimeError(f"feature cache {self.directory} is already closed")
         source_id = self._sources.setdefault(str(source), len(self._sources))
-        self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id,
-                              state_row, bool(intervention)))
+        self._pending.append((*row[:3], source_id, *row[3:]))
         self.frames += 1
         if len(self._pending) == self.shard_size:
             self._flush()
@@ -141,18 +196,7 @@ class FeatureCacheWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        name = f"shard_{len(self._shards):05d}"
-        tmp = self.directory / (name + ".tmp")
-        tmp.mkdir()
-        descriptors, targets, stamps, sources, states, interventions = zip(*self._pending)
-        np.save(tmp / "descriptors.npy", np.stack(descriptors))
-        np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
-        np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
-        np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
-        np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
-        np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
-        os.replace(tmp, self.directory / name)
-        self._shards.append({"path": name, "frames": len(self._pending)})
+        self._shards.append(_write_shard(self.directory, f"shard_{len(self._shards):05d}", self._pending))
         self._pending = []
 
     def close(self, extra_meta: dict | None = None) -> Path:
@@ -161,23 +205,8 @@ class FeatureCacheWriter:
             return self.directory
         self._closed = True
         self._flush()
-        meta = {
-            **self.meta,
-            **(extra_meta or {}),
-            "format": CACHE_FORMAT,
-            "grid": {"rows": self.grid.rows, "cols": self.grid.cols},
-            "descriptor_dim": self.dim,
-            "dtype": "float16",
-            "frames": self.frames,
-            "shard_size": self.shard_size,
-            "shards": self._shards,
-            "sources": list(self._sources),
-            "position_table": POSITION_TABLE_FILE if self._has_position_table else None,
-            "state": list(STATE_NAMES),
-            "intervention": True,
-            "created_unix": time.time(),
-        }
-        (self.directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
+        _write_meta(self.directory, self.meta, extra_meta, self.grid, self.dim, self.shard_size, self._shards,
+                    list(self._sources), self._has_position_table)
         return self.directory
 
     def __enter__(self) -> FeatureCacheWriter:
@@ -187,6 +216,144 @@ class FeatureCacheWriter:
         # On an error the cache stays without meta.json, so it cannot be mistaken for a complete one.
         if exc_type is None:
             self.close()
+
+
+class UnitCacheWriter:
+    """A feature cache written in work units by one process or several (sps_driving.distributed):
+    each unit (a stretch of an input's frames, a rollout episode) into shards of its own, named by
+    the caller (`unit(name, base, first_part)`: shards BASE_PPPPP from FIRST_PART on, up to
+    shard_size frames each). A cut-short run resumes with the units it had not finished, and the
+    finished cache lists the shards in unit order, whichever process wrote which.
+
+    While unfinished, CACHE/progress/ holds plan.json (what the units are: a resumed run must have
+    the same plan, else ValueError) and UNIT.json for each finished unit (its shards and the
+    caller's record, such as counts of dropped frames). `records` gathers them on every process;
+    `close` has process 0 write meta.json (sources: `sources`, source ids their positions), then
+    progress/ is removed. Process 0 prepares the folder: an existing cache or another folder there
+    is FileExistsError unless `overwrite`; the others wait for it.
+    """
+
+    def __init__(self, directory, meta: dict, plan: dict, units: Sequence[str], sources: Sequence[str],
+                 position_table: np.ndarray | None = None, shard_size: int = 512, overwrite: bool = False,
+                 processes=None):
+        from sps_driving.distributed import Processes, digest
+
+        self.processes = processes or Processes()
+        self.directory = Path(directory)
+        self.progress = self.directory / PROGRESS_DIR
+        self.grid = _check_meta(meta, shard_size)
+        self.dim = int(meta["descriptor_dim"])
+        self.shard_size = int(shard_size)
+        self.meta = dict(meta)
+        self.units = list(units)
+        self.sources = list(sources)
+        self.source_ids = {name: index for index, name in enumerate(self.sources)}
+        self.plan = {**plan, "units": self.units, "sources": self.sources, "shard_size": self.shard_size}
+        self.plan_digest = digest(self.plan)
+        self._has_position_table = position_table is not None
+        error = None
+        if self.processes.main:
+            try:
+                self._prepare(overwrite, position_table)
+            except (FileExistsError, ValueError) as exc:
+                error = (isinstance(exc, FileExistsError), str(exc))
+        error = self.processes.broadcast(error)
+        if error is not None:
+            raise (FileExistsError if error[0] else ValueError)(error[1])
+        self.progress.mkdir(parents=True, exist_ok=True)  # on machines that do not share the folder, too
+
+    def _prepare(self, overwrite: bool, position_table) -> None:
+        from sps_driving.distributed import digest
+
+        if overwrite and self.directory.exists():
+            shutil.rmtree(self.directory)
+        if (self.directory / META_FILE).exists():
+            raise FileExistsError(f"{self.directory} is a complete feature cache; choose a new cache directory or overwrite it")
+        plan_file = self.progress / PLAN_FILE
+        if plan_file.is_file():
+            if digest(json.loads(plan_file.read_text())) != self.plan_digest:
+                raise ValueError(f"{self.directory} holds an unfinished feature cache of other settings or inputs: "
+                                 f"resume it with those, or overwrite it")
+        elif self.directory.exists() and any(self.directory.iterdir()):
+            raise FileExistsError(f"{self.directory} is not empty; choose a new cache directory or overwrite it")
+        self.progress.mkdir(parents=True, exist_ok=True)
+        _write_json_atomically(plan_file, self.plan)
+        if position_table is not None:
+            _save_position_table(self.directory, position_table, self.grid)
+
+    def done(self, unit: str) -> dict | None:
+        """The record of `unit` when this machine's folder has it finished under this plan."""
+        path = self.progress / f"{unit}.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return record if record.get("plan") == self.plan_digest else None
+
+    def unit(self, name: str, base: str, first_part: int = 0) -> UnitShards:
+        return UnitShards(self, name, base, first_part)
+
+    def records(self, mine: Sequence[str]) -> list[dict]:
+        """Every unit's record, in unit order, on every process; `mine`: the units this process
+        was given (each unit is some process's)."""
+        local = {unit: record for unit in mine if (record := self.done(unit)) is not None}
+        merged: dict[str, dict] = {}
+        for part in self.processes.gather(local):
+            merged.update(part)
+        missing = [unit for unit in self.units if unit not in merged]
+        if missing:
+            raise RuntimeError(f"feature cache {self.directory}: units {missing[:5]} were not finished")
+        return [merged[unit] for unit in self.units]
+
+    def close(self, records: list[dict], extra_meta: dict | None = None) -> Path:
+        """Process 0 writes meta.json with the shards of `records` (unit order); progress/ goes."""
+        if self.processes.main:
+            shards = [shard for record in records for shard in record["shards"]]
+            _write_meta(self.directory, self.meta, extra_meta, self.grid, self.dim, self.shard_size, shards, self.sources,
+                        self._has_position_table)
+        self.processes.barrier()
+        if self.processes.local_rank == 0:
+            shutil.rmtree(self.progress, ignore_errors=True)
+        return self.directory
+
+
+class UnitShards:
+    """The frames of one unit of a UnitCacheWriter: `add` as FeatureCacheWriter's (a source the
+    writer does not list is a KeyError), `finish` to write the last shard and the unit's record."""
+
+    def __init__(self, writer: UnitCacheWriter, name: str, base: str, first_part: int):
+        self.writer, self.name, self.base, self.part = writer, name, base, first_part
+        self.shards: list[dict] = []
+        self.frames = 0
+        self._pending: list[tuple] = []
+
+    def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
+            state: dict | None = None, intervention: bool = False) -> None:
+        w = self.writer
+        row = _frame_row(w.grid.n, w.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
+        self._pending.append((*row[:3], w.source_ids[source], *row[3:]))
+        self.frames += 1
+        if len(self._pending) == w.shard_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.shards.append(_write_shard(self.writer.directory, f"{self.base}_{self.part:05d}", self._pending))
+            self.part += 1
+            self._pending = []
+
+    def finish(self, record: dict | None = None) -> dict:
+        """The unit is done: its last shard, then its record (`record` with its shards and frames)."""
+        self._flush()
+        record = {**(record or {}), "plan": self.writer.plan_digest, "shards": self.shards, "frames": self.frames}
+        _write_json_atomically(self.writer.progress / f"{self.name}.json", record)
+        return record
+
+
+def _write_json_atomically(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, allow_nan=False) + "\n")
+    os.replace(tmp, path)
 
 
 def _read_cache(directory: Path) -> dict:

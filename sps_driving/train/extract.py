@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import cv2
@@ -44,8 +46,9 @@ from tqdm import tqdm
 
 from sps_driving import topics
 from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
+from sps_driving.distributed import Processes, shares, start_processes
 from sps_driving.resources import config_path
-from sps_driving.train.cache import META_FILE, FeatureCacheWriter
+from sps_driving.train.cache import META_FILE, UnitCacheWriter, UnitShards
 from sps_driving.train.car_labels import CarLabelRules, has_reports, missing_reports, read_car_labels
 
 LABELS_FILE = "labels.csv"
@@ -230,10 +233,11 @@ def human_labels(car):
     return label
 
 
-def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: dict, steering_ratio: float) -> Iterator[LabelledFrame]:
-    """Camera frames of a bag, each labelled from the bag's label source (`bag_label_source`) and
-    with its state inputs matched by stamp (the car's labels bring their own speed). `labels` gets
-    where the labels came from and by which rules."""
+def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: dict, steering_ratio: float,
+               first: int = 0, stop: int | None = None) -> Iterator[LabelledFrame]:
+    """Camera frames first..stop-1 of a bag, each labelled from the bag's label source
+    (`bag_label_source`) and with its state inputs matched by stamp (the car's labels bring their
+    own speed). `labels` gets where the labels came from and by which rules."""
     from sps_driving.bagio import read_messages, topic_types
     from sps_driving.core.image import ImageError, to_rgb
     from sps_driving.msgs import stamp_ns
@@ -251,7 +255,7 @@ def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: d
     tolerance_ns = int(settings.match_tolerance_s * 1e9)
     states = bag_states(path)
 
-    for message in read_messages(path, [settings.camera_topic]):
+    for message in read_messages(path, [settings.camera_topic], first, stop):
         msg = message.msg
         frame = label(stamp_ns(msg.header), message.log_time_ns)
         if frame.drop_reason:
@@ -276,9 +280,12 @@ def folder_rows(path: Path) -> list[dict]:
         return list(reader)
 
 
-def folder_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterator[LabelledFrame]:
+def folder_frames(path: Path, settings: ExtractSettings, counts: Counter, first: int = 0,
+                  stop: int | None = None) -> Iterator[LabelledFrame]:
+    """Frames first..stop-1 of an image folder (rows of labels.csv)."""
     period_ns = int(round(1e9 / settings.image_folder_frame_rate_hz))
-    for row_number, row in enumerate(folder_rows(path)):
+    rows = folder_rows(path)
+    for row_number, row in enumerate(rows[first:stop], start=first):
         try:
             steering, throttle = float(row["steering"]), float(row["throttle"])
             stamp = int(row["stamp_ns"]) if row.get("stamp_ns") else row_number * period_ns
@@ -304,14 +311,26 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
 
 
 def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
-            settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None) -> dict:
+            settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None,
+            processes: Processes | None = None) -> dict:
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by
     reason; written_intervention: frames after an override). Car labels use the steering ratio of
-    `params_file` (config/graph.yaml by default: the vehicle interface's)."""
+    `params_file` (config/graph.yaml by default: the vehicle interface's).
+
+    The work is split into units of settings.shard_size consecutive camera frames of one input,
+    each written to a shard of its own (shard_IIIII_CCCCC: input I, unit C): with several
+    `processes` (torchrun) each takes an equal contiguous block of units, and the cache is the same
+    as one process writes. A cut-short run resumes with the units not finished (UnitCacheWriter).
+    """
     from sps_driving.graph import car_facts
 
+    procs = processes or Processes()
     inputs = [Path(p) for p in inputs]
     kinds = check_inputs(inputs, settings)
+    sources = source_names(inputs)
+    totals = [bag_frame_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
+              for path, kind in zip(inputs, kinds)]
+    steering_ratio = float(car_facts(params_file)["steering_ratio"])
     meta = {
         "backbone": extractor.name,
         "extractor": extractor_config or {"name": extractor.name},
@@ -319,36 +338,104 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
         "descriptor_dim": int(extractor.dim),
         "inputs": [str(p) for p in inputs],
     }
+    plan = extraction_plan(meta, settings, steering_ratio, sources, kinds, totals)
+    procs.agree("the extraction settings and inputs (their names and frame counts)", plan)
+    size = settings.shard_size
+    units = [(i, c) for i, total in enumerate(totals) for c in range(max(1, math.ceil(total / size)))]
+    last_unit = {i: c for i, c in units}
+
+    def name(unit):
+        return f"{unit[0]:05d}_{unit[1]:05d}"
+
+    def frames_of(unit):  # the camera frames the unit plans for (the last of an input: all that remain)
+        i, c = unit
+        return totals[i] - c * size if c == last_unit[i] else size
+
+    writer = UnitCacheWriter(out, meta, plan, [name(u) for u in units], sources, extractor.position_table(), size,
+                             overwrite, procs)
+    mine = [units[k] for k in shares(len(units), procs)]
+    todo = {unit for unit in mine if writer.done(name(unit)) is None}
+    done_units, done_frames = procs.all_sum(len(mine) - len(todo), sum(frames_of(u) for u in mine if u not in todo))
+    if procs.main and done_units:
+        tqdm.write(f"resuming {out}: {int(done_units)} of {len(units)} units ({int(done_frames)} frames) already written")
+    if procs.world_size > 1:
+        procs.log(f"extract: {len(mine)} of {len(units)} units ({sum(map(frames_of, mine))} camera frames)"
+                  + (f" from {name(mine[0])} on" if mine else "") + f", {len(mine) - len(todo)} already written")
+    bar = tqdm(total=sum(totals), initial=int(done_frames), desc="extract", unit="frame", disable=not procs.main)
     all_patches = np.arange(extractor.grid.n, dtype=np.int64)
-    report, labels = {}, {}
-    steering_ratio = float(car_facts(params_file)["steering_ratio"])
-    writer = FeatureCacheWriter(out, meta, extractor.position_table(), settings.shard_size, overwrite)
-    with writer:
-        for path, kind, source in zip(inputs, kinds, source_names(inputs)):
+    stream = None  # [input, next unit, frames iterator, the input's own counts, labels] of the stretch being read
+    started, written = time.perf_counter(), 0
+    for position in range(math.ceil(len(units) / procs.world_size)):  # rounds: one unit per process
+        unit = mine[position] if position < len(mine) else None
+        seen = 0
+        if unit in todo:
+            i, c = unit
+            if stream is None or stream[:2] != [i, c]:
+                end = c  # one pass over this process's consecutive unfinished units of the input
+                while (i, end + 1) in todo:
+                    end += 1
+                stop = None if end == last_unit[i] else (end + 1) * size
+                counts_of_input, labels = Counter(), {}
+                if kinds[i] == "rosbag2":
+                    frames = bag_frames(inputs[i], settings, counts_of_input, labels, steering_ratio, c * size, stop)
+                else:
+                    frames = folder_frames(inputs[i], settings, counts_of_input, c * size, stop)
+                    labels["from"] = LABELS_FILE
+                stream = [i, c, frames, counts_of_input, labels]
             counts = Counter()
-            labels[source] = {}
-            if kind == "rosbag2":
-                frames = bag_frames(path, settings, counts, labels[source], steering_ratio)
-                total = bag_frame_count(path, settings.camera_topic)
-            else:
-                frames, total = folder_frames(path, settings, counts), len(folder_rows(path))
-                labels[source] = {"from": LABELS_FILE}
-            for frame in tqdm(frames, total=total, desc=f"extract {source}", unit="frame"):
-                if frame.drop_reason is None:
-                    frame.drop_reason = _add_frame(writer, extractor, frame, all_patches, source)
-                counts[frame.drop_reason or "written"] += 1
-                if frame.drop_reason is None:
-                    for name in STATE_INPUTS:
-                        if not math.isfinite(frame.state.get(name, math.nan)):
-                            counts[f"written_without_{name}"] += 1
-                    if frame.intervention:
-                        counts["written_intervention"] += 1
-            report[source] = dict(counts)
-        writer.close({"counts": report, "labels": labels})
+            shards = writer.unit(name(unit), f"shard_{i:05d}", c)
+            for frame in itertools.islice(stream[2], None if c == last_unit[i] else size):
+                _count_frame(shards, extractor, frame, all_patches, sources[i], counts)
+                seen += 1
+                if procs.world_size == 1:
+                    bar.update(1)
+            record = {"counts": dict(counts)}
+            if c == 0:  # what is the input's, not its frames': counted once
+                record.update(counts=dict(counts + stream[3]), labels=stream[4])
+            written += shards.finish(record)["frames"]
+            stream[1] = c + 1
+        if procs.world_size > 1:
+            bar.update(int(procs.all_sum(seen)[0]))
+    bar.close()
+    if procs.world_size > 1:
+        procs.log(f"extract: {written} frames written in {time.perf_counter() - started:.0f} s")
+    records = writer.records([name(u) for u in mine])
+    report, labels = {}, {}
+    for (i, c), record in zip(units, records):
+        report[sources[i]] = dict(Counter(report.get(sources[i], {})) + Counter(record["counts"]))
+        if c == 0:
+            labels[sources[i]] = record["labels"]
+    writer.close(records, {"counts": report, "labels": labels})
     return report
 
 
-def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patches: np.ndarray, source: str) -> str | None:
+def extraction_plan(meta: dict, settings: ExtractSettings, steering_ratio: float, sources: list[str], kinds: list[str],
+                    totals: list[int]) -> dict:
+    """What every process of an extraction, and a resumed one, must share: the descriptors'
+    settings, the extraction and label settings, and the inputs by name, kind and frame count
+    (paths may differ between machines; runtime settings such as the device may too)."""
+    from sps_driving.core.backbones import DESCRIPTOR_KEYS
+
+    descriptor_settings = {key: value for key, value in meta["extractor"].items() if key in (*DESCRIPTOR_KEYS, "precision", "dtype")}
+    return {"backbone": meta["backbone"], "grid": meta["grid"], "descriptor_dim": meta["descriptor_dim"],
+            "extractor": descriptor_settings, "settings": asdict(settings), "steering_ratio": steering_ratio,
+            "inputs": [{"source": s, "kind": k, "frames": t} for s, k, t in zip(sources, kinds, totals)]}
+
+
+def _count_frame(writer, extractor, frame: LabelledFrame, patches: np.ndarray, source: str, counts: Counter) -> None:
+    """Store `frame` unless it was dropped already, counting it as written or by its drop reason."""
+    if frame.drop_reason is None:
+        frame.drop_reason = _add_frame(writer, extractor, frame, patches, source)
+    counts[frame.drop_reason or "written"] += 1
+    if frame.drop_reason is None:
+        for name in STATE_INPUTS:
+            if not math.isfinite(frame.state.get(name, math.nan)):
+                counts[f"written_without_{name}"] += 1
+        if frame.intervention:
+            counts["written_intervention"] += 1
+
+
+def _add_frame(writer: UnitShards, extractor, frame: LabelledFrame, patches: np.ndarray, source: str) -> str | None:
     """Extract and store one frame; returns the drop reason, or None when written."""
     try:
         descriptors = extractor.descriptors(extractor.encode(frame.rgb), patches)
@@ -391,6 +478,7 @@ def run(args) -> int:
 
     from sps_driving.extractors import open_extractor
 
+    procs = None
     try:
         settings = ExtractSettings.from_yaml(args.config)
         if args.camera_topic:
@@ -401,18 +489,28 @@ def run(args) -> int:
             settings = replace(settings, label_source=args.label_source)
         check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
         extraction = extraction_settings_from_args(args)
-        for warning in extraction.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-        opened = open_extractor(extraction)
+        # Under torchrun each process runs on a device of its own (cuda:LOCAL_RANK); the cache records the
+        # setting. A config without one (pixels: the CPU; BLIP-2: its default, auto) reads as auto.
+        procs = start_processes(extraction.config.get("device", "auto"))
+        if procs.main:
+            for warning in extraction.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+        opened = open_extractor(replace(extraction, config={**extraction.config, "device": str(procs.device)}))
         extractor = opened.extractor
-        print(opened.describe())
-        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params)
-    except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output
+        print(opened.describe()) if procs.main else procs.log(opened.describe())
+        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params, procs)
+    except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output, disagreeing processes
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if procs is not None:
+            procs.close()
     written = sum(c.get("written", 0) for c in report.values())
+    if not procs.main:
+        return 0 if written else 1
     print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
-          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}")
+          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}"
+          + (f", by {procs.world_size} processes" if procs.world_size > 1 else ""))
     labels = json.loads((Path(args.out) / META_FILE).read_text())["labels"]
     for source, counts in report.items():
         dropped = {k: v for k, v in counts.items() if not k.startswith("written")}
