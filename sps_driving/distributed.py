@@ -80,8 +80,10 @@ class Processes:
 
     def log(self, message: str) -> None:
         """A line on this process's stderr, naming the rank when there are several."""
+        from tqdm import tqdm
+
         prefix = f"[rank {self.rank}/{self.world_size}] " if self.world_size > 1 else ""
-        print(prefix + message, file=sys.stderr, flush=True)
+        tqdm.write(prefix + message, file=sys.stderr)  # above process 0's progress bar
 
     def close(self) -> None:
         """Leave the process group if start_processes joined it for this object."""
