@@ -18,10 +18,14 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,6 +63,20 @@ class Processes:
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def first(self, work: Callable[..., T], *args) -> T:
+        """`work(*args)` on process 0 only (writing a shared file, reading one another process may be
+        writing); its result on every process, or its OSError / ValueError raised on every one."""
+        outcome = None
+        if self.main:
+            try:
+                outcome = (True, work(*args))
+            except (OSError, ValueError) as exc:
+                outcome = (False, exc)
+        ok, value = self.broadcast(outcome)
+        if not ok:
+            raise value
+        return value
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -49,15 +49,10 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
                 evaluation_agreement(config, settings, scenarios, backbone_config, failure_strips))
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
-    found = None
-    if procs.main:
-        try:
-            found = (missing_tasks(settings, scenarios, path), None)
-        except ValueError as exc:
-            found = (None, str(exc))
-    tasks, error = procs.broadcast(found)
-    if error:
-        raise SystemExit(f"eval: {error}")
+    try:
+        tasks = procs.first(lambda: missing_tasks(settings, scenarios, path))
+    except ValueError as exc:
+        raise SystemExit(f"eval: {exc}") from None
     if not tasks:
         return []
     folder = None

@@ -251,15 +251,7 @@ class UnitCacheWriter:
         self.plan = {**plan, "units": self.units, "sources": self.sources, "shard_size": self.shard_size}
         self.plan_digest = digest(self.plan)
         self._has_position_table = position_table is not None
-        error = None
-        if self.processes.main:
-            try:
-                self._prepare(overwrite, position_table)
-            except (FileExistsError, ValueError) as exc:
-                error = (isinstance(exc, FileExistsError), str(exc))
-        error = self.processes.broadcast(error)
-        if error is not None:
-            raise (FileExistsError if error[0] else ValueError)(error[1])
+        self.processes.first(lambda: self._prepare(overwrite, position_table))
         self.progress.mkdir(parents=True, exist_ok=True)  # on machines that do not share the folder, too
 
     def _prepare(self, overwrite: bool, position_table) -> None:
