@@ -31,9 +31,11 @@ rounds in a row without a better one. The best policy so far is always DIR/polic
 config.json carries the run's provenance under "dagger", as does DIR/dagger.json.
 
 Resumable: a round is done when DIR/round_RR/round.json exists, and rerunning the same command
-continues with the first round that is not. A round cut short redoes its rollouts only when its
-cache is incomplete, resumes its training from the last finished epoch, and runs only the
-development episodes missing from its results.jsonl. An argument that would make the rounds
+continues with the first round that is not. A round cut short redoes only the rollouts its cache
+lacks (each episode is a unit of the cache), resumes its training from the last finished epoch,
+and runs only the development episodes missing from its results.jsonl. Under torchrun
+(docs/distributed.md) the processes share the rollouts and development episodes and train with
+DistributedDataParallel; process 0 writes the records. An argument that would make the rounds
 inconsistent (anything but --rounds, --patience, --workers, --device, --keep-bags) cannot
 change in a rerun: the error names it.
 """

@@ -7,6 +7,7 @@ on-car nodes, with the vehicle interface's limits and watchdogs; sps_driving.sim
     sps-driving eval --policy models/sps50 --first-seed 100 --episodes 20 --out runs/claim   # held-out layouts
     sps-driving eval --policy models/sps50 --graph --episodes 1 --out runs/eval   # the exact on-car stack
     sps-driving eval --expert --profile quick --out runs/eval      # checks the world itself
+    torchrun --nproc-per-node=4 -m sps_driving.cli eval --policy models/sps50 --device cuda --out runs/eval   # docs/distributed.md
 
 Layouts: episode seeds --first-seed .. --first-seed + episodes - 1, the same in every scenario and
 for every method, below the first collection seed (sps_driving.sim.world.COLLECTION_SEED_BASE),

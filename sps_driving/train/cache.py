@@ -21,7 +21,9 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
                                 columns as meta.json "state" names them, NaN where unknown
         intervention.npy        bool [n]: the frame is in the seconds after a safety driver's
                                 override (sps_driving.train.car_labels)
-      shard_00001/ ...
+      shard_00001/ ...       (names are the writer's: FeatureCacheWriter numbers them,
+                                UnitCacheWriter's callers name them by unit; meta.json orders them)
+      progress/                 an unfinished UnitCacheWriter cache's plan and finished units
 
 meta.json keys: format, backbone (name), extractor (the extractor config used), grid {rows,
 cols}, descriptor_dim (D), dtype ("float16"), frames (total), shard_size (frames per shard,

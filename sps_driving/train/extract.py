@@ -23,6 +23,10 @@ source. A frame that cannot be used (undecodable image, no command in tolerance,
 label or descriptors, and for car labels the reasons of car_labels.DROP_REASONS) is skipped and
 counted by reason; the counts go to meta.json ("counts") with, per input, where its labels came
 from and by which rules ("labels"), and to the summary printed at the end.
+
+The frames go in units of shard_size camera frames of one input, each its own shard: a rerun of
+an interrupted extraction keeps the finished units, and under torchrun the processes share them
+(`extract`; docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -363,40 +367,37 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
                   + (f" from {name(mine[0])} on" if mine else "") + f", {len(mine) - len(todo)} already written")
     bar = tqdm(total=sum(totals), initial=int(done_frames), desc="extract", unit="frame", disable=not procs.main)
     all_patches = np.arange(extractor.grid.n, dtype=np.int64)
-    stream = None  # [input, next unit, frames iterator, the input's own counts, labels] of the stretch being read
+    stretch = None  # the reading of this process's consecutive unfinished units of one input
     started, written = time.perf_counter(), 0
     for position in range(math.ceil(len(units) / procs.world_size)):  # rounds: one unit per process
         unit = mine[position] if position < len(mine) else None
         seen = 0
         if unit in todo:
             i, c = unit
-            if stream is None or stream[:2] != [i, c]:
-                end = c  # one pass over this process's consecutive unfinished units of the input
+            if stretch is None or (stretch.input, stretch.next_unit) != unit:
+                end = c
                 while (i, end + 1) in todo:
                     end += 1
-                stop = None if end == last_unit[i] else (end + 1) * size
-                counts_of_input, labels = Counter(), {}
-                if kinds[i] == "rosbag2":
-                    frames = bag_frames(inputs[i], settings, counts_of_input, labels, steering_ratio, c * size, stop)
-                else:
-                    frames = folder_frames(inputs[i], settings, counts_of_input, c * size, stop)
-                    labels["from"] = LABELS_FILE
-                stream = [i, c, frames, counts_of_input, labels]
+                if stretch is not None:
+                    stretch.close()
+                stretch = _Stretch(i, c, inputs[i], kinds[i], settings, steering_ratio, c * size,
+                                   None if end == last_unit[i] else (end + 1) * size)
             counts = Counter()
             shards = writer.unit(name(unit), f"shard_{i:05d}", c)
-            for frame in itertools.islice(stream[2], None if c == last_unit[i] else size):
+            for frame in stretch.next(None if c == last_unit[i] else size):
                 _count_frame(shards, extractor, frame, all_patches, sources[i], counts)
                 seen += 1
                 if procs.world_size == 1:
                     bar.update(1)
             record = {"counts": dict(counts)}
             if c == 0:  # what is the input's, not its frames': counted once
-                record.update(counts=dict(counts + stream[3]), labels=stream[4])
+                record.update(counts=dict(counts + stretch.counts), labels=stretch.labels)
             written += shards.finish(record)["frames"]
-            stream[1] = c + 1
         if procs.world_size > 1:
             bar.update(int(procs.all_sum(seen)[0]))
     bar.close()
+    if stretch is not None:
+        stretch.close()
     if procs.world_size > 1:
         procs.log(f"extract: {written} frames written in {time.perf_counter() - started:.0f} s")
     records = writer.records([name(u) for u in mine])
@@ -407,6 +408,30 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
             labels[sources[i]] = record["labels"]
     writer.close(records, {"counts": report, "labels": labels})
     return report
+
+
+class _Stretch:
+    """One pass over camera frames first..stop-1 of input `index` (consecutive units), unit by unit;
+    `counts` and `labels` get what the reading finds of the input as a whole (messages that are no
+    frame's, where the labels come from)."""
+
+    def __init__(self, index: int, unit: int, path: Path, kind: str, settings: ExtractSettings, steering_ratio: float,
+                 first: int, stop: int | None):
+        self.input, self.next_unit = index, unit
+        self.counts, self.labels = Counter(), {}
+        if kind == "rosbag2":
+            self.frames = bag_frames(path, settings, self.counts, self.labels, steering_ratio, first, stop)
+        else:
+            self.frames = folder_frames(path, settings, self.counts, first, stop)
+            self.labels["from"] = LABELS_FILE
+
+    def next(self, count: int | None) -> Iterator[LabelledFrame]:
+        """The next unit's `count` frames (None: all that remain)."""
+        self.next_unit += 1
+        return itertools.islice(self.frames, count)
+
+    def close(self) -> None:
+        self.frames.close()
 
 
 def extraction_plan(meta: dict, settings: ExtractSettings, steering_ratio: float, sources: list[str], kinds: list[str],
