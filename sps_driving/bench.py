@@ -9,6 +9,7 @@ Q-Former 768-d 12 layers 32 queries) it times, per frame:
   projection   ITC projection, normalization and the D-channel head
   policy       the shipped policy's architecture (models/sps50_dinov2, or --policy DIR's), with
                random weights, on the backbone's H' x W' x D grid, as the car's policy node runs it
+               (a patch policy: the frame with a full window of T frames like it, one command's work)
   total        the sum
 
 for the naive Q-Former (transformers' Blip2QFormerModel, image tokens expanded per patch, a
@@ -137,7 +138,9 @@ def timed_architecture(policy_dir=None) -> dict:
 
 def timed_policy(grid, dim: int, device: str, policy_dir=None):
     """A policy of the checkpoint's architecture (default: the shipped one) on this backbone's
-    grid, with random weights (the time does not depend on them), called as the policy node does."""
+    grid, with random weights (the time does not depend on them), called as the policy node does
+    (`predict_full_window`: a patch policy reads a full window)."""
+    from sps_driving.core.patch_policy import StreamingPolicy
     from sps_driving.core.policy import DrivingPolicy, PolicyArchitecture, build_policy, read_policy_config
     from sps_driving.core.selection import SelectionConfig
 
@@ -145,7 +148,7 @@ def timed_policy(grid, dim: int, device: str, policy_dir=None):
     config = PolicyArchitecture.of(source).config(grid, dim, SelectionConfig.from_dict(source["selection"]),
                                                   backbone=source.get("backbone"), position_dim=source.get("position_dim"))
     torch.manual_seed(0)
-    return DrivingPolicy(build_policy(config), config, device=device)
+    return StreamingPolicy(DrivingPolicy(build_policy(config), config, device=device))
 
 
 def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int, policy_dir=None) -> dict:
@@ -175,7 +178,7 @@ def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int,
                     per_patch_ms = _ms(start, fast.device) - 1e3 * stage["projection_s"]
                 with _flops(counting) as policy_counter:
                     start = _now(fast.device)
-                    policy.predict(descriptors, indices)
+                    policy.predict_full_window(descriptors, indices)
                     policy_ms = _ms(start, fast.device)
                 if counting:
                     projection = projection_flops(fast, len(indices))
@@ -223,7 +226,7 @@ def bench_extractor(extractor, image, rates, repeats: int, seed: int, policy_dir
                     per_patch_ms = _ms(start, device)
                 with _flops(counting) as policy_counter:
                     start = _now(device)
-                    policy.predict(descriptors, indices)
+                    policy.predict_full_window(descriptors, indices)
                     policy_ms = _ms(start, device)
                 if counting:
                     flops[rate] = {"backbone": backbone_counter.get_total_flops(), "per_patch": counter.get_total_flops(),

@@ -145,11 +145,20 @@ def extraction_settings(
 
 
 def extractor_for_policy(policy: str | Path | Mapping, parameters: Mapping | None = None,
-                         config_file: str | Path | None = None, parameter_source: str = "option") -> OpenedExtractor:
+                         config_file: str | Path | None = None, parameter_source: str = "option",
+                         view_width_scale: float = 1.0) -> OpenedExtractor:
     """The extractor a policy (a checkpoint folder or its config) must get its descriptors from,
     with runtime `parameters` (device, threads, ...): evaluation, graph evaluation, fine-tuning
-    and replay all take the policy's settings this way (the extractor node with `checkpoint`)."""
-    return open_extractor(extraction_settings(parameters, policy, config_file, parameter_source))
+    and replay all take the policy's settings this way (the extractor node with `checkpoint`).
+    view_width_scale S != 1: for frames of a view S times as wide at the same focal length, the
+    policy's input size and roi widened to match (sps_driving.core.view.widen_extraction)."""
+    settings = extraction_settings(parameters, policy, config_file, parameter_source)
+    if view_width_scale != 1.0:
+        from sps_driving.core.view import widen_extraction
+
+        settings.config = widen_extraction(settings.config, view_width_scale)
+        settings.sources.update({key: f"view width scale {view_width_scale:g}" for key in ("input_size", "roi")})
+    return open_extractor(settings)
 
 
 def frame_overlay(extraction_config: Mapping, grid) -> FrameOverlay:

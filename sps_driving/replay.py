@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving import msgs, topics
+from sps_driving.core.history import COUNTER_PREFIX
 from sps_driving.core.state import recorded_vehicle_backend
 from sps_driving.extractors import FACT_KEYS
 from sps_driving.graph import VEHICLE_WITHOUT_CAR
@@ -138,7 +139,8 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
     (the first drop a stage reported for it, "repeated stamp", or "no outcome" when neither came),
     so frames_in = frames_out + frames_dropped. Statuses (from /diagnostics or the nodes' old status
     topics, by status name) count from the moment the first frame entered the graph, so start-up
-    stops are left out; the counters they carry are the nodes' totals.
+    stops are left out; the counters they carry are the nodes' totals (a patch policy's history
+    counters are `policy_history`: frames, resets and cut windows by reason).
     """
     start_ns = min(frames.values(), default=None)
     end_ns = max(frames.values(), default=None)
@@ -146,6 +148,7 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
     commands = {}
     compute: dict = {}
     reported_drops: dict = {}  # stamp -> the first drop reported for it
+    policy_history: dict = {}  # a patch policy's frame history: frames, resets and cut windows by reason
     extractor_runs: dict = {}  # what the extractor runs (backend, runtime, precision, threads), from its timing
     failure_counts: dict = {}
     safety_interventions = 0
@@ -160,6 +163,11 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
                 commands.setdefault(stamp, msgs.command_from_message(rec.msg))
         elif rec.topic == topics.STAGE_TIMING:
             for report in msgs.stage_reports(rec.msg):
+                if report.stage == "policy":  # a patch policy's history counters (totals: the largest is the latest)
+                    for key, value in report.values.items():
+                        if key.startswith(COUNTER_PREFIX):
+                            name = key[len(COUNTER_PREFIX):]
+                            policy_history[name] = max(policy_history.get(name, 0), int(value))
                 if report.compute_ms is not None:
                     compute.setdefault(report.stage, {})[msgs.stamp_ns(rec.msg.header)] = report.compute_ms
                     if report.stage == "extractor":
@@ -227,6 +235,7 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
         "latency_ms": latency_ms,
         "compute_ms": compute_ms,
         "extractor": extractor_runs,
+        **({"policy_history": policy_history} if policy_history else {}),
     }
 
 
@@ -266,6 +275,8 @@ def format_report(r: dict) -> str:
     if runs:
         lines.append(f"extractor: backend {runs.get('backend')}, {runs.get('runtime')}, {runs.get('precision')}, "
                      f"{runs.get('threads')} thread(s)")
+    if r.get("policy_history"):
+        lines.append("policy history (windows of frames): " + ", ".join(f"{k} {v}" for k, v in r["policy_history"].items()))
     lines.append("latency ms (from the frame entering the graph)   p50      p99      n")
     for stage, stats in r["latency_ms"].items():
         lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")

@@ -54,6 +54,19 @@ def portable_path(path) -> str:
     return path.name
 
 
+def portable_record(value):
+    """A JSON record (a policy's config.json, a run's provenance) with every absolute path in it,
+    alone or as a word of a command line, written as `portable_path` writes it: a file that ships
+    names no folder of the machine that made it."""
+    if isinstance(value, dict):
+        return {key: portable_record(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [portable_record(item) for item in value]
+    if isinstance(value, str) and "/" in value:
+        return " ".join(portable_path(word) if word.startswith("/") else word for word in value.split(" "))
+    return value
+
+
 def recorded_path(recorded: str) -> Path:
     """A path read from a result file: relative ones (`portable_path`) from this checkout or
     share/, absolute ones (as older result files have them) as they are."""

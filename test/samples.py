@@ -14,12 +14,18 @@ def sample_photo(name: str) -> np.ndarray:
 
 
 # Tiny settings of the real architectures: the grid MLP (what ships), the transformers (which
-# the sequence-fed variants, spps and mspps, need) and the CNN (No-FM, on the pixels backbone).
+# the sequence-fed variants, spps and mspps, need), the CNN (No-FM, on the pixels backbone), the
+# patch policy (windows of 3 frames 0.1 s apart) and the relative-query policy.
 TINY_SETTINGS = {"mlp": {"width": 16, "reduce": 2, "dropout": 0.0},
                  "transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0},
                  "positional_transformer": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0,
                                             "reduce": 2},
-                 "cnn": {"width": 16, "dropout": 0.0}}
+                 "cnn": {"width": 16, "dropout": 0.0},
+                 "patch_policy": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0, "reduce": 2,
+                                  "window_frames": 3, "frame_stride_s": 0.1, "stride_tolerance_s": 0.015, "max_gap_s": 0.5,
+                                  "shared_selection": False},
+                 "relative_query": {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.0, "reduce": 2,
+                                    "query_stride": 1, "readout": "flatten"}}
 
 
 def tiny_policy(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed=0, backbone="dinov2_vits14",

@@ -61,7 +61,7 @@ def test_two_rounds_collect_expert_labelled_caches_aggregate_train_and_record_pr
     init = FeatureCache(setup / "cache0")
     seeds = []
     for index, beta in ((0, 0.5), (1, 0.25)):
-        cache = FeatureCache(out / f"round_{index:02d}" / f"cache_round_{index:02d}")
+        cache = FeatureCache(out / f"round_{index:02d}" / f"cache_seed_{1000 + index}")
         assert len(cache) == 2 * STEPS and cache.sources == ["episode_00000", "episode_00001"]
         assert cache.meta["extractor"] == init.meta["extractor"] and cache.grid == init.grid
         assert cache.meta["counts"] == {s: {"written": STEPS} for s in cache.sources}
@@ -77,7 +77,7 @@ def test_two_rounds_collect_expert_labelled_caches_aggregate_train_and_record_pr
         seeds += rollouts["seeds"]
         # Round r trains on the initial cache and every round's so far.
         trained = json.loads((out / f"round_{index:02d}" / "policy" / "config.json").read_text())["training"]
-        assert [os.path.basename(c) for c in trained["cache"]] == ["cache0"] + [f"cache_round_{r:02d}" for r in range(index + 1)]
+        assert [os.path.basename(c) for c in trained["cache"]] == ["cache0"] + [f"cache_seed_{1000 + r}" for r in range(index + 1)]
         assert trained["cache_frames"] == len(init) + 2 * STEPS * (index + 1)
     assert len(set(seeds)) == 4 and min(seeds) >= 1_000_000  # fresh collection layouts, none an evaluation one
 
@@ -86,7 +86,7 @@ def test_two_rounds_collect_expert_labelled_caches_aggregate_train_and_record_pr
     for p in (record, provenance):
         assert p["beta_schedule"] == {"beta0": 0.5, "decay": 0.5, "mixing": "step", "betas": [0.5, 0.25]}
         assert [r["seeds"] for r in p["rounds"]] == [seeds[:2], seeds[2:]]
-        assert p["caches"] == ["cache0", "round_00/cache_round_00", "round_01/cache_round_01"]
+        assert p["caches"] == ["cache0", "round_00/cache_seed_1000", "round_01/cache_seed_1001"]
         assert set(p["dev_scores"]) == {"initial", "round 0", "round 1"}
         assert [e["seed"] for e in p["rounds"][0]["dev"]["episodes"]] == [3, 4]
         assert p["commands"][0].startswith("sps-driving dagger --out")
@@ -102,7 +102,7 @@ def test_the_round_cache_equals_extract_of_the_rounds_bags(setup, two_rounds, tm
     round_dir = two_rounds / "round_01"
     bags = sorted(str(p) for p in (round_dir / "bags").iterdir())
     assert main(["extract", "--out", str(tmp_path / "extracted"), "--extractor-config", str(setup / "pixels.yaml"), *bags]) == 0
-    direct, extracted = FeatureCache(round_dir / "cache_round_01"), FeatureCache(tmp_path / "extracted")
+    direct, extracted = FeatureCache(round_dir / "cache_seed_1001"), FeatureCache(tmp_path / "extracted")
     assert direct.sources == extracted.sources and len(direct) == len(extracted) == 2 * STEPS
     np.testing.assert_allclose(direct.descriptors(range(len(direct))), extracted.descriptors(range(len(extracted))),
                                rtol=1e-3, atol=1e-3)
@@ -190,7 +190,7 @@ def test_an_interrupted_run_redoes_only_its_unfinished_round(setup, two_rounds, 
     with pytest.raises(KeyboardInterrupt):
         main(args(setup, out))
     assert (out / "round_00" / "round.json").is_file() and not (out / "round_01" / "round.json").exists()
-    assert not (out / "round_01" / "cache_round_01" / "meta.json").exists()
+    assert not (out / "round_01" / "cache_seed_1001" / "meta.json").exists()
     assert calls["train"] == 2  # initial, round 0
     finished = {p: p.stat().st_mtime_ns for p in (out / "round_00").rglob("*") if p.is_file()}
     cut_short = calls["rollouts"][3]
@@ -200,7 +200,7 @@ def test_an_interrupted_run_redoes_only_its_unfinished_round(setup, two_rounds, 
     # Round 1's first episode is in its cache already: only the one cut short is rolled out again.
     assert calls["rollouts"] == [cut_short] and calls["train"] == 1
     assert {p: p.stat().st_mtime_ns for p in (out / "round_00").rglob("*") if p.is_file()} == finished
-    resumed, whole = (FeatureCache(run / "round_01" / "cache_round_01") for run in (out, two_rounds))
+    resumed, whole = (FeatureCache(run / "round_01" / "cache_seed_1001") for run in (out, two_rounds))
     assert resumed.sources == whole.sources and resumed.meta["counts"] == whole.meta["counts"]
     np.testing.assert_array_equal(resumed.stamps, whole.stamps)
     np.testing.assert_array_equal(resumed.targets, whole.targets)
@@ -236,6 +236,11 @@ def test_changed_training_settings_are_refused_and_seed_collisions_caught(setup,
     # The initial cache was collected with seed 0: rounds on seeds 0.. would drive its layouts again.
     assert main(args(setup, tmp_path / "other", seed=0)) == 2
     assert "--seed 0" in capsys.readouterr().err and not (tmp_path / "other").exists()
+    # A run continuing from an earlier run's round caches must not name a round cache as one of them.
+    command = args(setup, tmp_path / "continued", seed=1001)
+    command.insert(command.index("--init-cache") + 2, str(two_rounds / "round_01" / "cache_seed_1001"))
+    assert main(command) == 2
+    assert "cache_seed_1001" in capsys.readouterr().err and not (tmp_path / "continued" / "round_00").exists()
 
 
 def test_with_dinov2_a_rollouts_cache_equals_extract_of_its_bag(tmp_path):

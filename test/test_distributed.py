@@ -187,6 +187,29 @@ def test_an_extraction_with_other_settings_is_not_resumed_into_the_cache(extract
     assert main(["extract", "--out", str(out), *map(str, options), *map(str, inputs)]) == 2  # complete: not again
 
 
+def test_two_processes_store_the_orbital_states_one_process_does(extraction, tmp_path):
+    """--orbital-every 2 on masked DINOv2 at 28x42 px, units of 3 camera frames: each unit's shard
+    holds the states of its rows 0 and 2, whichever process wrote it."""
+    root, inputs, _ = extraction
+    (tmp_path / "dinov2.yaml").write_text(yaml.safe_dump({"backbone": "dinov2_vits14", "input_size": [28, 42],
+                                                          "backend": "torch", "device": "cpu"}))
+    train = yaml.safe_load(config_path("train.yaml").read_text())
+    train["extract"]["shard_size"] = 3
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(train))
+    options = ["--config", tmp_path / "train.yaml", "--extractor-config", tmp_path / "dinov2.yaml", "--orbital-every", "2"]
+    assert main(["extract", "--out", str(tmp_path / "one"), *map(str, options), *map(str, inputs)]) == 0
+    code, _, err = finished(torchrun("extract", "--out", tmp_path / "two", *options, *inputs))
+    assert code == 0, err[-3000:]
+    same_cache(tmp_path / "one", tmp_path / "two")
+    one, two = FeatureCache(tmp_path / "one"), FeatureCache(tmp_path / "two")
+    starts = np.cumsum([0] + [s["frames"] for s in one.meta["shards"]])
+    expected = [start + row for start, shard in zip(starts, one.meta["shards"]) for row in range(0, shard["frames"], 2)]
+    assert [s["frames"] for s in one.meta["shards"]] == [2, 2, 1, 3, 1, 3, 1]
+    assert one.orbital_frames.tolist() == two.orbital_frames.tolist() == expected
+    assert one.orbital_meta == two.orbital_meta and one.orbital_meta["frames"] == len(expected) == 9
+    np.testing.assert_allclose(one.orbital_states(expected), two.orbital_states(expected), atol=2e-3, rtol=2e-3)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -300,7 +323,7 @@ def test_dagger_rollouts_and_development_episodes_on_two_processes(tmp_path):
     assert "dagger: 1 round(s) run" in out
     assert rows(tmp_path / "one" / "initial" / "dev") == rows(tmp_path / "two" / "initial" / "dev")
     one, two = (tmp_path / run / "round_00" for run in ("one", "two"))
-    same_cache(one / "cache_round_00", two / "cache_round_00")
+    same_cache(one / "cache_seed_1000", two / "cache_seed_1000")
     assert json.loads((one / "rollouts.json").read_text()) == json.loads((two / "rollouts.json").read_text())
     assert json.loads((two / "policy" / "config.json").read_text())["training"]["world_size"] == 2
     assert len(rows(two / "dev")) == 3

@@ -136,9 +136,11 @@ def test_burst_keeps_only_the_newest_frame(rig):
     probe.spin(0.5)
     results = [outcome(probe, s) for s in stamps]
     assert results[-1] == "command", results
-    assert any(r == "extractor dropped: stale" for r in results), results
-    # No queue: frames in between were skipped, not computed one after another.
+    # No queue: frames in between were skipped, not computed one after another. A skipped frame
+    # is counted as stale when its callback ran, or never delivered when the camera QoS (keep
+    # last 3) replaced it first; which of the two depends on the load, so both are allowed.
     assert results.count("command") <= 3, results
+    assert set(results) <= {"command", "extractor dropped: stale", None}, results
 
 
 def test_killing_the_extractor_stops_the_car(rig):

@@ -5,6 +5,10 @@ extract`) or a rosbag2 (a folder with metadata.yaml, or a .db3 / .mcap file), wh
 frames are run through a backbone here; several inputs of one backbone are analysed as one
 stream of frames. The output folder receives PNG figures (Figure 3a,
 3b, similarity overlays as in Figure 6, the lemma sweep) and summary.json.
+
+With --orbital, the patch state families of sps_driving.analysis.orbital instead (rosbag2
+inputs: their frames are shifted); with --orbital --appearance, the same layouts rendered by the
+world under other scenarios (sps_driving.analysis.appearance), without inputs.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def is_rosbag(path: Path) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT",
+    parser.add_argument("inputs", nargs="*", type=Path, metavar="INPUT",
                         help="feature cache directories and/or rosbag2 (folder, .db3 or .mcap), analysed as one stream")
     parser.add_argument("--out", type=Path, required=True, help="output folder for the figures and summary.json")
     parser.add_argument("--config", type=Path, default=None, help=f"analysis settings (default: the shipped {CONFIG_NAME})")
@@ -47,6 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="principal rank r for the lemma sweep (default: per frame, components to the 90%% level)")
     parser.add_argument("--overlay-image", type=Path, default=None,
                         help="when the overlay frame comes from a feature cache: its camera image (bags carry their frames)")
+    orbital = parser.add_argument_group("patch state families (PMTT; docs/analysis.md)")
+    orbital.add_argument("--orbital", action="store_true",
+                         help="orbital views of every patch of rosbag2 frames: Center, Observed and Manifold coverage of "
+                              "hidden states, effective rank, random / donor / shared controls (settings: the config's orbital:)")
+    orbital.add_argument("--appearance", nargs="*", metavar="SCENARIO", default=None,
+                         help="with --orbital and no INPUT: render the same layouts and poses under these scenarios "
+                              "(default: the config's orbital.appearance.targets) and measure whether each patch's "
+                              "shifted token stays inside the base frame's Manifold")
+    orbital.add_argument("--first-seed", type=int, default=None, help="--appearance: first layout (episode seed)")
+    orbital.add_argument("--episodes", type=int, default=None, help="--appearance: number of layouts")
+    orbital.add_argument("--sim-config", default=None, help="--appearance: simulator YAML (default config/sim.yaml)")
 
 
 FrameStream = Iterator[tuple[np.ndarray, "np.ndarray | None"]]
@@ -67,6 +82,14 @@ def run(args: argparse.Namespace) -> int:
     if args.stride < 1 or (args.max_frames is not None and args.max_frames < 1):
         print("error: --stride and --max-frames must be at least 1", file=sys.stderr)
         return 2
+    if args.appearance is not None and not args.orbital:
+        print("error: --appearance is part of the orbital analysis: add --orbital", file=sys.stderr)
+        return 2
+    if bool(args.inputs) == (args.appearance is not None):
+        print("error: give INPUT... (or, with --orbital --appearance, no INPUT: the world renders the frames)", file=sys.stderr)
+        return 2
+    if args.orbital:
+        return _run_orbital(args)
     try:
         settings = AnalysisSettings.from_yaml(args.config or config_path(CONFIG_NAME))
         if args.rank is not None:
@@ -111,6 +134,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_orbital(args: argparse.Namespace) -> int:
+    from sps_driving.analysis.orbital import OrbitalSettings, run_orbital
+
+    try:
+        settings = OrbitalSettings.from_yaml(args.config or config_path(CONFIG_NAME))
+    except (OSError, ValueError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.appearance is not None:
+        from sps_driving.analysis.appearance import run_appearance
+
+        return run_appearance(args, settings)
+    return run_orbital(args, settings)
+
+
 def open_sources(inputs: list[Path], stride: int, args: argparse.Namespace) -> list[Source]:
     """A Source per input; rosbag2 inputs share one extractor, loaded on the first of them."""
     extractor = None
@@ -138,9 +176,9 @@ def _cache_source(path: Path, stride: int) -> Source:
     return Source(path, cache.backbone, cache.grid, len(chosen), ((cache[i].descriptors, None) for i in chosen))
 
 
-def _bag_source(path: Path, stride: int, extractor, image_topic: str | None) -> Source:
-    """Every `stride`-th camera frame of a rosbag2 with all its patch descriptors, computed here;
-    frames that cannot be decoded are dropped, counted and reported."""
+def bag_images(path: Path, stride: int, image_topic: str | None) -> tuple[int, Iterator[np.ndarray]]:
+    """(how many frames it will give at most, its RGB frames): every `stride`-th camera frame of a
+    rosbag2; frames that cannot be decoded are dropped, counted and reported."""
     from rosbags.rosbag2 import Reader
 
     from sps_driving import bagio, topics
@@ -149,11 +187,10 @@ def _bag_source(path: Path, stride: int, extractor, image_topic: str | None) -> 
     topic = image_topic or topics.IMAGE
     if topic not in bagio.topic_types(path):
         raise ValueError(f"no topic {topic} in the bag {path} (use --image-topic)")
-    all_patches = np.arange(extractor.grid.n, dtype=np.int64)
     with Reader(path) as reader:
         count = sum(c.msgcount for c in reader.connections if c.topic == topic)
 
-    def frames() -> FrameStream:
+    def frames() -> Iterator[np.ndarray]:
         dropped = 0
         for index, message in enumerate(bagio.read_messages(path, [topic])):
             if index % stride:
@@ -166,9 +203,17 @@ def _bag_source(path: Path, stride: int, extractor, image_topic: str | None) -> 
                 print(f"warning: {path}: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)",
                       file=sys.stderr)
                 continue
-            yield extractor.descriptors(extractor.encode(rgb), all_patches), rgb
+            yield rgb
 
-    return Source(path, extractor.name, extractor.grid, len(range(0, count, stride)), frames())
+    return len(range(0, count, stride)), frames()
+
+
+def _bag_source(path: Path, stride: int, extractor, image_topic: str | None) -> Source:
+    """Every `stride`-th camera frame of a rosbag2 with all its patch descriptors, computed here."""
+    all_patches = np.arange(extractor.grid.n, dtype=np.int64)
+    count, images = bag_images(path, stride, image_topic)
+    stream = ((extractor.descriptors(extractor.encode(rgb), all_patches), rgb) for rgb in images)
+    return Source(path, extractor.name, extractor.grid, count, stream)
 
 
 def _read_rgb(path: Path) -> np.ndarray:

@@ -73,6 +73,7 @@ class AnalysisSettings:
     def from_yaml(cls, path: Path) -> AnalysisSettings:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         lemma = raw.pop("lemma", {}) or {}
+        raw.pop("orbital", None)  # the orbital analysis's section (sps_driving.analysis.orbital)
         known = {f"lemma_{key}": value for key, value in lemma.items()}
         known.update(raw)
         unknown = set(known) - set(cls.__dataclass_fields__)

@@ -27,11 +27,19 @@ Every policy that reads the kept tokens as a sequence is a `SequencePolicy`.
 
 A grid MLP (architecture "mlp", the trainer's default): `GridMlpPolicy` standardizes each
 descriptor channel with training-set statistics, reduces every patch to a few channels, flattens
-the grid in patch order (zeros at dropped patches) and reads it with a two-layer MLP.
+the grid in patch order (zeros at dropped patches) and reads it with a two-layer MLP; with a
+`canvas`, the grid is placed on a larger canvas centred on the roi's centre.
+
+A relative-query policy (architecture "relative_query", sps_driving.core.relative_policy): no
+absolute position; the kept tokens read by queries at fixed offsets from the roi's centre, so it
+runs on a wider grid (sps_driving.core.view) reading its central window.
 
 And a CNN (architecture "cnn", the No-FM baseline): `CnnPolicy` folds the grid of the `pixels`
 backbone (each descriptor its patch's pooled pixels) back into an image, zeros at dropped
 patches, and runs a PilotNet-like convolution stack and MLP on it.
+
+And the patch policy (architecture "patch_policy", `sps_driving.core.patch_policy`): the kept
+patches of the last T frames under a block-causal mask, one readout per frame.
 
 State inputs (config "state_inputs", names from sps_driving.core.state; none when absent): the
 car's speed and the cruise target speed, which the throttle depends on and no frame shows. Each is
@@ -48,8 +56,10 @@ A checkpoint is a directory with `policy.safetensors` (the module's state dict) 
 `config.json`. The config (`PolicyArchitecture.config` builds it) records: format, architecture ("transformer" when absent), backbone,
 grid {rows, cols}, descriptor_dim D, position_dim P (transformer sequence policies), selection {variant,
 rate, seed, keep_probability}, state_inputs [names], policy (transformer: {width, depth, heads, mlp_ratio, dropout};
-positional_transformer: {width, depth, heads, mlp_ratio, dropout, reduce}; mlp: {width, reduce, dropout}; cnn: {width,
-dropout}), output {max_steering_rad}, and whatever the trainer adds (training data, provenance, validation_loss).
+positional_transformer: {width, depth, heads, mlp_ratio, dropout, reduce}; relative_query: those and {query_stride,
+readout}; mlp: {width, reduce, dropout, canvas}; cnn: {width, dropout}; patch_policy: positional_transformer's and its
+window's, core.history.WINDOW_SETTINGS), output {max_steering_rad}, and whatever the trainer adds (view: the roi and its
+centre, training data, provenance, validation_loss).
 """
 
 from __future__ import annotations
@@ -69,8 +79,10 @@ from torch import nn
 from sps_driving.core.backbones.pixels import CHANNELS, pooled_side
 from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.selection import PatchSelector, SelectionConfig
+from sps_driving.core.history import PATCH_POLICY, WINDOW_SETTINGS, policy_selector
+from sps_driving.core.selection import SelectionConfig
 from sps_driving.core.state import check_state_names, state_vector
+from sps_driving.core.view import WindowSelector, window_origin
 
 POLICY_FORMAT = "sps_driving.policy/1"
 # Occlusion attribution runs its occluded copies of a frame in batches of at most this many grid
@@ -81,13 +93,20 @@ CONFIG_FILE = "config.json"
 # config "architecture" -> the names of its policy settings (config "policy"; values: config/train.yaml)
 TRANSFORMER_SETTINGS = ("width", "depth", "heads", "mlp_ratio", "dropout")
 POSITIONAL_TRANSFORMER_SETTINGS = (*TRANSFORMER_SETTINGS, "reduce")
-MLP_SETTINGS = ("width", "reduce", "dropout")
+MLP_SETTINGS = ("width", "reduce", "dropout", "canvas")
 CNN_SETTINGS = ("width", "dropout")
+# The patch policy (sps_driving.core.patch_policy): a transformer's settings and its window's.
+PATCH_POLICY_SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, *WINDOW_SETTINGS)
+RELATIVE_QUERY_SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, "query_stride", "readout")  # core/relative_policy.py
 ARCHITECTURES = {"positional_transformer": POSITIONAL_TRANSFORMER_SETTINGS, "transformer": TRANSFORMER_SETTINGS,
-                 "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS}
+                 "mlp": MLP_SETTINGS, "cnn": CNN_SETTINGS, PATCH_POLICY: PATCH_POLICY_SETTINGS,
+                 "relative_query": RELATIVE_QUERY_SETTINGS}
+# Settings added after checkpoints without them were written: the value those checkpoints mean (a
+# policy config leaves them out at that value).
+SETTING_DEFAULTS = {"mlp": {"canvas": None}}
 # The architectures that can read the kept tokens as a sequence (spps, mspps), the one to train
 # first; the others read the whole grid with zeros at dropped patches, where spps would equal sps.
-SEQUENCE_ARCHITECTURES = ("positional_transformer", "transformer")
+SEQUENCE_ARCHITECTURES = ("positional_transformer", "transformer", PATCH_POLICY, "relative_query")
 # The architecture whose sequence policies read the backbone's position table.
 POSITION_TABLE_ARCHITECTURE = "transformer"
 # Checkpoints written before config "architecture" existed are all transformers.
@@ -353,16 +372,44 @@ class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
     spread are buffers the trainer sets from the training frames (`set_input_statistics`). For sps
     and threshold; spps and mspps, which feed the kept tokens as a sequence, need a transformer
     (on a zero-filled grid spps would equal sps).
+
+    With a `canvas` (rows, cols >= the grid's): the MLP's weights are laid out on the canvas and
+    the grid is placed on it centred on the roi's centre (the grid's), so a wider grid's central
+    window (`set_view`) meets the weights its cells were trained with. Canvas cells with no patch
+    read zeros; the weights of those the training grid leaves empty start at zero and no training
+    frame reaches them, so on a wider grid its outer patches add nothing.
     """
 
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, reduce: int, dropout: float,
-                 max_steering_rad: float, state_dim: int = 0):
+                 max_steering_rad: float, state_dim: int = 0, canvas: PatchGrid | None = None):
         super().__init__()
         _state_input(self, state_dim)
         self._input_statistics(descriptor_dim)
         self.reduce = nn.Linear(descriptor_dim, reduce)
-        self.mlp = nn.Sequential(nn.Flatten(), *_readout_mlp(grid.n * reduce + state_dim, width, dropout))
+        self.canvas = canvas
+        cells = grid.n if canvas is None else canvas.n
+        self.mlp = nn.Sequential(nn.Flatten(), *_readout_mlp(cells * reduce + state_dim, width, dropout))
         self.head = BoundedHead(width // 2, max_steering_rad)
+        if canvas is not None:
+            self.set_view(grid)
+            empty = torch.ones(canvas.n, dtype=torch.bool)
+            empty[self.slots] = False
+            with torch.no_grad():
+                self.mlp[1].weight[:, :canvas.n * reduce].view(-1, canvas.n, reduce)[:, empty] = 0.0
+
+    @property
+    def reads_a_window(self) -> bool:
+        """Whether it can read a wider grid than its training grid (`set_view`): with a canvas."""
+        return self.canvas is not None
+
+    def set_view(self, grid: PatchGrid) -> None:
+        """Read grids of `grid`'s size from now on, centred on the canvas (canvas only)."""
+        if self.canvas is None:
+            raise ValueError("an mlp policy without a canvas reads only the grid it was trained on")
+        top, left = window_origin(grid, self.canvas)
+        rows, cols = np.divmod(np.arange(grid.n), grid.cols)
+        slots = torch.from_numpy((rows + top) * self.canvas.cols + cols + left).to(self.reduce.weight.device)
+        self.register_buffer("slots", slots, persistent=False)  # canvas cell of each grid patch
 
     def _reduced(self, grids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """reduce((grids * keep - mean) / std), flattened [B, N * reduce], with the standardization
@@ -373,7 +420,10 @@ class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
         projected = grids @ weight.T
         if keep is not None:
             projected = projected * keep.unsqueeze(-1).to(projected.dtype)
-        return (projected + bias).flatten(1)
+        reduced = projected + bias
+        if self.canvas is not None:
+            reduced = reduced.new_zeros(len(reduced), self.canvas.n, reduced.shape[-1]).index_copy(1, self.slots, reduced)
+        return reduced.flatten(1)
 
     def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
@@ -441,9 +491,10 @@ class PolicyArchitecture:
     def __post_init__(self) -> None:
         if self.name not in ARCHITECTURES:
             raise ValueError(f"unknown policy architecture {self.name!r}; expected one of {list(ARCHITECTURES)}")
-        if set(self.settings) != set(ARCHITECTURES[self.name]):
-            raise ValueError(f"{self.name} policy settings must be exactly {list(ARCHITECTURES[self.name])}, "
-                             f"got {sorted(self.settings)}")
+        optional = set(SETTING_DEFAULTS.get(self.name, ()))
+        if not set(ARCHITECTURES[self.name]) - optional <= set(self.settings) <= set(ARCHITECTURES[self.name]):
+            raise ValueError(f"{self.name} policy settings must be exactly {list(ARCHITECTURES[self.name])} "
+                             f"({sorted(optional) or 'none'} optional), got {sorted(self.settings)}")
         if not self.max_steering_rad > 0:
             raise ValueError(f"max_steering_rad must be positive, got {self.max_steering_rad}")
 
@@ -506,13 +557,28 @@ def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.M
     if architecture.name == "mlp":
         if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
             raise ValueError(f"mlp policy needs width >= 2 and reduce >= 1, got {dims}")
+        canvas = dims.get("canvas", SETTING_DEFAULTS["mlp"]["canvas"])
+        if canvas is not None and (not isinstance(canvas, (list, tuple)) or len(canvas) != 2):
+            raise ValueError(f"mlp canvas must be null or [rows, cols] (patches), got {canvas!r}")
         return GridMlpPolicy(grid, descriptor_dim, width=int(dims["width"]), reduce=int(dims["reduce"]),
-                             dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad, state_dim=state_dim)
+                             dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad, state_dim=state_dim,
+                             canvas=None if canvas is None else PatchGrid(int(canvas[0]), int(canvas[1])))
+    if architecture.name == PATCH_POLICY:
+        from sps_driving.core.patch_policy import build_patch_policy  # which builds on this module
+
+        return build_patch_policy(grid, descriptor_dim, dims, max_steering_rad, state_dim)
     common = dict(
         descriptor_dim=descriptor_dim, width=int(dims["width"]), depth=int(dims["depth"]), heads=int(dims["heads"]),
         mlp_ratio=float(dims["mlp_ratio"]), dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad,
         state_dim=state_dim,
     )
+    if architecture.name == "relative_query":
+        from sps_driving.core.relative_policy import RelativeQueryPolicy  # it builds on this module's parts
+
+        if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
+            raise ValueError(f"relative_query policy needs width >= 2 and reduce >= 1, got {dims}")
+        return RelativeQueryPolicy(grid, reduce=int(dims["reduce"]), query_stride=int(dims["query_stride"]),
+                                   readout=str(dims["readout"]), **common)
     if architecture.name == "positional_transformer":
         if int(dims["width"]) < 2 or int(dims["reduce"]) < 1:
             raise ValueError(f"positional_transformer policy needs width >= 2 and reduce >= 1, got {dims}")
@@ -572,8 +638,9 @@ def read_policy_config(directory) -> dict:
     return config
 
 
-def load_policy(directory, device: str = "cpu") -> DrivingPolicy:
-    """Load a checkpoint written by `save_policy` (safetensors only) for inference."""
+def load_policy(directory, device: str = "cpu", grid: PatchGrid | None = None) -> DrivingPolicy:
+    """Load a checkpoint written by `save_policy` (safetensors only) for inference, reading the
+    patches of `grid` (default: the grid it was trained on; see DrivingPolicy)."""
     directory = Path(directory)
     config = read_policy_config(directory)
     weights = directory / WEIGHTS_FILE
@@ -590,23 +657,41 @@ def load_policy(directory, device: str = "cpu") -> DrivingPolicy:
         raise ValueError(f"policy weights {weights} do not match {directory / CONFIG_FILE}: {err}") from err
     if not all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point()):
         raise ValueError(f"policy weights {weights} contain NaN or Inf")
-    return DrivingPolicy(module, config, directory, device)
+    return DrivingPolicy(module, config, directory, device, grid)
 
 
 class DrivingPolicy:
     """A loaded policy: descriptors of the kept patches (and the state inputs it reads) in,
-    (steering rad, throttle) out."""
+    (steering rad, throttle) out.
 
-    def __init__(self, module: nn.Module, config: dict, path: Path | None = None, device: str = "cpu"):
+    `grid` (default: the grid it was trained on) is the grid whose patch indices it reads. A wider
+    one (sps_driving.core.view: a wider view) is for the policies that read a window about the
+    roi's centre, relative_query and an mlp with a canvas: their selector chooses, as on the
+    training grid, among the patches of that window centred on `grid`. Any other policy reads
+    patches by their absolute cell of the training grid and refuses another grid (ValueError).
+    """
+
+    def __init__(self, module: nn.Module, config: dict, path: Path | None = None, device: str = "cpu",
+                 grid: PatchGrid | None = None):
         self.module = module.to(device).eval()
         self.config = config
         self.path = path
         self.device = torch.device(device)
-        self.grid = PatchGrid(int(config["grid"]["rows"]), int(config["grid"]["cols"]))
+        trained = PatchGrid(int(config["grid"]["rows"]), int(config["grid"]["cols"]))
+        self.grid = trained if grid is None else grid
         self.selection = SelectionConfig.from_dict(config["selection"])
         self.descriptor_dim = int(config["descriptor_dim"])
-        self.selector = PatchSelector(self.selection, self.grid)
+        self.selector = policy_selector(config, trained)
         self.state_inputs = state_inputs_of(config)
+        if self.grid != trained:
+            if not getattr(self.module, "reads_a_window", False):
+                raise ValueError(
+                    f"this {architecture_of(config)} policy reads the patches of the {trained.rows}x{trained.cols} grid it was "
+                    f"trained on by their absolute cell, not a {self.grid.rows}x{self.grid.cols} grid: give it that grid "
+                    f"(the nominal view, or its central window) or retrain it; a relative_query policy or an mlp with a "
+                    f"canvas reads its window of a wider grid")
+            self.selector = WindowSelector(self.selector, self.grid)
+            self.module.set_view(self.grid)
 
     @property
     def sparse_sequence(self) -> bool:

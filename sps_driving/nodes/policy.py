@@ -11,6 +11,11 @@ state is the value whose header stamp is nearest to the frame's stamp, as traini
 frame without one within the age limit (none received, stale, or reported invalid) is dropped and
 counted by reason, never driven from an old speed.
 
+A patch policy (sps_driving.core.patch_policy) reads each frame with the earlier frames of its
+window, kept in a history by camera stamp (sps_driving.core.history): a frame dropped before or
+here leaves its slot empty and shortens the windows that would have used it, stamps that go
+backwards or a long gap restart the history; the counters say how often (`history_*`).
+
 With `publish_overlay` the node also shows what the policy sees, on topics.POLICY_OVERLAY: every
 `overlay_every_n`-th commanded frame's camera image (read from topics.IMAGE, matched to the
 descriptors by stamp) with the kept patches outlined, the dropped ones dimmed and, with
@@ -68,10 +73,13 @@ class PolicyNode(Node):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
         from sps_driving.core.backbones import resolve_device
+        from sps_driving.core.patch_policy import StreamingPolicy
         from sps_driving.core.policy import load_policy
 
         self.policy = load_policy(p["checkpoint"], device=str(resolve_device(p["device"])))
-        self.counters = {"frames": 0, "dropped_invalid": 0}
+        # A patch policy reads the frame's window from its history (sps_driving.core.history).
+        self.streaming = StreamingPolicy(self.policy)
+        self.counters = {"frames": 0, "dropped_invalid": 0, **self.streaming.counts}
         self.publisher = self.create_publisher(JointState, topics.POLICY_COMMAND, msgs.qos("stream"))
         self.stage_timer = StageTimer(self, self.NODE_NAME)
         self.state_tracker = None
@@ -81,7 +89,7 @@ class PolicyNode(Node):
         self.create_subscription(PointCloud2, topics.DESCRIPTORS, self._on_descriptors, msgs.qos("stream"))
         sel = self.policy.selection
         self.get_logger().info(f"policy {p['checkpoint']}: {sel.variant} rate {sel.rate}, D={self.policy.descriptor_dim}, "
-                               f"state inputs {list(self.policy.state_inputs) or 'none'}")
+                               f"state inputs {list(self.policy.state_inputs) or 'none'}, {self.streaming.describe()}")
 
     def _read_state(self, p: dict) -> StateTracker:
         names = self.policy.state_inputs
@@ -109,7 +117,7 @@ class PolicyNode(Node):
         try:
             values, indices = msgs.descriptors_from_message(msg)
             state = self.state_tracker.at(stamp) if self.state_tracker is not None else None
-            steering, throttle = self.policy.predict(values, indices, state)
+            steering, throttle = self.streaming.step(stamp, values, indices, state)
         except StateUnavailable as exc:
             self.counters[f"dropped_state_{exc.kind}"] += 1
             self.stage_timer.dropped(stamp, str(exc), self.counters)
@@ -121,6 +129,7 @@ class PolicyNode(Node):
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
             return
         self.publisher.publish(msgs.to_ros(msgs.command_fields(steering, throttle, stamp)))
+        self.counters.update(self.streaming.counts)
         if self.overlay is not None and self.counters["frames"] % self.overlay.every_n == 0:
             self.overlay.submit(stamp, values, indices, state)
         self.counters["frames"] += 1

@@ -39,17 +39,19 @@ class SelectionNode(Node):
         from sps_driving.core.selection import PatchSelector, SelectionConfig
 
         if p["checkpoint"]:
+            from sps_driving.core.history import policy_selector
             from sps_driving.core.policy import read_policy_config
 
             policy = read_policy_config(p["checkpoint"])
             config = SelectionConfig.from_dict(policy["selection"])
             grid = PatchGrid(int(policy["grid"]["rows"]), int(policy["grid"]["cols"]))
             source = f"checkpoint {p['checkpoint']}"
+            self.selector = policy_selector(policy, grid)  # a patch policy's may be shared across its window
         else:
             config = SelectionConfig(variant=p["variant"], rate=p["rate"], seed=p["seed"])
             grid = PatchGrid(p["grid_rows"], p["grid_cols"])
             source = "parameters"
-        self.selector = PatchSelector(config, grid)
+            self.selector = PatchSelector(config, grid)
         self.grid = grid
         self.frames = 0
         self.publisher = self.create_publisher(Image, topics.SELECTION, msgs.qos("selection"))

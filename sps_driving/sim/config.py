@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import yaml
@@ -45,6 +46,25 @@ def set_render_width(config: dict, width: int) -> None:
     cam = config["camera"]
     cam["render_width"] = int(width)
     cam["render_height"] = int(round(width * float(cam["native_height"]) / float(cam["native_width"])))
+
+
+def widen_view(config: dict, scale: float) -> None:
+    """Render `scale` times as many columns at the same focal length and height: the camera is a
+    pinhole (sps_driving.sim.render), so widening its image plane widens the horizontal field of
+    view to 2 atan(scale tan(hfov / 2)) and leaves the nominal frame as the central columns of the
+    wide one, pixel for pixel (the vertical field of view is unchanged). Recorded as
+    camera.view_width_scale; the evaluation widens the policy's extraction to match
+    (sps_driving.core.view.widen_extraction)."""
+    cam = config["camera"]
+    width = int(cam["render_width"])
+    wide = width * float(scale)
+    if not (scale >= 1 and math.isclose(wide, round(wide), abs_tol=1e-9) and (round(wide) - width) % 2 == 0):
+        raise ValueError(f"view width scale {scale} must be >= 1 and widen the {width} px render by an even number of px "
+                         f"(the nominal frame then lies on whole px in the middle)")
+    half_width = math.tan(math.radians(float(cam["hfov_deg"])) / 2) * round(wide) / width
+    cam["render_width"] = int(round(wide))
+    cam["hfov_deg"] = math.degrees(2 * math.atan(half_width))
+    cam["view_width_scale"] = float(cam.get("view_width_scale", 1.0)) * round(wide) / width
 
 
 def frame_stamp_ns(config: dict, episode: int, step: int) -> int:

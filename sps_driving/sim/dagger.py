@@ -17,9 +17,9 @@ development layouts first (DIR/initial). Round r (DIR/round_RR) then
 2. labels every visited frame with the expert's clean command for its state and writes the
    frame's descriptors of ALL patches, computed once by the policy's own extractor (the policy
    drives on its selected subset of those same descriptors), straight into a feature cache
-   (DIR/round_RR/cache_round_RR, the format and metadata of `sps-driving extract`, so the
-   trainer reads it unchanged); --keep-bags also writes each drive as a rosbag2 on the car's
-   topics (DIR/round_RR/bags) for provenance and replay;
+   (DIR/round_RR/cache_seed_S, S its collection seed; the format and metadata of `sps-driving
+   extract`, so the trainer reads it unchanged); --keep-bags also writes each drive as a rosbag2
+   on the car's topics (DIR/round_RR/bags) for provenance and replay;
 3. trains a policy (DIR/round_RR/policy) on the initial cache plus every round's cache so far,
    from scratch, or from the previous round's policy with --warm-start;
 4. evaluates it on the development layouts (--dev-first-seed, --dev-episodes: evaluation
@@ -82,9 +82,10 @@ def round_dir(out: Path, index: int) -> Path:
     return out / f"round_{index:02d}"
 
 
-def round_cache(out: Path, index: int) -> Path:
-    # A name of its own per round: several caches train as one only with distinct folder names.
-    return round_dir(out, index) / f"cache_round_{index:02d}"
+def round_cache(out: Path, settings: dict, index: int) -> Path:
+    # Named by its collection seed: several caches train as one only with distinct folder names,
+    # also when a run continues from an earlier run's round caches.
+    return round_dir(out, index) / f"cache_seed_{int(settings['seed']) + index}"
 
 
 def run_path(out: Path, path) -> str:
@@ -182,7 +183,7 @@ def collect_round(config: dict, settings: dict, index: int, policy_dir: Path, ou
                          f"their data cannot train one policy")
     extractor, scenario, b = policy.extractor, settings["scenario"], beta(settings, index)
     seeds = [episode_seed(settings["seed"] + index, i) for i in range(settings["episodes_per_round"])]
-    bags, cache = round_dir(out, index) / "bags", round_cache(out, index)
+    bags, cache = round_dir(out, index) / "bags", round_cache(out, settings, index)
     meta = {
         "backbone": extractor.name,
         "extractor": extractor_record,  # the initial cache's record: the descriptors are checked to be the same kind
@@ -522,6 +523,11 @@ def run_dagger(args, processes: Processes | None = None) -> dict:
         raise ValueError(f"--seed {args.seed}: rounds {args.seed}..{args.seed + args.rounds - 1} would collect on layouts "
                          f"of the initial cache ({', '.join(collisions)}): choose another --seed")
     init_cache = FeatureCache(settings["init_cache"])  # checks the caches, and that they train together
+    repeated = sorted({round_cache(out, settings, i).name for i in range(args.rounds)}
+                      & {Path(c).name for c in settings["init_cache"]})
+    if repeated:
+        raise ValueError(f"--init-cache already holds {', '.join(repeated)}, the name of a round's cache: "
+                         f"choose another --seed")
     extractor_record = init_cache.meta.get("extractor") or {"backbone": init_cache.backbone}
     if args.init_policy:
         policy_config = read_policy_config(args.init_policy)
@@ -562,7 +568,7 @@ def run_dagger(args, processes: Processes | None = None) -> dict:
         if summary is None:
             finished = run_round(config, settings, train_settings, index, latest, caches, out, extractor_record, args, procs)
             summary = procs.first(_finish, directory, finished)
-        caches.append(round_cache(out, index))
+        caches.append(round_cache(out, settings, index))
         latest = out / summary["policy"]
         rounds.append(summary)
         if better(summary["dev"], best["dev"]):
@@ -594,20 +600,20 @@ def run_round(config: dict, settings: dict, train_settings: dict, index: int, la
     seconds = {}
     start = time.perf_counter()
     rollouts_file = directory / "rollouts.json"
-    collected = processes.first(lambda: (round_cache(out, index) / META_FILE).is_file() and rollouts_file.is_file())
+    collected = processes.first(lambda: (round_cache(out, settings, index) / META_FILE).is_file() and rollouts_file.is_file())
     if not collected:
         summary = collect_round(config, settings, index, latest, out, extractor_record, args.keep_bags, processes)
         processes.first(lambda: _write_json(rollouts_file, summary))
     rollouts = processes.first(lambda: json.loads(rollouts_file.read_text()))
     seconds["rollouts"] = time.perf_counter() - start
     start = time.perf_counter()
-    trained = train_policy(train_settings, [*caches, round_cache(out, index)], directory / "policy",
+    trained = train_policy(train_settings, [*caches, round_cache(out, settings, index)], directory / "policy",
                            latest if settings["warm_start"] else None, args.device, out, processes)
     seconds["train"] = time.perf_counter() - start
     start = time.perf_counter()
     dev = dev_evaluate(config, settings, directory / "policy", directory / "dev", args.workers, processes)
     seconds["dev"] = time.perf_counter() - start
-    return {"round": index, **rollouts, "cache": run_path(out, round_cache(out, index)),
+    return {"round": index, **rollouts, "cache": run_path(out, round_cache(out, settings, index)),
             "policy": run_path(out, directory / "policy"), "train": trained, "dev": dev, "seconds": seconds}
 
 

@@ -111,23 +111,30 @@ class PolicyDriver:
     With all_patches, every patch's descriptor is computed and kept (`frame_descriptors`, and
     `Frame.descriptors` through `drive`), and the policy reads its selected subset of them: DAgger
     rollouts write that dense grid to a feature cache without extracting the frame twice.
+    A patch policy reads each frame's window from a history (`streaming`) that `reset` clears and
+    a dropped frame leaves out, as the policy node's.
     With view_history N, `views` keeps the FrameView of the last N frames `drive` computed (a
     ring buffer; sps_driving.sim.failure_strips draws them).
+    With view_width_scale S (frames of the world's wider view, sim.config.widen_view), the
+    extraction is widened to match (sps_driving.core.view.widen_extraction) and the policy reads
+    its window of the wider grid, or refuses it (ValueError) if it reads absolute cells.
     """
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
-                 all_patches: bool = False, view_history: int = 0):
-        from sps_driving.core.policy import load_policy
+                 all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0):
+        from sps_driving.core.patch_policy import StreamingPolicy
+        from sps_driving.core.policy import load_policy, read_policy_config
         from sps_driving.extractors import extractor_for_policy
 
-        self.policy = load_policy(policy_dir, device=device)
-        self.extraction = extractor_for_policy(self.policy.config, {"device": device, "threads": threads}, backbone_config)
+        policy_config = read_policy_config(policy_dir)
+        self.extraction = extractor_for_policy(policy_config, {"device": device, "threads": threads}, backbone_config,
+                                               view_width_scale=view_width_scale)
         self.extractor = self.extraction.extractor
-        if self.extractor.grid != self.policy.grid or self.extractor.dim != self.policy.descriptor_dim:
-            raise ValueError(
-                f"policy {policy_dir} expects a {self.policy.grid.rows}x{self.policy.grid.cols}x{self.policy.descriptor_dim} "
-                f"descriptor grid but the extractor gives {self.extractor.grid.rows}x{self.extractor.grid.cols}x{self.extractor.dim}"
-            )
+        if self.extractor.dim != int(policy_config["descriptor_dim"]):
+            raise ValueError(f"policy {policy_dir} reads {policy_config['descriptor_dim']} channels per descriptor but the "
+                             f"extractor gives {self.extractor.dim}")
+        self.policy = load_policy(policy_dir, device=device, grid=self.extractor.grid)
+        self.streaming = StreamingPolicy(self.policy)  # a patch policy's history of frames
         self.selector = self.policy.selector
         self.all_patches = np.arange(self.extractor.grid.n) if all_patches else None
         self.frame_descriptors: np.ndarray | None = None
@@ -138,6 +145,7 @@ class PolicyDriver:
 
     def reset(self) -> None:
         self.last = (0.0, 0.0)
+        self.streaming.reset()
         if self.views is not None:
             self.views.clear()
 
@@ -153,7 +161,7 @@ class PolicyDriver:
             else:
                 self.frame_descriptors = self.extractor.descriptors(encoded, self.all_patches)
                 descriptors = self.frame_descriptors[indices]
-            command = self.policy.predict(descriptors, indices, state)
+            command = self.streaming.step(stamp_ns, descriptors, indices, state)
         except (ValueError, RuntimeError):
             # A frame the stack cannot use is dropped and counted; the car holds the last
             # command, as the vehicle interface does within its staleness timeout.
@@ -213,14 +221,16 @@ def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         _WORKER["renderer"] = get_renderer(config)
+        scale = float(config["camera"].get("view_width_scale", 1.0))  # sim.config.widen_view
         if strips_folder is None:
-            _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config)
+            _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config, view_width_scale=scale)
         else:
             from sps_driving.sim.failure_strips import FailureStrips, StripSettings
 
             settings = StripSettings.from_config(config)
             driver = PolicyDriver(policy_dir, device, threads, backbone_config,
-                                  view_history=settings.history_frames(float(config["control_rate_hz"])))
+                                  view_history=settings.history_frames(float(config["control_rate_hz"])),
+                                  view_width_scale=scale)
             _WORKER["driver"] = driver
             _WORKER["strips"] = FailureStrips(Path(strips_folder), settings, driver)
 

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sps_driving.distributed import Processes, file_digest, start_processes
-from sps_driving.sim.config import PROFILES, load_sim_config
+from sps_driving.sim.config import PROFILES, load_sim_config, widen_view
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missing_tasks, read_results
@@ -118,6 +118,20 @@ def evaluate_graph(config: dict, settings: EvalSettings, scenarios: list[str], o
     return record.rows
 
 
+def _check_wider_view(policy_dir: str, policy_config: dict, scale: float) -> None:
+    """Exit with the reason unless the policy can read the grid of a view `scale` times as wide
+    (checked here: a worker that cannot start its policy would be started again and again)."""
+    from sps_driving.core.grid import PatchGrid
+    from sps_driving.core.policy import load_policy
+    from sps_driving.core.view import wider_grid
+
+    grid = PatchGrid(int(policy_config["grid"]["rows"]), int(policy_config["grid"]["cols"]))
+    try:
+        load_policy(policy_dir, grid=wider_grid(grid, scale))
+    except ValueError as exc:
+        raise SystemExit(f"eval: --view-width-scale {scale:g}: {exc}") from None
+
+
 def _missing(settings: EvalSettings, scenarios: list[str], path: Path) -> list[tuple[str, int]]:
     try:
         return missing_tasks(settings, scenarios, path)
@@ -147,6 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. precision: int8)")
     parser.add_argument("--no-failure-strips", dest="failure_strips", action="store_false",
                         help="in process: draw no strip of the frames before each failure (OUT/failures/<method>/)")
+    parser.add_argument("--view-width-scale", type=float, default=1.0, metavar="S",
+                        help="in process: render S times as wide at the same focal length (the nominal frame is the central "
+                             "1/S) and widen the policy's extraction to match (16x16 -> 16x24 at 1.5); for policies that "
+                             "read a window about the roi's centre (relative_query, mlp with a canvas)")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
     parser.add_argument("--graph", action="store_true",
                         help="drive through the live ROS 2 graph (sim_world node + the on-car nodes) instead of in process; "
@@ -156,7 +174,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-
     config = load_sim_config(args.sim_config, profile=args.profile)
     try:
         for name in args.scenarios:
@@ -165,6 +182,13 @@ def run(args) -> int:
         raise SystemExit(f"eval: {exc}") from None
     if args.episode_s is not None:
         config["episode_s"] = float(args.episode_s)
+    if args.view_width_scale != 1.0:
+        if args.graph:
+            raise SystemExit("eval: --view-width-scale runs in process; the live graph's extractor takes the checkpoint's settings")
+        try:
+            widen_view(config, args.view_width_scale)
+        except ValueError as exc:
+            raise SystemExit(f"eval: {exc}") from None
     episodes = args.episodes if args.episodes is not None else int(config["profile"]["episodes"])
     if episodes < 1:
         raise SystemExit("--episodes must be at least 1")
@@ -182,6 +206,8 @@ def run(args) -> int:
             raise SystemExit(f"eval: {exc}") from None
         method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
         seed = training_seed(policy_config)
+        if args.view_width_scale != 1.0:
+            _check_wider_view(args.policy, policy_config, args.view_width_scale)
     if args.graph:
         if args.expert:
             raise SystemExit("eval: --graph drives with a policy; the expert runs in process")
@@ -218,7 +244,9 @@ def _run(args, config: dict, settings: EvalSettings, procs: Processes) -> int:
     if procs.main:
         print(f"{method}{'' if seed is None else f' (training seed {seed})'}: profile {args.profile}, {settings.episodes} "
               f"episode(s) of {settings.episode_s:g} s per scenario on layouts {settings.first_seed}..{settings.seeds[-1]}, "
-              f"{settings.width}x{settings.height} px, {len(args.scenarios)} scenario(s), {how}")
+              f"{settings.width}x{settings.height} px"
+              + (f" (view {args.view_width_scale:g} times as wide)" if args.view_width_scale != 1.0 else "")
+              + f", {len(args.scenarios)} scenario(s), {how}")
     if args.graph:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:

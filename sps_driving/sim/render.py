@@ -151,7 +151,7 @@ class Renderer:
                 child.remove_node()
         self.scene = self.root.attach_new_node("scene")
         sc = episode.scenario
-        looks = rng_for(episode.seed, "scenery", sc.name)
+        looks = rng_for(episode.seed, "scenery", episode.scenery or sc.name)
         horizon, zenith = SKY[(sc.time, sc.weather)]
         self.region.set_clear_color((*horizon, 1.0))
         self._sky(horizon, zenith)
@@ -250,7 +250,8 @@ class Renderer:
         image = np.frombuffer(self.texture.get_ram_image_as("RGB"), dtype=np.uint8)
         image = np.ascontiguousarray(image.reshape(self.height, self.width, 3)[::-1])
         frame = world.steps if frame_index is None else frame_index
-        return weather_overlay(image, world.episode, frame, float(self.config["render"]["particles"]))
+        return weather_overlay(image, world.episode, frame, float(self.config["render"]["particles"]),
+                               float(self.config["camera"].get("view_width_scale", 1.0)))
 
 
 _RENDERERS: dict[tuple[int, int], Renderer] = {}
@@ -269,22 +270,38 @@ def get_renderer(config: dict) -> Renderer:
     return renderer
 
 
-def weather_overlay(image: np.ndarray, episode: Episode, frame: int, particles_at_224: float) -> np.ndarray:
-    """Rain streaks or snowflakes in image space, drawn from a per-frame seed."""
+def weather_overlay(image: np.ndarray, episode: Episode, frame: int, particles_at_224: float,
+                    view_width_scale: float = 1.0) -> np.ndarray:
+    """Rain streaks or snowflakes in image space, drawn from a per-frame seed.
+
+    A view `view_width_scale` times as wide (sim.config.widen_view) gets, in its central nominal
+    frame, the particles and contrast the nominal frame gets, and particles of its own beside it."""
     weather = episode.scenario.weather
     if weather == "dry":
         return image
     h, w = image.shape[:2]
+    nominal = int(round(w / view_width_scale))  # px of the nominal frame, in the middle
+    margin = (w - nominal) // 2
     rng = rng_for(episode.seed, "weather", frame)
-    count = int(particles_at_224 * (w * h) / (224 * 140))
-    scale = w / 224.0
+    count = int(particles_at_224 * (nominal * h) / (224 * 140))
+    scale = nominal / 224.0
     out = image.astype(np.float32)
-    xs, ys = rng.uniform(0, w, count), rng.uniform(0, h, count)
+    xs, ys = rng.uniform(0, nominal, count) + margin, rng.uniform(0, h, count)
+    lengths = rng.uniform(5, 14, count) * scale if weather == "rain" else None
+    large = np.arange(count) < count // 3  # snow: a third of the flakes are larger
+    if margin:
+        beside = rng_for(episode.seed, "weather beside", frame)
+        extra = int(particles_at_224 * ((w - nominal) * h) / (224 * 140))
+        extra_xs = beside.uniform(0, w - nominal, extra)
+        xs = np.concatenate([xs, np.where(extra_xs < margin, extra_xs, extra_xs + nominal)])
+        ys = np.concatenate([ys, beside.uniform(0, h, extra)])
+        if lengths is not None:
+            lengths = np.concatenate([lengths, beside.uniform(5, 14, extra) * scale])
+        large = np.concatenate([large, np.arange(extra) < extra // 3])
     alpha = np.zeros((h, w), np.float32)
     if weather == "rain":
         # Overcast contrast loss plus slanted streaks, all drawn in one call.
-        out = 0.75 * out + 0.25 * out.mean()
-        lengths = rng.uniform(5, 14, count) * scale
+        out = 0.75 * out + 0.25 * out[:, margin:margin + nominal].mean()
         streaks = np.stack([np.stack([xs, ys], 1), np.stack([xs - 0.25 * lengths, ys + lengths], 1)], 1)
         cv2.polylines(alpha, list(np.round(streaks).astype(np.int32)), False, 0.45, 1, cv2.LINE_AA)
         color = np.array((200, 205, 215), np.float32)
@@ -294,8 +311,7 @@ def weather_overlay(image: np.ndarray, episode: Episode, frame: int, particles_a
         ix, iy = xs.astype(int), ys.astype(int)
         alpha[iy, ix] = 1.0
         big = np.zeros_like(alpha)
-        third = count // 3
-        big[iy[:third], ix[:third]] = 1.0
+        big[iy[large], ix[large]] = 1.0
         size = max(3, int(round(2 * scale)) | 1)
         disc = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (size, size))
         alpha = np.maximum(cv2.GaussianBlur(alpha, (3, 3), 0) * 2.5, cv2.dilate(big, disc))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sps_driving.core.history import PATCH_POLICY
 from sps_driving.resources import source_revision
 from sps_driving.sim.scenarios import SCENARIO_NAMES, SCENARIOS
 from sps_driving.sim.statistics import Estimate, paired_difference, score_interval, unpaired_difference
@@ -44,7 +45,13 @@ MARK = "‡"
 
 def method_name(policy_config: dict) -> str:
     """The table column of a policy: No-FM (pixels backbone), I-ViT (the backbone's unmasked patch
-    tokens), else by its selection: DA at rate 1.0, e.g. SPS-50 below."""
+    tokens), a patch policy by its rate and window (PP-50-T4, with -shared for a selection shared
+    across the window), else by its selection: DA at rate 1.0, e.g. SPS-50 below; a relative_query
+    policy (which reads every variant as its kept tokens) RQ and its rate, e.g. RQ-50."""
+    if policy_config.get("architecture") == PATCH_POLICY:  # a column of its own beside SPS at the same rate
+        window = policy_config["policy"]
+        rate = float(policy_config["selection"]["rate"])
+        return f"PP-{int(round(rate * 100))}-T{window['window_frames']}" + ("-shared" if window["shared_selection"] else "")
     if policy_config.get("backbone") == "pixels":
         return "No-FM"
     if (policy_config.get("extractor") or {}).get("falloff") == "none":
@@ -52,6 +59,8 @@ def method_name(policy_config: dict) -> str:
     selection = policy_config.get("selection", {})
     rate = float(selection.get("rate", 1.0))
     variant = str(selection.get("variant", "sps"))
+    if policy_config.get("architecture") == "relative_query":
+        return f"RQ-{int(round(rate * 100))}"
     if rate >= 1.0:
         return "DA"
     label = {"sps": "SPS", "spps": "SPPS", "mspps": "MSPPS", "threshold": "SPS-v1"}.get(variant, variant.upper())

@@ -80,6 +80,9 @@ class Episode:
     road: Road
     cruise_speed: float  # m/s
     actors: tuple[ActorSpec, ...]
+    # The scenario name whose appearance draws (scenery placement, sun) the renderer uses; None:
+    # this episode's own. Another scenario's draws render the same scenery in this one's looks.
+    scenery: str | None = None
 
 
 def make_episode(config: dict, scenario: Scenario, seed: int) -> Episode:

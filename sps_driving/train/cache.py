@@ -21,6 +21,10 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
                                 columns as meta.json "state" names them, NaN where unknown
         intervention.npy        bool [n]: the frame is in the seconds after a safety driver's
                                 override (sps_driving.train.car_labels)
+        orbital.npy             float16 [m, V, N, D], only in caches with orbital states: the V
+                                visible orbital states of every patch (sps_driving.core.orbital)
+                                of m of the shard's frames, for Manifold augmentation in training
+        orbital_rows.npy        int32 [m]: which rows of the shard those are, ascending
       shard_00001/ ...       (names are the writer's: FeatureCacheWriter numbers them,
                                 UnitCacheWriter's callers name them by unit; meta.json orders them)
       progress/                 an unfinished UnitCacheWriter cache's plan and finished units
@@ -31,7 +35,8 @@ the last may hold fewer), shards [{path, frames}], sources [names, e.g. bag or e
 validation splits by them], position_table (file name or null), state (the state.npy columns;
 absent in caches written before state inputs: their frames' states are unknown), intervention
 (true: the shards hold intervention.npy; absent in older caches, whose frames read as not in
-one), plus anything the writer's caller adds (e.g. extraction counts of dropped frames).
+one), orbital (only in caches with orbital states: offsets_px [[dy, dx] x V], family, every,
+frames), plus anything the writer's caller adds (e.g. extraction counts of dropped frames).
 
 All .npy files are plain NumPy format, so `np.load(path, mmap_mode="r")` maps them without a
 copy; `FeatureCache` does that for the descriptors and loads the small arrays into memory.
@@ -97,22 +102,65 @@ def _frame_row(grid_n: int, dim: int, descriptors, steering: float, throttle: fl
     return descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), state_row, bool(intervention)
 
 
-def _write_shard(directory: Path, name: str, rows: list[tuple]) -> dict:
-    """Shard `name` of `rows` (_frame_row's, each with its source id after the stamp), appearing
-    atomically: written as NAME.tmp, then renamed over whatever an interrupted run left there."""
-    tmp, final = directory / (name + ".tmp"), directory / name
-    for leftover in (tmp, final):
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp.mkdir()
-    descriptors, targets, stamps, sources, states, interventions = zip(*rows)
-    np.save(tmp / "descriptors.npy", np.stack(descriptors))
-    np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
-    np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
-    np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
-    np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
-    np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
-    os.replace(tmp, final)
-    return {"path": name, "frames": len(rows)}
+def _orbital_shape(meta: dict, grid: PatchGrid, dim: int) -> tuple[int, int, int] | None:
+    """[V, N, D] of a frame's orbital states in a cache made with meta "orbital"; None: the cache holds none."""
+    orbital = meta.get("orbital")
+    return (len(orbital["offsets_px"]), grid.n, dim) if orbital else None
+
+
+def _checked_orbital(orbital, shape: tuple[int, int, int] | None) -> np.ndarray:
+    """A frame's orbital states as a shard stores them (float16 [V, N, D]); ValueError for states
+    that cannot be stored or a cache made without them."""
+    if shape is None:
+        raise ValueError("this cache was made without orbital states (meta \"orbital\"): it cannot store them")
+    orbital = np.asarray(orbital)
+    if orbital.shape != shape:
+        raise ValueError(f"orbital states must be [{', '.join(map(str, shape))}], got {orbital.shape}")
+    if not np.all(np.isfinite(orbital)) or np.abs(orbital).max() > FLOAT16_MAX:
+        raise ValueError("orbital states contain NaN or Inf or exceed the float16 range")
+    return orbital.astype(np.float16)
+
+
+class _PendingShard:
+    """The frames of the shard being filled: their rows (_frame_row's, each with its source id after
+    the stamp) and, in a cache with orbital states, the states of those frames that have them."""
+
+    def __init__(self, orbital_shape: tuple[int, int, int] | None):
+        self.orbital_shape = orbital_shape
+        self.rows: list[tuple] = []
+        self.orbital: list[tuple[int, np.ndarray]] = []  # (row in the shard, float16 [V, N, D])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, row: tuple, source_id: int, orbital: np.ndarray | None) -> None:
+        if orbital is not None:
+            self.orbital.append((len(self.rows), orbital))
+        self.rows.append((*row[:3], source_id, *row[3:]))
+
+    def write(self, directory: Path, name: str) -> dict:
+        """Shard `name` of the pending frames, appearing atomically (written as NAME.tmp, then renamed
+        over whatever an interrupted run left there); nothing is pending afterwards."""
+        tmp, final = directory / (name + ".tmp"), directory / name
+        for leftover in (tmp, final):
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp.mkdir()
+        descriptors, targets, stamps, sources, states, interventions = zip(*self.rows)
+        np.save(tmp / "descriptors.npy", np.stack(descriptors))
+        np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
+        np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
+        np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
+        np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
+        np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
+        if self.orbital_shape is not None:
+            rows = [row for row, _ in self.orbital]
+            states_of_rows = [s for _, s in self.orbital]
+            np.save(tmp / "orbital.npy", np.stack(states_of_rows) if rows else np.zeros((0, *self.orbital_shape), np.float16))
+            np.save(tmp / "orbital_rows.npy", np.asarray(rows, dtype=np.int32))
+        os.replace(tmp, final)
+        shard = {"path": name, "frames": len(self.rows)}
+        self.rows, self.orbital = [], []
+        return shard
 
 
 def _check_meta(meta: dict, shard_size: int) -> PatchGrid:
@@ -132,7 +180,7 @@ def _save_position_table(directory: Path, table, grid: PatchGrid) -> None:
 
 
 def _write_meta(directory: Path, meta: dict, extra_meta: dict | None, grid: PatchGrid, dim: int, shard_size: int,
-                shards: list[dict], sources: list[str], has_position_table: bool) -> None:
+                shards: list[dict], sources: list[str], has_position_table: bool, orbital_frames: int) -> None:
     meta = {
         **meta,
         **(extra_meta or {}),
@@ -149,6 +197,8 @@ def _write_meta(directory: Path, meta: dict, extra_meta: dict | None, grid: Patc
         "intervention": True,
         "created_unix": time.time(),
     }
+    if meta.get("orbital"):
+        meta["orbital"] = {**meta["orbital"], "frames": orbital_frames}
     (directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
 
 
@@ -159,6 +209,8 @@ class FeatureCacheWriter:
     recorded as given. A frame that cannot be stored (wrong shape, NaN/Inf, beyond float16
     range, non-finite label, infinite state) raises ValueError and nothing of it is written:
     callers count and skip. A frame's state inputs (sps_driving.core.state) are NaN where unknown.
+    meta "orbital" ({"offsets_px": [[dy, dx], ...], "family": ...}) makes a cache that holds
+    orbital states: `add(..., orbital=[V, N, D])` for the frames that have them.
     """
 
     def __init__(self, directory, meta: dict, position_table: np.ndarray | None = None,
@@ -178,28 +230,31 @@ class FeatureCacheWriter:
         self._has_position_table = position_table is not None
         self._sources: dict[str, int] = {}
         self._shards: list[dict] = []
-        self._pending: list[tuple] = []
+        self._pending = _PendingShard(_orbital_shape(self.meta, self.grid, self.dim))
         self._closed = False
         self.frames = 0
+        self.orbital_frames = 0
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
-            state: dict | None = None, intervention: bool = False) -> None:
+            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None) -> None:
         """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown;
-        `intervention`: the frame follows a safety driver's override."""
+        `intervention`: the frame follows a safety driver's override; `orbital`: its patches'
+        visible orbital states [V, N, D] (a cache made with meta "orbital" only)."""
         row = _frame_row(self.grid.n, self.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
+        if orbital is not None:
+            orbital = _checked_orbital(orbital, self._pending.orbital_shape)
         if self._closed:
             raise RuntimeError(f"feature cache {self.directory} is already closed")
         source_id = self._sources.setdefault(str(source), len(self._sources))
-        self._pending.append((*row[:3], source_id, *row[3:]))
+        self._pending.add(row, source_id, orbital)
         self.frames += 1
+        self.orbital_frames += orbital is not None
         if len(self._pending) == self.shard_size:
             self._flush()
 
     def _flush(self) -> None:
-        if not self._pending:
-            return
-        self._shards.append(_write_shard(self.directory, f"shard_{len(self._shards):05d}", self._pending))
-        self._pending = []
+        if len(self._pending):
+            self._shards.append(self._pending.write(self.directory, f"shard_{len(self._shards):05d}"))
 
     def close(self, extra_meta: dict | None = None) -> Path:
         """Write the last shard and meta.json; `extra_meta` is merged into meta.json. Closing twice is a no-op."""
@@ -208,7 +263,7 @@ class FeatureCacheWriter:
         self._closed = True
         self._flush()
         _write_meta(self.directory, self.meta, extra_meta, self.grid, self.dim, self.shard_size, self._shards,
-                    list(self._sources), self._has_position_table)
+                    list(self._sources), self._has_position_table, self.orbital_frames)
         return self.directory
 
     def __enter__(self) -> FeatureCacheWriter:
@@ -232,7 +287,8 @@ class UnitCacheWriter:
     caller's record, such as counts of dropped frames). `records` gathers them on every process;
     `close` has process 0 write meta.json (sources: `sources`, source ids their positions), then
     progress/ is removed. Process 0 prepares the folder: an existing cache or another folder there
-    is FileExistsError unless `overwrite`; the others wait for it.
+    is FileExistsError unless `overwrite`; the others wait for it. meta "orbital" makes a cache
+    with orbital states, as FeatureCacheWriter's: each shard holds those of its own frames.
     """
 
     def __init__(self, directory, meta: dict, plan: dict, units: Sequence[str], sources: Sequence[str],
@@ -253,6 +309,7 @@ class UnitCacheWriter:
         self.plan = {**plan, "units": self.units, "sources": self.sources, "shard_size": self.shard_size}
         self.plan_digest = digest(self.plan)
         self._has_position_table = position_table is not None
+        self.orbital_shape = _orbital_shape(self.meta, self.grid, self.dim)
         self.processes.first(lambda: self._prepare(overwrite, position_table))
         self.progress.mkdir(parents=True, exist_ok=True)  # on machines that do not share the folder, too
 
@@ -304,7 +361,7 @@ class UnitCacheWriter:
         if self.processes.main:
             shards = [shard for record in records for shard in record["shards"]]
             _write_meta(self.directory, self.meta, extra_meta, self.grid, self.dim, self.shard_size, shards, self.sources,
-                        self._has_position_table)
+                        self._has_position_table, sum(record["orbital_frames"] for record in records))
         self.processes.barrier()
         if self.processes.local_rank == 0:
             shutil.rmtree(self.progress, ignore_errors=True)
@@ -319,27 +376,32 @@ class UnitShards:
         self.writer, self.name, self.base, self.part = writer, name, base, first_part
         self.shards: list[dict] = []
         self.frames = 0
-        self._pending: list[tuple] = []
+        self.orbital_frames = 0
+        self._pending = _PendingShard(writer.orbital_shape)
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
-            state: dict | None = None, intervention: bool = False) -> None:
+            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None) -> None:
         w = self.writer
         row = _frame_row(w.grid.n, w.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
-        self._pending.append((*row[:3], w.source_ids[source], *row[3:]))
+        if orbital is not None:
+            orbital = _checked_orbital(orbital, w.orbital_shape)
+        self._pending.add(row, w.source_ids[source], orbital)
         self.frames += 1
+        self.orbital_frames += orbital is not None
         if len(self._pending) == w.shard_size:
             self._flush()
 
     def _flush(self) -> None:
-        if self._pending:
-            self.shards.append(_write_shard(self.writer.directory, f"{self.base}_{self.part:05d}", self._pending))
+        if len(self._pending):
+            self.shards.append(self._pending.write(self.writer.directory, f"{self.base}_{self.part:05d}"))
             self.part += 1
-            self._pending = []
 
     def finish(self, record: dict | None = None) -> dict:
-        """The unit is done: its last shard, then its record (`record` with its shards and frames)."""
+        """The unit is done: its last shard, then its record (`record` with its shards, frames and
+        frames with orbital states)."""
         self._flush()
-        record = {**(record or {}), "plan": self.writer.plan_digest, "shards": self.shards, "frames": self.frames}
+        record = {**(record or {}), "plan": self.writer.plan_digest, "shards": self.shards, "frames": self.frames,
+                  "orbital_frames": self.orbital_frames}
         _write_json_atomically(self.writer.progress / f"{self.name}.json", record)
         return record
 
@@ -367,7 +429,9 @@ def _read_cache(directory: Path) -> dict:
     grid_n = int(meta["grid"]["rows"]) * int(meta["grid"]["cols"])
     stored_state = list(meta.get("state", []))
     has_intervention = bool(meta.get("intervention"))
-    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": [], "intervention": []}
+    orbital_views = len(meta["orbital"]["offsets_px"]) if meta.get("orbital") else 0
+    part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": [], "intervention": [],
+            "orbital": []}
     for shard in meta["shards"]:
         path = directory / shard["path"]
         n = int(shard["frames"])
@@ -400,6 +464,8 @@ def _read_cache(directory: Path) -> dict:
                 state[:, STATE_NAMES.index(name)] = arrays["state"][:, column]
         part["state"].append(state)
         part["intervention"].append(arrays["intervention"] if has_intervention else np.zeros(n, dtype=bool))
+        part["orbital"].append(_read_orbital(path, n, (orbital_views, grid_n, int(meta["descriptor_dim"])))
+                               if orbital_views else None)
     empty = {"targets": np.zeros((0, 2), np.float32), "stamps": np.zeros(0, np.int64), "source_ids": np.zeros(0, np.int32),
              "state": np.zeros((0, len(STATE_NAMES)), np.float32), "intervention": np.zeros(0, dtype=bool)}
     for key, default in empty.items():
@@ -410,6 +476,21 @@ def _read_cache(directory: Path) -> dict:
     if len(ids) and (ids.min() < 0 or ids.max() >= len(meta["sources"])):
         raise ValueError(f"feature cache {directory} has source ids outside meta.json's sources")
     return part
+
+
+def _read_orbital(path: Path, frames: int, shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(orbital states float16 [m, V, N, D] memory-mapped, their rows in the shard int32 [m]) of a shard."""
+    try:
+        states = np.load(path / "orbital.npy", mmap_mode="r")
+        rows = np.load(path / "orbital_rows.npy")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"the orbital states of feature cache shard {path} cannot be read: {err}") from err
+    if (states.dtype != np.float16 or states.shape[1:] != shape or rows.shape != (len(states),)
+            or np.any(np.diff(rows) <= 0) or (len(rows) and not 0 <= rows.min() <= rows.max() < frames)):
+        raise ValueError(f"the orbital states of feature cache shard {path} are {states.dtype} {states.shape} at rows "
+                         f"{rows.tolist()[:8]}: meta.json says float16 [m, {', '.join(map(str, shape))}] at ascending rows "
+                         f"of its {frames} frames")
+    return states, rows
 
 
 def _compared(meta: dict, key: str):
@@ -461,6 +542,7 @@ class FeatureCache:
         self.source_ids = np.concatenate([part["source_ids"] + offset for part, offset in zip(parts, offsets)]).astype(np.int32)
         sizes = [len(s) for s in self._shards]
         self._starts = np.cumsum([0] + sizes)[:-1]
+        self._read_orbital_index(parts)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -498,6 +580,34 @@ class FeatureCache:
             order = np.argsort(offsets, kind="stable")  # ascending reads of the mapped file
             out[rows[order]] = self._shards[shard][offsets[order]]
         return out
+
+    def _read_orbital_index(self, parts: list[dict]) -> None:
+        """orbital_frames (int64, ascending): the frames with orbital states; orbital_meta: how
+        they were read (the same in every cache that has them)."""
+        metas = [part["meta"]["orbital"] for part in parts if part["meta"].get("orbital")]
+        if any(m["offsets_px"] != metas[0]["offsets_px"] or m["family"] != metas[0]["family"] for m in metas[1:]):
+            raise ValueError(f"feature caches {self.name} hold orbital states of different offsets or families")
+        self.orbital_meta = metas[0] if metas else None
+        self._orbital = [orbital for part in parts for orbital in part["orbital"]]  # per shard: (states, rows) or None
+        # Per frame with states (ascending): its index, its shard and its position in the shard's states.
+        located = [(self._starts[shard] + rows, np.full(len(rows), shard), np.arange(len(rows)))
+                   for shard, (_, rows) in ((k, o) for k, o in enumerate(self._orbital) if o is not None)]
+        columns = [np.concatenate(column).astype(np.int64) for column in zip(*located)] if located else [np.zeros(0, np.int64)] * 3
+        self.orbital_frames, self._orbital_shard, self._orbital_position = columns
+
+    def has_orbital(self, indices) -> np.ndarray:
+        """bool [B]: which frames `indices` have orbital states."""
+        return np.isin(np.asarray(indices, dtype=np.int64), self.orbital_frames)
+
+    def orbital_states(self, indices) -> np.ndarray:
+        """float32 [B, V, N, D]: the visible orbital states of frames `indices`, which must have them."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        where = np.searchsorted(self.orbital_frames, indices)
+        found = where < len(self.orbital_frames)
+        found[found] = self.orbital_frames[where[found]] == indices[found]
+        if not found.all():
+            raise KeyError(f"frames {indices[~found].tolist()[:8]} of {self.name} have no orbital states")
+        return np.stack([self._orbital[self._orbital_shard[w]][0][self._orbital_position[w]] for w in where]).astype(np.float32)
 
     def position_table(self) -> np.ndarray | None:
         """float32 [N, P] backbone position embeddings, or None when the cache has none."""

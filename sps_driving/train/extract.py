@@ -27,6 +27,11 @@ from and by which rules ("labels"), and to the summary printed at the end.
 The frames go in units of shard_size camera frames of one input, each its own shard: a rerun of
 an interrupted extraction keeps the finished units, and under torchrun the processes share them
 (`extract`; docs/distributed.md).
+
+With --orbital-every K, every K-th written frame of each unit (rows 0, K, 2K, ... of its shard)
+also gets the visible orbital states of all its patches (sps_driving.core.orbital: 16 sub-patch
+shifts of the backbone input, read by the torch DINOv2 extractor, in the family of the cache's
+own descriptors), for Manifold augmentation in training (docs/feature_cache.md, docs/training.md).
 """
 
 from __future__ import annotations
@@ -316,10 +321,12 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
 
 def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
             settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None,
-            processes: Processes | None = None) -> dict:
+            processes: Processes | None = None, orbital_every: int = 0) -> dict:
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by
     reason; written_intervention: frames after an override). Car labels use the steering ratio of
-    `params_file` (config/graph.yaml by default: the vehicle interface's).
+    `params_file` (config/graph.yaml by default: the vehicle interface's). orbital_every K > 0:
+    every K-th written frame of each unit (its shard's rows 0, K, 2K, ...) also stores its patches'
+    visible orbital states.
 
     The work is split into units of settings.shard_size consecutive camera frames of one input,
     each written to a shard of its own (shard_IIIII_CCCCC: input I, unit C): with several
@@ -342,6 +349,14 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
         "descriptor_dim": int(extractor.dim),
         "inputs": [str(p) for p in inputs],
     }
+    orbital = None
+    if orbital_every:
+        from sps_driving.core.orbital import visible_reader
+
+        # A twin extractor (an exported backend's) runs on this process's device, as the extractor does.
+        twin_config = extractor_config if processes is None else {**(extractor_config or {}), "device": str(procs.device)}
+        orbital = visible_reader(extractor, twin_config)
+        meta["orbital"] = {"offsets_px": orbital.offsets.tolist(), "family": orbital.families[0], "every": int(orbital_every)}
     plan = extraction_plan(meta, settings, steering_ratio, sources, kinds, totals)
     procs.agree("the extraction settings and inputs (their names and frame counts)", plan)
     size = settings.shard_size
@@ -385,7 +400,9 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
             counts = Counter()
             shards = writer.unit(name(unit), f"shard_{i:05d}", c)
             for frame in stretch.next(None if c == last_unit[i] else size):
-                _count_frame(shards, extractor, frame, all_patches, sources[i], counts)
+                # The unit's own written frames pick those with orbital states: the same whichever process writes it.
+                wants_orbital = orbital is not None and shards.frames % orbital_every == 0
+                _count_frame(shards, extractor, frame, all_patches, sources[i], counts, orbital if wants_orbital else None)
                 seen += 1
                 if procs.world_size == 1:
                     bar.update(1)
@@ -437,20 +454,24 @@ class _Stretch:
 def extraction_plan(meta: dict, settings: ExtractSettings, steering_ratio: float, sources: list[str], kinds: list[str],
                     totals: list[int]) -> dict:
     """What every process of an extraction, and a resumed one, must share: the descriptors'
-    settings, the extraction and label settings, and the inputs by name, kind and frame count
-    (paths may differ between machines; runtime settings such as the device may too)."""
+    settings, the extraction and label settings, the orbital states asked for, and the inputs by
+    name, kind and frame count (paths may differ between machines; runtime settings such as the
+    device may too)."""
     from sps_driving.core.backbones import DESCRIPTOR_KEYS
 
     descriptor_settings = {key: value for key, value in meta["extractor"].items() if key in (*DESCRIPTOR_KEYS, "precision", "dtype")}
     return {"backbone": meta["backbone"], "grid": meta["grid"], "descriptor_dim": meta["descriptor_dim"],
             "extractor": descriptor_settings, "settings": asdict(settings), "steering_ratio": steering_ratio,
+            "orbital": meta.get("orbital"),
             "inputs": [{"source": s, "kind": k, "frames": t} for s, k, t in zip(sources, kinds, totals)]}
 
 
-def _count_frame(writer, extractor, frame: LabelledFrame, patches: np.ndarray, source: str, counts: Counter) -> None:
-    """Store `frame` unless it was dropped already, counting it as written or by its drop reason."""
+def _count_frame(writer, extractor, frame: LabelledFrame, patches: np.ndarray, source: str, counts: Counter,
+                 orbital=None) -> None:
+    """Store `frame` (with its orbital states when an OrbitalReader `orbital` is given) unless it
+    was dropped already, counting it as written or by its drop reason."""
     if frame.drop_reason is None:
-        frame.drop_reason = _add_frame(writer, extractor, frame, patches, source)
+        frame.drop_reason = _add_frame(writer, extractor, frame, patches, source, orbital)
     counts[frame.drop_reason or "written"] += 1
     if frame.drop_reason is None:
         for name in STATE_INPUTS:
@@ -460,14 +481,18 @@ def _count_frame(writer, extractor, frame: LabelledFrame, patches: np.ndarray, s
             counts["written_intervention"] += 1
 
 
-def _add_frame(writer: UnitShards, extractor, frame: LabelledFrame, patches: np.ndarray, source: str) -> str | None:
-    """Extract and store one frame; returns the drop reason, or None when written."""
+def _add_frame(writer: UnitShards, extractor, frame: LabelledFrame, patches: np.ndarray, source: str,
+               orbital=None) -> str | None:
+    """Extract and store one frame (with its orbital states when an OrbitalReader `orbital` is
+    given); returns the drop reason, or None when written."""
     try:
         descriptors = extractor.descriptors(extractor.encode(frame.rgb), patches)
+        states = orbital.read(frame.rgb)[orbital.families[0]] if orbital is not None else None
     except ValueError:  # the extractor's ImageError and input checks
         return "undecodable_image"
     try:
-        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state, frame.intervention)
+        writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state, frame.intervention,
+                   orbital=states)
     except ValueError:
         return "invalid_descriptors_or_label"
     return None
@@ -496,6 +521,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where bag labels come from: the reference command, the car's PACMod 3 reports, or auto "
                              "(the first the bag has; default from --config)")
     parser.add_argument("--params", type=Path, help="graph parameters file with the car's steering_ratio (default: config/graph.yaml)")
+    parser.add_argument("--orbital-every", type=int, default=0, metavar="K",
+                        help="also store the visible orbital states of every K-th written frame of each unit (DINOv2; for "
+                             "`train --orbital-fraction`; about 16x a frame's descriptors each); 0: none (default)")
 
 
 def run(args) -> int:
@@ -513,6 +541,8 @@ def run(args) -> int:
         if args.label_source:
             settings = replace(settings, label_source=args.label_source)
         check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
+        if args.orbital_every < 0:
+            raise ValueError(f"--orbital-every must be 0 (none) or a positive frame interval, got {args.orbital_every}")
         extraction = extraction_settings_from_args(args)
         # Under torchrun each process runs on a device of its own (cuda:LOCAL_RANK); the cache records the
         # setting. A config without one (pixels: the CPU; BLIP-2: its default, auto) reads as auto.
@@ -523,7 +553,8 @@ def run(args) -> int:
         opened = open_extractor(replace(extraction, config={**extraction.config, "device": str(procs.device)}))
         extractor = opened.extractor
         print(opened.describe()) if procs.main else procs.log(opened.describe())
-        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params, procs)
+        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params, procs,
+                         args.orbital_every)
     except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output, disagreeing processes
         print(f"error: {error}", file=sys.stderr)
         return 2

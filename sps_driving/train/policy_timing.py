@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
+from sps_driving.core.patch_policy import StreamingPolicy
 from sps_driving.core.policy import (
     ARCHITECTURES,
     SEQUENCE_ARCHITECTURES,
@@ -37,16 +38,17 @@ RATES = (1.0, 0.5, 0.3)
 
 def time_policy(architecture: PolicyArchitecture, variant: str, rate: float, grid: PatchGrid, descriptor_dim: int,
                 backbone: str | None = None, repeats: int = 50, warmup: int = 5, device: str = "cpu") -> float:
-    """Median wall time in ms of one `DrivingPolicy.predict` call (one frame, batch 1)."""
+    """Median wall time in ms of one frame's command (batch 1; a patch policy with a full window)."""
     config = architecture.config(grid, descriptor_dim, SelectionConfig(variant, rate), backbone=backbone)
     rng = np.random.default_rng(0)
     policy = DrivingPolicy(build_policy(config, rng.normal(size=(grid.n, descriptor_dim))), config, device=device)
+    streaming = StreamingPolicy(policy)
     indices = policy.selector.select(0)
     descriptors = rng.normal(size=(len(indices), descriptor_dim)).astype(np.float32)
     times = []
     for run in range(warmup + repeats):
         start = time.perf_counter()
-        policy.predict(descriptors, indices)
+        streaming.predict_full_window(descriptors, indices)
         if run >= warmup:
             times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))

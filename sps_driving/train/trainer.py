@@ -11,7 +11,8 @@ ReduceLROnPlateau with patience 10, as the paper. The validation criterion (earl
 plateau scheduler, the best checkpoint) weighs the same standardized errors by
 `criterion_weights` (by default the loss weights, without the throttle when the policy does not
 read both speeds: see `criterion_weights`); each epoch also records both validation errors as
-fractions of the validation targets' variance.
+fractions of the validation targets' variance. A patch policy trains on windows of frames instead,
+with a loss on every readout (sps_driving.train.windows).
 
 Validation is deterministic: each validation frame's selection is the replayable one decided by
 the selection seed and the frame's stamp (what the car would select), so a saved checkpoint
@@ -37,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -52,9 +54,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from sps_driving.core.history import PATCH_POLICY, HistorySettings, policy_selector
+from sps_driving.core.patch_policy import PatchPolicy
 from sps_driving.core.policy import (
     ARCHITECTURES,
     POSITION_TABLE_ARCHITECTURE,
+    SETTING_DEFAULTS,
     PolicyArchitecture,
     architecture_of,
     build_policy,
@@ -64,11 +69,15 @@ from sps_driving.core.policy import (
     save_policy,
     state_inputs_of,
 )
+from sps_driving.core.relative_policy import READOUTS
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
+from sps_driving.core.view import view_record
 from sps_driving.distributed import Processes, start_processes
 from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
+from sps_driving.train.orbital_augment import OrbitalAugmenter
+from sps_driving.train.windows import TrainingWindows, window_validation_errors
 
 TRAIN_CONFIG = config_path("train.yaml")
 LAST_DIR = "last"
@@ -115,6 +124,21 @@ class TrainConfig:
     device: str
     # Loss weight of intervention frames; the default is for settings recorded before it (a DAgger run's).
     intervention_weight: float = 1.0
+    # The patch policy's window (sps_driving.core.history); the defaults are for settings recorded before it.
+    window_frames: int = 4
+    frame_stride_s: float = 0.1
+    stride_tolerance_s: float = 0.015
+    max_gap_s: float = 0.5
+    shared_selection: bool = False
+    # Policy settings added later (their defaults: what runs recorded before them meant).
+    canvas: list | None = None  # mlp: [rows, cols] patches of the canvas its weights are laid out on; None: the grid
+    query_stride: int = 1  # relative_query: queries at every query_stride-th row and column of the grid
+    readout: str = "flatten"  # relative_query: flatten | pool
+    # Manifold augmentation (sps_driving.train.orbital_augment): the fraction of the patches of training
+    # frames with orbital states resampled from their Manifold of this rank and cap; 0 = off.
+    orbital_fraction: float = 0.0
+    orbital_rank: int = 4
+    orbital_cap: float = 2.0
     resume: bool = False  # a run mode, not a setting: --resume
 
     def __post_init__(self) -> None:
@@ -128,6 +152,9 @@ class TrainConfig:
             raise ValueError("need lr, weight_decay, min_lr >= 0 and 0 < plateau_factor < 1")
         if not (0 <= self.dropout < 1 and self.max_steering_rad > 0):
             raise ValueError("need 0 <= dropout < 1 and max_steering_rad > 0")
+        if not (0.0 <= self.orbital_fraction <= 1.0 and self.orbital_rank >= 1 and self.orbital_cap > 0):
+            raise ValueError(f"need 0 <= orbital_fraction <= 1, orbital_rank >= 1 and orbital_cap > 0, got "
+                             f"{self.orbital_fraction}, {self.orbital_rank}, {self.orbital_cap}")
         if not (math.isfinite(self.intervention_weight) and self.intervention_weight >= 0):
             raise ValueError(f"intervention_weight must be a finite number >= 0, got {self.intervention_weight}")
         for name in ("loss_weights", "criterion_weights"):
@@ -137,6 +164,8 @@ class TrainConfig:
             if weights.shape != (2,) or not np.all(np.isfinite(weights)) or np.any(weights < 0) or not weights.any():
                 raise ValueError(f"{name} must be two finite non-negative numbers, not both 0, got {getattr(self, name)}")
         check_state_names(self.state_inputs)
+        if self.architecture == PATCH_POLICY:  # refuses a window it cannot form
+            HistorySettings(self.window_frames, self.frame_stride_s, self.stride_tolerance_s, self.max_gap_s)
 
     @classmethod
     def from_yaml(cls, path=TRAIN_CONFIG, **overrides) -> TrainConfig:
@@ -156,8 +185,11 @@ class TrainConfig:
         return SelectionConfig(self.variant, self.rate, self.seed, self.keep_probability)
 
     def policy_settings(self) -> dict:
-        """The settings of this architecture's policy (the checkpoint's "policy")."""
-        return {key: getattr(self, key) for key in ARCHITECTURES[self.architecture]}
+        """The settings of this architecture's policy (the checkpoint's "policy"), without the ones
+        added later while they are at the value checkpoints without them mean."""
+        defaults = SETTING_DEFAULTS.get(self.architecture, {})
+        return {key: getattr(self, key) for key in ARCHITECTURES[self.architecture]
+                if key not in defaults or getattr(self, key) != defaults[key]}
 
     def policy_architecture(self) -> PolicyArchitecture:
         return PolicyArchitecture(self.architecture, self.policy_settings(), self.max_steering_rad)
@@ -275,6 +307,8 @@ def validation_errors(policy: nn.Module, cache: FeatureCache, frames: np.ndarray
                       state_names, batch_size: int, device) -> np.ndarray:
     """float64 [2]: sums of the squared (steering, throttle) errors over `frames`, each with its
     replayable selection and its state inputs `state_names`."""
+    if isinstance(policy, PatchPolicy):  # windows of frames, each validation frame read at its newest readout
+        return window_validation_errors(policy, cache, frames, selector, state_names, batch_size, device)
     policy.eval()
     total = np.zeros(2)
     states = cache.state_values(state_names) if state_names else None
@@ -374,6 +408,7 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
     return {
         **config,
         "extractor": cache.meta.get("extractor"),
+        "view": view_record(cache.grid, (cache.meta.get("extractor") or {}).get("roi")),
         "units": {"steering": "front road-wheel angle, rad, left positive", "throttle": "[-1, 1], negative = brake"},
         "training": {
             "cache": _resolved_caches(cfg.cache),
@@ -435,7 +470,6 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     selection = cfg.selection()
     if cfg.architecture == POSITION_TABLE_ARCHITECTURE and selection.sparse_sequence and cache.position_table() is None:
         raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
-    selector = PatchSelector(selection, cache.grid)
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
     # A resumed run or a fine-tune reads what its checkpoint reads.
     if cfg.resume:
@@ -454,6 +488,12 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     split.update(train_frames=int(len(train_idx)), validation_frames=int(len(val_idx)))
     config = policy_config(cfg, cache, split, train_idx, state_names, criterion_weights(cfg, state_names))
     config["training"]["world_size"] = procs.world_size
+    augmenter = None
+    if cfg.orbital_fraction > 0:  # training batches only: validation reads the cache as it is
+        if cfg.architecture == "patch_policy":
+            raise ValueError("--orbital-fraction augments single frames; the patch policy's windows do not take it")
+        augmenter = OrbitalAugmenter(cache, train_idx, cfg.orbital_fraction, cfg.orbital_rank, cfg.orbital_cap)
+        config["training"]["orbital_augmentation"] = augmenter.describe()
 
     torch.manual_seed(cfg.seed)  # identical initial weights in every process
     if cfg.resume:
@@ -499,7 +539,10 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         tqdm.write(f"warning: {unreachable} frame(s) have labels beyond the output range "
                    f"(|steering| > {max_steer} rad or |throttle| > 1); the policy cannot reach them")
 
-    dataset = cache.dataset(train_idx)
+    selector = policy_selector(config, cache.grid)
+    # A patch policy trains on windows of frames (sps_driving.train.windows).
+    windows = TrainingWindows(cache, policy, selector, state_names) if isinstance(policy, PatchPolicy) else None
+    dataset = cache.dataset(train_idx) if windows is None else windows.dataset(train_idx)
     sampler = DistributedSampler(dataset, num_replicas=procs.world_size, rank=procs.rank, shuffle=True, seed=cfg.seed)
     # Whole batches from the dataset: one read per shard instead of one per frame.
     batches = BatchSampler(sampler, batch_size=cfg.batch_size, drop_last=False)
@@ -522,12 +565,18 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         model.train()
         loss_sum, frames_seen = 0.0, 0
         for grids, target, _, index in tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
-            grids, target = grids.to(procs.device), target.to(procs.device)
-            frame_states = None if states is None else states[index].to(procs.device)
-            if descriptor_transform is not None:
-                grids = descriptor_transform(grids, generator)
-            keep = selector.sample_masks(len(grids), generator, procs.device)
-            loss = (l2_loss(model(grids, keep, frame_states), target, weights) * frame_weights[index].to(procs.device)).mean()
+            if windows is not None:  # a loss on every readout of each window
+                loss = windows.loss(model, grids, target, index, generator, weights, frame_weights, procs.device,
+                                    descriptor_transform)
+            else:
+                grids, target = grids.to(procs.device), target.to(procs.device)
+                frame_states = None if states is None else states[index].to(procs.device)
+                if descriptor_transform is not None:
+                    grids = descriptor_transform(grids, generator)
+                if augmenter is not None:
+                    grids = augmenter(grids, index, generator)
+                keep = selector.sample_masks(len(grids), generator, procs.device)
+                loss = (l2_loss(model(grids, keep, frame_states), target, weights) * frame_weights[index].to(procs.device)).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -553,7 +602,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         if procs.main:
             record = {**config, "validation_loss": val_loss, "validation_error_fraction": fvu,
                       "provenance": {"epoch": epoch, "created_unix": time.time(), "torch": torch.__version__,
-                                     "command": " ".join(sys.argv)}}
+                                     "command": "sps-driving " + shlex.join(sys.argv[1:])}}
             if improved:
                 save_policy(policy, record, out)
             save_policy(policy, record, last_dir)
@@ -591,8 +640,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
     parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
     parser.add_argument("--architecture", choices=list(ARCHITECTURES),
-                        help="mlp (default), positional_transformer (spps, mspps), transformer (the first one, "
-                             "for comparison), or cnn (the No-FM baseline, on a pixels-backbone cache)")
+                        help="mlp (default), positional_transformer (spps, mspps), relative_query (patches read by their "
+                             "offset from the roi's centre; all variants), transformer (the first one, for comparison), "
+                             "cnn (the No-FM baseline, on a pixels-backbone cache), or patch_policy "
+                             "(the kept patches of the last frames, block-causal)")
     parser.add_argument("--state-inputs", nargs="*", choices=list(STATE_NAMES), metavar="NAME",
                         help=f"state inputs the policy reads besides the frame ({', '.join(STATE_NAMES)}); "
                              "given with no names: none")
@@ -602,12 +653,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float)
     parser.add_argument("--width", type=int)
     parser.add_argument("--reduce", type=int, help="mlp: channels each patch's descriptor is reduced to; "
-                                                   "positional_transformer: channels each token is read out with")
+                                                   "positional_transformer: channels each token is read out with; "
+                                                   "relative_query: channels each query is read out with (readout flatten)")
+    parser.add_argument("--canvas", type=int, nargs=2, metavar=("ROWS", "COLS"),
+                        help="mlp: lay its weights out on a canvas of this many patches, the grid centred on it")
+    parser.add_argument("--query-stride", type=int, help="relative_query: a query at every Nth row and column")
+    parser.add_argument("--readout", choices=READOUTS, help="relative_query: how the head reads the queries")
     parser.add_argument("--depth", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--early-stop-patience", type=int)
+    parser.add_argument("--window-frames", type=int, help="patch_policy: frames per window (T), the newest included")
+    parser.add_argument("--frame-stride-s", type=float, help="patch_policy: s between a window's frames")
+    parser.add_argument("--shared-selection", action=argparse.BooleanOptionalAction, default=None,
+                        help="patch_policy: one selection per block of T strides instead of one per frame")
     parser.add_argument("--intervention-weight", type=float,
                         help="loss weight of the frames after a safety driver's override (1: like every frame)")
+    parser.add_argument("--orbital-fraction", type=float,
+                        help="Manifold augmentation: resample this fraction of the patches of training frames with orbital "
+                             "states (extract --orbital-every) from their own bounded Manifold; 0: off")
     parser.add_argument("--validation-fraction", type=float)
     parser.add_argument("--num-workers", type=int)
     parser.add_argument("--device", help="auto, cpu, cuda")
@@ -617,7 +680,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
         "variant", "rate", "architecture", "state_inputs", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
-        "early_stop_patience", "validation_fraction", "num_workers", "device", "intervention_weight")}
+        "early_stop_patience", "validation_fraction", "num_workers", "device", "intervention_weight", "window_frames",
+        "frame_stride_s", "shared_selection", "canvas", "query_stride", "readout", "orbital_fraction")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
         summary = train(cfg)

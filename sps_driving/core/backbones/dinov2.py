@@ -259,12 +259,30 @@ class DinoV2Extractor:
 
     @torch.inference_mode()
     def encode(self, image_rgb: np.ndarray) -> DinoV2State:
-        tokens = self.model.embeddings(self.preprocess(image_rgb))
+        return self.encode_pixels(self.preprocess(image_rgb))
+
+    @torch.inference_mode()
+    def encode_pixels(self, pixels: torch.Tensor) -> DinoV2State:
+        """encode() from normalized pixel values [B, 3, H_in, W_in] (preprocess()'s output, or B
+        views of it): the state holds B rows; descriptors() takes one row at a time."""
+        tokens = self.model.embeddings(pixels)
         if not self.unmasked:
             return DinoV2State(hidden=self.encoder.prefix(tokens))
         for layer in self.model.encoder.layer:
             tokens = block_forward(layer, tokens)
         return DinoV2State(hidden=layer_norm_fp32(tokens, self.model.layernorm))
+
+    @torch.inference_mode()
+    def raw_tokens(self, state: DinoV2State) -> np.ndarray:
+        """float32 [B, N, D]: the ViT's own final patch tokens (no mask, after the final LayerNorm:
+        falloff none's descriptors) of an encoded state of B rows; a masked extractor runs its
+        masked layer and those after it unmasked."""
+        hidden = state.hidden
+        if not self.unmasked:
+            for layer in self.model.encoder.layer[self.encoder.masked_layer:]:
+                hidden = block_forward(layer, hidden)
+            hidden = layer_norm_fp32(hidden, self.model.layernorm)
+        return hidden[:, 1:].float().cpu().numpy()
 
     @torch.inference_mode()
     def descriptors(self, state: DinoV2State, indices: np.ndarray) -> np.ndarray:

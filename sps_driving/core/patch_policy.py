@@ -1,0 +1,240 @@
+"""Patch policy (architecture "patch_policy"): a block-causal transformer over every kept patch of
+the last T frames.
+
+After "Patch Policy" (Zhou et al.): the frozen ViT's patch tokens are kept instead of pooled, and a
+light transformer reads several frames under a block-causal mask, each token attending fully
+within its own frame and to every earlier frame, never to a later one. Here each frame brings the
+patches its selection kept (SPS: a different subset every frame), so a window can gather what
+single frames miss.
+
+Tokens, per frame of the window (oldest first, frame index f = 0 .. T - 1):
+
+- one per kept patch: its descriptor standardized per channel with training statistics (as the
+  grid MLP and the positional transformer), reduced to `reduce` channels by one map shared by all
+  patches (as the grid MLP), projected to the model width and LayerNorm'd, plus a learned
+  embedding of the patch's grid cell and one of the frame index f, both at the tokens' scale
+  (unit RMS, as the positional transformer's cell embedding);
+- one readout token: a learned vector plus the frame index embedding, plus, for a policy with state
+  inputs, a linear embedding of that frame's standardized state (speed, cruise target speed).
+
+A frame's block is [readout, kept patches]; the mask (`block_causal_mask`) lets a token of frame f
+attend to every token of frames 0 .. f. Frame f's command is read from its readout token: the
+final LayerNorm, the frame's standardized state appended, two MLP layers (width, width / 2) and
+the bounded head shared by every policy. The readout of frame f depends on frames 0 .. f and their
+embeddings 0 .. f only, exactly as the newest readout of a window of f + 1 frames: so training puts
+a loss on every readout, and a window shorter than T (after a start or a reset of the history)
+needs nothing but fewer frames. Windows of several lengths in one batch are padded at the end
+(absent frames and filler patch slots are masked out as keys).
+
+The window itself (stride, tolerance, resets) is `sps_driving.core.history`'s; `StreamingPolicy`
+steps a loaded policy one camera frame at a time through a `FrameHistory`, the one way the policy
+node, replay, the in-process and the graph evaluation run a patch policy. One frame alone is a
+window of one: `DrivingPolicy.predict` and the occlusion attribution read a patch policy that way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from sps_driving.core.grid import PatchGrid
+from sps_driving.core.history import COUNTER_PREFIX, FrameHistory, HistorySettings, history_settings
+from sps_driving.core.policy import (
+    CELL_EMBEDDING_STD,
+    BoundedHead,
+    DrivingPolicy,
+    SequencePolicy,
+    _readout_mlp,
+    _StandardizedInput,
+    _state_input,
+    pack_kept,
+)
+from sps_driving.core.state import state_vector
+
+
+def token_frames(block_sizes: Sequence[int]) -> torch.Tensor:
+    """int64 [S]: the frame index of every token when frame f brings block_sizes[f] tokens, in order."""
+    sizes = torch.as_tensor(list(block_sizes), dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+
+
+def block_causal_mask(frames: torch.Tensor) -> torch.Tensor:
+    """float [S, S] additive attention mask of tokens in frames `frames` [S]: M[q, k] = 0 where
+    frame(k) <= frame(q), -inf elsewhere (full attention within a frame, causal across frames)."""
+    allowed = frames.unsqueeze(0) <= frames.unsqueeze(1)
+    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+
+
+class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
+    """The patch policy (module docstring). `forward_windows` reads windows of frames; `forward`
+    and `forward_selected` of single frames (or of windows of dense grids) as every policy does."""
+
+    def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, depth: int, heads: int, mlp_ratio: float,
+                 dropout: float, reduce: int, max_steering_rad: float, history: HistorySettings,
+                 shared_selection: bool, state_dim: int = 0):
+        super().__init__()
+        _state_input(self, state_dim)
+        self._input_statistics(descriptor_dim)
+        self.history, self.shared_selection = history, bool(shared_selection)
+        self.reduce = nn.Linear(descriptor_dim, reduce)
+        self.input_proj = nn.Linear(reduce, width)
+        self.input_norm = nn.LayerNorm(width)
+        self.cell_embedding = nn.Parameter(torch.empty(grid.n, width))
+        self.frame_embedding = nn.Parameter(torch.empty(history.window_frames, width))
+        for embedding in (self.cell_embedding, self.frame_embedding):
+            nn.init.trunc_normal_(embedding, std=CELL_EMBEDDING_STD, a=-2 * CELL_EMBEDDING_STD, b=2 * CELL_EMBEDDING_STD)
+        self.readout_token = nn.Parameter(torch.zeros(width))
+        self.state_proj = nn.Linear(state_dim, width) if state_dim else None
+        layer = nn.TransformerEncoderLayer(
+            width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
+        )
+        layer.self_attn.dropout = 0.0  # as the positional transformer: PyTorch's fused CPU attention takes none
+        # No nested-tensor fast path: padded batches and single windows must take the same arithmetic.
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(*_readout_mlp(width + state_dim, width, dropout))
+        self.head = BoundedHead(width // 2, max_steering_rad)
+
+    def forward_windows(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor,
+                        state: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, F, 2] (steering rad, throttle) read at every frame's readout, for windows of F <= T
+        frames, oldest first: descriptors [B, F, L, D] of the kept patches `indices` [B, F, L],
+        padding [B, F, L] True at filler slots (a frame of only filler is absent: windows shorter
+        than F end with such frames; their rows of the output mean nothing), states [B, F, S]."""
+        batch, frames, length, _ = descriptors.shape
+        if frames > self.frame_embedding.shape[0]:
+            raise ValueError(f"a window of {frames} frames is longer than this policy's {self.frame_embedding.shape[0]}")
+        if bool(padding[:, 0].all(dim=1).any()):
+            raise ValueError("every window needs its first frame")
+        width = self.frame_embedding.shape[1]
+        tokens = self.input_norm(self.input_proj(self.reduce((descriptors - self.input_mean) / self.input_std)))
+        tokens = tokens + self.cell_embedding[indices]
+        readout = self.readout_token.expand(batch, frames, width)
+        if self.state is not None:
+            standardized = self.state(None if state is None else state.reshape(batch * frames, -1)).to(tokens.dtype)
+            readout = readout + self.state_proj(standardized).reshape(batch, frames, width)
+        blocks = torch.cat([readout.unsqueeze(2), tokens], dim=2) + self.frame_embedding[:frames, None]
+        tokens_per_window = frames * (1 + length)
+        absent = padding.all(dim=2, keepdim=True)
+        filler = torch.cat([absent, padding], dim=2).reshape(batch, tokens_per_window)
+        key_padding = torch.zeros(filler.shape, dtype=blocks.dtype, device=blocks.device).masked_fill(filler, float("-inf"))
+        mask = block_causal_mask(token_frames([1 + length] * frames)).to(blocks.device, blocks.dtype)
+        encoded = self.encoder(blocks.reshape(batch, tokens_per_window, width), mask=mask, src_key_padding_mask=key_padding)
+        readouts = self.norm(encoded.reshape(batch, frames, 1 + length, width)[:, :, 0]).reshape(batch * frames, width)
+        if self.state is not None:
+            readouts = torch.cat([readouts, standardized], dim=1)
+        return self.head(self.mlp(readouts)).reshape(batch, frames, 2)
+
+    def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor | None = None,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+        """Single frames, each a window of one: descriptors [B, L, D] of kept patches `indices` [B, L],
+        padding [B, L] True at filler slots, states [B, S] -> [B, 2]."""
+        if padding is None:
+            padding = torch.zeros(indices.shape, dtype=torch.bool, device=indices.device)
+        return self.forward_windows(descriptors[:, None], indices[:, None], padding[:, None],
+                                    None if state is None else state[:, None])[:, 0]
+
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense grids and keep masks: single frames (grids [B, N, D], keep [B, N], states [B, S]
+        -> [B, 2]) or windows (grids [B, F, N, D], keep [B, F, N], states [B, F, S] -> [B, F, 2];
+        an absent frame keeps nothing, and absent frames come last)."""
+        if grids.ndim == 3:
+            return super().forward_selected(grids, keep, state)
+        batch, frames = keep.shape[:2]
+        descriptors, indices, padding = pack_kept(grids.flatten(0, 1), keep.flatten(0, 1))
+        return self.forward_windows(descriptors.unflatten(0, (batch, frames)), indices.unflatten(0, (batch, frames)),
+                                    padding.unflatten(0, (batch, frames)), state)
+
+
+def build_patch_policy(grid: PatchGrid, descriptor_dim: int, settings: dict, max_steering_rad: float,
+                       state_dim: int) -> PatchPolicy:
+    """The patch policy of a config's `policy` settings (config/train.yaml names them)."""
+    history = HistorySettings(settings["window_frames"], settings["frame_stride_s"], settings["stride_tolerance_s"],
+                              settings["max_gap_s"])
+    if int(settings["width"]) < 2 or int(settings["reduce"]) < 1:
+        raise ValueError(f"patch_policy needs width >= 2 and reduce >= 1, got {settings}")
+    if not isinstance(settings["shared_selection"], bool):
+        raise ValueError(f"shared_selection must be true or false, got {settings['shared_selection']!r}")
+    return PatchPolicy(grid, descriptor_dim, width=int(settings["width"]), depth=int(settings["depth"]),
+                       heads=int(settings["heads"]), mlp_ratio=float(settings["mlp_ratio"]),
+                       dropout=float(settings["dropout"]), reduce=int(settings["reduce"]),
+                       max_steering_rad=max_steering_rad, history=history,
+                       shared_selection=settings["shared_selection"], state_dim=state_dim)
+
+
+def window_tensors(frames: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]], descriptor_dim: int,
+                   device) -> tuple[torch.Tensor, ...]:
+    """One window's frames [(descriptors [k, D], indices [k], state vector [S] or None)], oldest
+    first, as forward_windows' batch of one: descriptors, indices, padding and states (or None)."""
+    length = max(len(indices) for _, indices, _ in frames)
+    descriptors = np.zeros((1, len(frames), length, descriptor_dim), dtype=np.float32)
+    indices = np.zeros((1, len(frames), length), dtype=np.int64)
+    padding = np.ones((1, len(frames), length), dtype=bool)
+    for f, (values, kept, _) in enumerate(frames):
+        descriptors[0, f, : len(kept)], indices[0, f, : len(kept)], padding[0, f, : len(kept)] = values, kept, False
+    tensors = [torch.from_numpy(a).to(device) for a in (descriptors, indices, padding)]
+    states = None if frames[0][2] is None else torch.from_numpy(np.stack([s for _, _, s in frames])[None]).to(device)
+    return (*tensors, states)
+
+
+class StreamingPolicy:
+    """A loaded policy fed one camera frame at a time: a patch policy reads the window its
+    `FrameHistory` gives the frame (sps_driving.core.history), any other policy the frame alone.
+    `counts` are the history's (module history: frames, resets by reason, cut and short windows),
+    empty for a single-frame policy."""
+
+    def __init__(self, policy: DrivingPolicy):
+        self.policy = policy
+        settings = history_settings(policy.config)
+        self.history = None if settings is None else FrameHistory(settings)
+
+    @property
+    def counts(self) -> dict:
+        return {} if self.history is None else {COUNTER_PREFIX + k: v for k, v in self.history.counts.items()}
+
+    def describe(self) -> str:
+        if self.history is None:
+            return "one frame per command"
+        s = self.history.settings
+        return (f"windows of {s.window_frames} frame(s) {s.frame_stride_s:g} s apart (tolerance {s.stride_tolerance_s:g} s, "
+                f"a gap over {s.max_gap_s:g} s restarts the history)")
+
+    def reset(self) -> None:
+        """A new episode: forget the frames so far."""
+        if self.history is not None:
+            self.history.reset()
+
+    def _frame(self, descriptors, indices, state) -> tuple:
+        """A frame as the history keeps it: (descriptors, indices, state vector or None); ValueError
+        for one the policy cannot take."""
+        descriptors, indices = self.policy._check(descriptors, indices)
+        return descriptors, indices, state_vector(self.policy.state_inputs, state) if self.policy.state_inputs else None
+
+    @torch.no_grad()
+    def _command(self, window: list) -> tuple[float, float]:
+        out = self.policy.module.forward_windows(*window_tensors(window, self.policy.descriptor_dim, self.policy.device))
+        steering, throttle = out[0, -1].cpu().numpy().astype(np.float64)
+        if not (np.isfinite(steering) and np.isfinite(throttle)):
+            raise ValueError("policy produced a non-finite command")
+        return float(steering), float(throttle)
+
+    def step(self, stamp_ns: int, descriptors: np.ndarray, indices: np.ndarray,
+             state: Mapping[str, float] | None = None) -> tuple[float, float]:
+        """(steering rad, throttle) for the frame stamped `stamp_ns` (its kept descriptors [k, D] at
+        patch `indices` [k], and its state for a policy that reads one). A frame the policy cannot
+        take (ValueError) is not added to the history."""
+        if self.history is None:
+            return self.policy.predict(descriptors, indices, state)
+        frame = self._frame(descriptors, indices, state)
+        return self._command(self.history.push(stamp_ns, frame))
+
+    def predict_full_window(self, descriptors: np.ndarray, indices: np.ndarray,
+                            state: Mapping[str, float] | None = None) -> tuple[float, float]:
+        """The command for a frame whose window holds T frames like it (for timing: the work of
+        one step with a full history); a single-frame policy's `predict`."""
+        if self.history is None:
+            return self.policy.predict(descriptors, indices, state)
+        return self._command([self._frame(descriptors, indices, state)] * self.history.settings.window_frames)
