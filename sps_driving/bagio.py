@@ -76,16 +76,21 @@ def topic_types(path: str | Path) -> dict[str, str]:
         return {conn.topic: conn.msgtype for conn in reader.connections}
 
 
-def read_messages(path: str | Path, topics: Iterable[str] | None = None) -> Iterator[BagMessage]:
-    """Deserialized messages in log-time order; `topics` limits which are read."""
+def read_messages(path: str | Path, topics: Iterable[str] | None = None, first: int = 0,
+                  stop: int | None = None) -> Iterator[BagMessage]:
+    """Deserialized messages in log-time order; `topics` limits which are read, `first` and `stop`
+    to those at positions first..stop-1 of that order (the ones before are not deserialized)."""
     with Reader(Path(path)) as reader:
         wanted = set(topics) if topics is not None else None
         connections = [c for c in reader.connections if wanted is None or c.topic in wanted]
         if not connections:  # none of the topics is in the bag (rosbags reads every connection for an empty list)
             return
         store = bag_typestore(connections)
-        for conn, log_time, raw in reader.messages(connections=connections):
-            yield BagMessage(conn.topic, conn.msgtype, log_time, store.deserialize_cdr(raw, conn.msgtype))
+        for position, (conn, log_time, raw) in enumerate(reader.messages(connections=connections)):
+            if stop is not None and position >= stop:
+                return
+            if position >= first:
+                yield BagMessage(conn.topic, conn.msgtype, log_time, store.deserialize_cdr(raw, conn.msgtype))
 
 
 class BagWriter:

@@ -167,7 +167,7 @@ def test_beta_1_drives_exactly_as_collect_without_disturbance(setup, tmp_path):
             assert [repr(m) for m in rolled] == [repr(m) for m in collected], topic
 
 
-def test_an_interrupted_run_redoes_only_its_unfinished_round(setup, tmp_path, monkeypatch):
+def test_an_interrupted_run_redoes_only_its_unfinished_round(setup, two_rounds, tmp_path, monkeypatch):
     import sps_driving.train.trainer as trainer
 
     out = tmp_path / "run"
@@ -193,12 +193,18 @@ def test_an_interrupted_run_redoes_only_its_unfinished_round(setup, tmp_path, mo
     assert not (out / "round_01" / "cache_seed_1001" / "meta.json").exists()
     assert calls["train"] == 2  # initial, round 0
     finished = {p: p.stat().st_mtime_ns for p in (out / "round_00").rglob("*") if p.is_file()}
-    round_0_seeds = calls["rollouts"][:2]
+    cut_short = calls["rollouts"][3]
 
     calls.update(interrupt=None, rollouts=[], train=0)
     assert main(args(setup, out)) == 0
-    assert len(calls["rollouts"]) == 2 and not set(calls["rollouts"]) & set(round_0_seeds) and calls["train"] == 1
+    # Round 1's first episode is in its cache already: only the one cut short is rolled out again.
+    assert calls["rollouts"] == [cut_short] and calls["train"] == 1
     assert {p: p.stat().st_mtime_ns for p in (out / "round_00").rglob("*") if p.is_file()} == finished
+    resumed, whole = (FeatureCache(run / "round_01" / "cache_seed_1001") for run in (out, two_rounds))
+    assert resumed.sources == whole.sources and resumed.meta["counts"] == whole.meta["counts"]
+    np.testing.assert_array_equal(resumed.stamps, whole.stamps)
+    np.testing.assert_array_equal(resumed.targets, whole.targets)
+    np.testing.assert_array_equal(resumed.descriptors(range(len(whole))), whole.descriptors(range(len(whole))))
     assert len(json.loads((out / "dagger.json").read_text())["rounds"]) == 2
 
     calls.update(rollouts=[], train=0)

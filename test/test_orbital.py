@@ -388,6 +388,52 @@ def test_extract_stores_the_visible_states_of_every_kth_frame(tmp_path):
         extract([folder], tmp_path / "pixels", PixelExtractor(INPUT), resolve_config({"backbone": "pixels"}), orbital_every=2)
 
 
+def test_each_unit_of_an_extraction_carries_its_own_orbital_states_and_resumes(tmp_path, monkeypatch):
+    """Units of 3 camera frames (shard_size 3) and K = 2: rows 0 and 2 of each unit's shard. A run
+    cut short after its first unit resumes to the cache an uninterrupted run writes; a rerun with
+    another K is not resumed into it."""
+    import sps_driving.train.extract as extract_module
+    from sps_driving.train.extract import ExtractSettings, extract
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    rows = ["filename,steering,throttle"]
+    for i in range(7):
+        cv2.imwrite(str(folder / f"{i}.png"), cv2.cvtColor(noise_frame(i), cv2.COLOR_RGB2BGR))
+        rows.append(f"{i}.png,{0.01 * i},0.2")
+    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
+    extractor, settings = tiny_dinov2(), ExtractSettings(shard_size=3)
+    record = {"backbone": extractor.name}
+    extract([folder], tmp_path / "whole", extractor, record, settings, orbital_every=2)
+    whole = FeatureCache(tmp_path / "whole")
+    assert [s["frames"] for s in whole.meta["shards"]] == [3, 3, 1]
+    assert whole.orbital_frames.tolist() == [0, 2, 3, 5, 6] and whole.orbital_meta["frames"] == 5
+    for frame in (0, 5):
+        expected = OrbitalReader(extractor, orbital_offsets(14)[0], ("masked",)).read(noise_frame(frame))["masked"]
+        np.testing.assert_allclose(whole.orbital_states([frame])[0], expected.astype(np.float16), atol=1e-6)
+
+    add_frame, calls = extract_module._add_frame, []
+
+    def cut_short(*args):
+        calls.append(1)
+        if len(calls) == 4:  # the second unit's first frame
+            raise KeyboardInterrupt
+        return add_frame(*args)
+
+    monkeypatch.setattr(extract_module, "_add_frame", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        extract([folder], tmp_path / "cache", extractor, record, settings, orbital_every=2)
+    monkeypatch.setattr(extract_module, "_add_frame", add_frame)
+    assert not (tmp_path / "cache" / "meta.json").exists()
+    with pytest.raises(ValueError, match="unfinished feature cache of other settings"):
+        extract([folder], tmp_path / "cache", extractor, record, settings, orbital_every=3)
+    extract([folder], tmp_path / "cache", extractor, record, settings, orbital_every=2)
+    resumed = FeatureCache(tmp_path / "cache")
+    assert resumed.orbital_frames.tolist() == whole.orbital_frames.tolist() and resumed.orbital_meta == whole.orbital_meta
+    np.testing.assert_array_equal(resumed.orbital_states(resumed.orbital_frames), whole.orbital_states(whole.orbital_frames))
+    np.testing.assert_array_equal(resumed.descriptors(range(7)), whole.descriptors(range(7)))
+
+
 def test_augmented_states_lie_in_the_fitted_span_within_the_cap(tmp_path):
     directory, written = orbital_cache(tmp_path / "cache", every=2)
     cache = FeatureCache(directory)

@@ -17,9 +17,9 @@ development layouts first (DIR/initial). Round r (DIR/round_RR) then
 2. labels every visited frame with the expert's clean command for its state and writes the
    frame's descriptors of ALL patches, computed once by the policy's own extractor (the policy
    drives on its selected subset of those same descriptors), straight into a feature cache
-   (DIR/round_RR/cache_round_RR, the format and metadata of `sps-driving extract`, so the
-   trainer reads it unchanged); --keep-bags also writes each drive as a rosbag2 on the car's
-   topics (DIR/round_RR/bags) for provenance and replay;
+   (DIR/round_RR/cache_seed_S, S its collection seed; the format and metadata of `sps-driving
+   extract`, so the trainer reads it unchanged); --keep-bags also writes each drive as a rosbag2
+   on the car's topics (DIR/round_RR/bags) for provenance and replay;
 3. trains a policy (DIR/round_RR/policy) on the initial cache plus every round's cache so far,
    from scratch, or from the previous round's policy with --warm-start;
 4. evaluates it on the development layouts (--dev-first-seed, --dev-episodes: evaluation
@@ -31,9 +31,11 @@ rounds in a row without a better one. The best policy so far is always DIR/polic
 config.json carries the run's provenance under "dagger", as does DIR/dagger.json.
 
 Resumable: a round is done when DIR/round_RR/round.json exists, and rerunning the same command
-continues with the first round that is not. A round cut short redoes its rollouts only when its
-cache is incomplete, resumes its training from the last finished epoch, and runs only the
-development episodes missing from its results.jsonl. An argument that would make the rounds
+continues with the first round that is not. A round cut short redoes only the rollouts its cache
+lacks (each episode is a unit of the cache), resumes its training from the last finished epoch,
+and runs only the development episodes missing from its results.jsonl. Under torchrun
+(docs/distributed.md) the processes share the rollouts and development episodes and train with
+DistributedDataParallel; process 0 writes the records. An argument that would make the rounds
 inconsistent (anything but --rounds, --patience, --workers, --device, --keep-bags) cannot
 change in a rerun: the error names it.
 """
@@ -56,6 +58,7 @@ import yaml
 from tqdm import tqdm
 
 from sps_driving import bagio
+from sps_driving.distributed import Processes, digest, file_digest, start_processes
 from sps_driving.resources import portable_path, source_revision
 from sps_driving.sim.collect import COLLECTION_EPISODES, BagSink, episode_seed
 from sps_driving.sim.config import load_sim_config, set_render_width
@@ -162,48 +165,65 @@ def rollout_episode(config: dict, scenario: str, seed: int, episode_index: int, 
 
 
 def collect_round(config: dict, settings: dict, index: int, policy_dir: Path, out: Path, extractor_record: dict,
-                  keep_bags: bool, device: str) -> dict:
-    """Round `index`'s rollouts into its feature cache (and bags); returns their summary."""
+                  keep_bags: bool, processes: Processes) -> dict:
+    """Round `index`'s rollouts into its feature cache (and bags); returns their summary. Each
+    episode is a unit of the cache (sps_driving.train.cache.UnitCacheWriter): a cut-short round
+    redoes only the episodes it had not finished, and under torchrun the episodes go round the
+    processes, each rolling out on its own device."""
+    from sps_driving.core.policy import CONFIG_FILE, WEIGHTS_FILE
     from sps_driving.sim.render import get_renderer
-    from sps_driving.train.cache import FeatureCacheWriter
+    from sps_driving.train.cache import META_FILE, UnitCacheWriter
     from sps_driving.train.extract import ExtractSettings
 
-    policy = PolicyDriver(str(policy_dir), device, backbone_config=settings["backbone_config"], all_patches=True)
+    procs = processes
+    policy = PolicyDriver(str(policy_dir), str(procs.device), backbone_config=settings["backbone_config"], all_patches=True)
     differ = descriptor_differences(policy.extraction.settings.config, extractor_record)
     if differ:
         raise ValueError(f"policy {policy_dir} computes other descriptors than the initial cache ({differ}): "
                          f"their data cannot train one policy")
     extractor, scenario, b = policy.extractor, settings["scenario"], beta(settings, index)
     seeds = [episode_seed(settings["seed"] + index, i) for i in range(settings["episodes_per_round"])]
-    bags = round_dir(out, index) / "bags"
-    shutil.rmtree(bags, ignore_errors=True)  # a cut-short round's
+    bags, cache = round_dir(out, index) / "bags", round_cache(out, settings, index)
     meta = {
         "backbone": extractor.name,
         "extractor": extractor_record,  # the initial cache's record: the descriptors are checked to be the same kind
         "grid": {"rows": extractor.grid.rows, "cols": extractor.grid.cols},
         "descriptor_dim": int(extractor.dim),
-        "inputs": [str(bags / _source(i)) for i in range(len(seeds))] if keep_bags else [],
     }
+    plan = {**meta, "policy": file_digest(policy_dir / CONFIG_FILE, policy_dir / WEIGHTS_FILE), "beta": b,
+            "mixing": settings["mixing"], "scenario": scenario, "seeds": seeds, "sim_config": digest(config)}
+    units = [f"{i:05d}" for i in range(len(seeds))]
+    complete = procs.first(lambda: (cache / META_FILE).is_file())  # without its rollouts.json: made anew
+    writer = UnitCacheWriter(cache, meta, plan, units, [_source(i) for i in range(len(seeds))], extractor.position_table(),
+                             ExtractSettings.from_yaml().shard_size, overwrite=complete, processes=procs)
     renderer, storage = get_renderer(config), config["collect"]["storage"]
-    episodes, counts = [], {}
-    writer = FeatureCacheWriter(round_cache(out, settings, index), meta, extractor.position_table(),
-                                ExtractSettings.from_yaml().shard_size, overwrite=True)
-    with writer:
-        for i, seed in enumerate(tqdm(seeds, desc=f"dagger round {index} rollouts", unit="episode")):
-            sink = CacheSink(writer, _source(i))
+    mine = list(range(procs.rank, len(seeds), procs.world_size))
+    bar = tqdm(total=len(seeds), desc=f"dagger round {index} rollouts", unit="episode", disable=not procs.main)
+    for first in range(0, len(seeds), procs.world_size):  # rounds of one episode per process
+        i, ran = first + procs.rank, 0
+        if i < len(seeds) and writer.done(units[i]) is None:
+            shards = writer.unit(units[i], f"shard_{i:05d}")
+            sink = CacheSink(shards, _source(i))
             if keep_bags:
+                shutil.rmtree(bags / _source(i), ignore_errors=True)  # a cut-short episode's
                 with bagio.BagWriter(bags / _source(i), storage=storage) as bag:
-                    result = rollout_episode(config, scenario, seed, i, policy, b, settings["mixing"], renderer,
+                    result = rollout_episode(config, scenario, seeds[i], i, policy, b, settings["mixing"], renderer,
                                              [sink, BagSink(bag, config)])
             else:
-                result = rollout_episode(config, scenario, seed, i, policy, b, settings["mixing"], renderer, [sink])
-            counts[_source(i)] = dict(sink.counts)
-            episodes.append({**result, "seed": seed})
-        writer.close({"counts": counts, "dagger": {"round": index, "beta": b, "mixing": settings["mixing"],
-                                                   "policy": run_path(out, policy_dir), "scenario": scenario, "seeds": seeds,
-                                                   "extraction_runtime": policy.extraction.facts}})
+                result = rollout_episode(config, scenario, seeds[i], i, policy, b, settings["mixing"], renderer, [sink])
+            shards.finish({"counts": dict(sink.counts), "episode": _finite({**result, "seed": seeds[i]}), "bag": keep_bags})
+            ran = 1
+        bar.update(int(procs.all_sum(ran)[0]))
+    bar.close()
+    records = writer.records([units[i] for i in mine])
+    episodes = [record["episode"] for record in records]
+    writer.close(records, {
+        "inputs": [str(bags / _source(i)) for i, record in enumerate(records) if record["bag"]],
+        "counts": {_source(i): record["counts"] for i, record in enumerate(records)},
+        "dagger": {"round": index, "beta": b, "mixing": settings["mixing"], "policy": run_path(out, policy_dir),
+                   "scenario": scenario, "seeds": seeds, "extraction_runtime": policy.extraction.facts}})
     frames = sum(e["frames"] for e in episodes)
-    return {"beta": b, "seeds": seeds, "frames": frames, "written": writer.frames,
+    return {"beta": b, "seeds": seeds, "frames": frames, "written": sum(record["frames"] for record in records),
             "expert_share": sum(e["expert_steps"] for e in episodes) / max(frames, 1), "episodes": episodes}
 
 
@@ -230,47 +250,61 @@ def _json(value):
 
 
 def train_policy(train_settings: dict, caches: list[Path], out: Path, init_checkpoint: Path | None, device: str,
-                 run: Path) -> dict:
+                 run: Path, processes: Processes) -> dict:
     """Train on `caches` into `out` (resuming a cut-short run there); the summary is kept in
-    out/trained.json, and a finished training is not repeated. `run`: the run folder."""
+    out/trained.json, and a finished training is not repeated. `run`: the run folder. Under
+    torchrun every process trains (DistributedDataParallel: sps_driving.train.trainer)."""
     from sps_driving.train.trainer import LAST_DIR, STATE_JSON, TrainConfig, train
 
     done = out / TRAINED_FILE
-    if done.is_file():
-        return json.loads(done.read_text())
-    cfg = TrainConfig(**train_settings, cache=[str(c) for c in caches], out=str(out), device=device,
-                      resume=(out / LAST_DIR / STATE_JSON).is_file())
+    finished, resume = processes.first(lambda: (json.loads(done.read_text()) if done.is_file() else None,
+                                                (out / LAST_DIR / STATE_JSON).is_file()))
+    if finished is not None:
+        return finished
+    cfg = TrainConfig(**train_settings, cache=[str(c) for c in caches], out=str(out), device=device, resume=resume)
     start = time.perf_counter()
     summary = train(cfg, init_checkpoint=init_checkpoint)
     summary = {key: summary[key] for key in ("best_validation_loss", "best_epoch", "epochs_run", "stopped_early",
                                              "train_frames", "validation_frames")}
     summary.update(seconds=time.perf_counter() - start, warm_start_from=None if init_checkpoint is None else
                    run_path(run, init_checkpoint), caches=[run_path(run, c) for c in caches])
-    done.write_text(json.dumps(summary, indent=1) + "\n")
+    processes.first(lambda: done.write_text(json.dumps(summary, indent=1) + "\n"))
     return summary
 
 
-def dev_evaluate(config: dict, settings: dict, policy_dir: Path, out: Path, workers: int, device: str) -> dict:
-    """Run the development episodes missing from out/results.jsonl; returns their summary."""
+def dev_evaluate(config: dict, settings: dict, policy_dir: Path, out: Path, workers: int, processes: Processes) -> dict:
+    """Run the development episodes missing from out/results.jsonl (under torchrun: shared by
+    the processes, as `eval` shares them); returns their summary."""
     import torch
 
+    procs = processes
     path = out / RESULTS_FILE
     wanted = range(settings["dev_first_seed"], settings["dev_first_seed"] + settings["dev_episodes"])
     scenario = settings["scenario"]
-    done = {r["episode"] for r in read_results(path) if r["scenario"] == scenario}
-    tasks = [(scenario, e) for e in wanted if e not in done]
+
+    def missing():
+        done = {r["episode"] for r in read_results(path) if r["scenario"] == scenario}
+        return [(scenario, e) for e in wanted if e not in done]
+
+    tasks = procs.first(missing)
     if tasks:
         out.mkdir(parents=True, exist_ok=True)
         cam = config["camera"]
         eval_settings = EvalSettings("dagger-dev", str(policy_dir), "dev", len(wanted), float(config["episode_s"]),
                                      int(cam["render_width"]), int(cam["render_height"]), settings["dev_first_seed"])
-        record = Recorder(eval_settings, path, len(tasks))
+        record = Recorder(eval_settings, path, len(tasks)) if procs.main else None
         threads = torch.get_num_threads()  # one worker runs in this process and sets its own
         try:
-            run_episodes(config, str(policy_dir), tasks, workers, device, record, settings["backbone_config"])
+            run_episodes(config, str(policy_dir), tasks, workers, str(procs.device), record, settings["backbone_config"],
+                         processes=procs)
         finally:
-            record.close()
+            if record is not None:
+                record.close()
             torch.set_num_threads(threads)
+    return procs.first(lambda: _dev_summary(path, scenario, wanted))
+
+
+def _dev_summary(path: Path, scenario: str, wanted: range) -> dict:
     rows = {r["episode"]: r for r in read_results(path) if r["scenario"] == scenario}
     rows = [rows[e] for e in wanted]
     gaps = [float(r["min_gap_m"]) for r in rows]
@@ -465,7 +499,10 @@ def command_line(args) -> str:
     return shlex.join(words)
 
 
-def run_dagger(args) -> dict:
+def run_dagger(args, processes: Processes | None = None) -> dict:
+    """The run of `args`; under torchrun (`processes`) every process takes part in every step:
+    its share of the rollouts and development episodes, training by DistributedDataParallel;
+    process 0 writes the records."""
     from sps_driving.core.policy import read_policy_config
     from sps_driving.train.cache import FeatureCache
 
@@ -478,6 +515,8 @@ def run_dagger(args) -> dict:
     get_scenario(config["collect"]["scenario"])
     train_settings = training_settings(args.train_config, args.init_policy)
     settings = run_settings(args, config, train_settings)
+    procs = processes or Processes()
+    procs.agree("the DAgger settings (simulator, training and extraction settings included)", settings)
     run = Run(out, settings, command_line(args))
     collisions = colliding_collections(settings["init_cache"], args.seed, args.rounds)
     if collisions:
@@ -497,10 +536,10 @@ def run_dagger(args) -> dict:
         if differ:
             raise ValueError(f"--init-policy {args.init_policy} was trained on other descriptors than --init-cache "
                              f"{init_cache.name} ({differ})")
-    run.start()
+    procs.first(run.start)
 
     initial_dir = out / "initial"
-    initial = _read_done(initial_dir)
+    initial = procs.first(_read_done, initial_dir)
     if initial is None:
         start = time.perf_counter()
         if args.init_policy:
@@ -508,23 +547,27 @@ def run_dagger(args) -> dict:
         else:
             policy_dir = initial_dir / "policy"
             trained = train_policy(train_settings, [Path(c) for c in settings["init_cache"]], policy_dir, None, args.device,
-                                   out)
+                                   out, procs)
         seconds = {"train": time.perf_counter() - start}
         start = time.perf_counter()
-        dev = dev_evaluate(config, settings, policy_dir, initial_dir / "dev", args.workers, args.device)
+        dev = dev_evaluate(config, settings, policy_dir, initial_dir / "dev", args.workers, procs)
         seconds["dev"] = time.perf_counter() - start
         # The policy named relative to the run folder, or absolute (--init-policy): a rerun finds it either way.
         inside = policy_dir.resolve().is_relative_to(out.resolve())
-        initial = _finish(initial_dir, {"policy": run_path(out, policy_dir) if inside else str(policy_dir.resolve()),
-                                        "train": trained, "dev": dev, "seconds": seconds})
+        initial = procs.first(lambda: _finish(initial_dir, {
+            "policy": run_path(out, policy_dir) if inside else str(policy_dir.resolve()), "train": trained, "dev": dev,
+            "seconds": seconds}))
     best_name, best, rounds, since_best, stopped = "initial", initial, [], 0, None
     caches, latest = [Path(c) for c in settings["init_cache"]], out / initial["policy"]
-    run.publish(initial, rounds, caches, best_name, None)
-    tqdm.write(_summary_line("initial", initial, best_name))
+    procs.first(run.publish, initial, rounds, caches, best_name, None)
+    if procs.main:
+        tqdm.write(_summary_line("initial", initial, best_name))
     for index in range(args.rounds):
         name, directory = f"round {index}", round_dir(out, index)
-        summary = _read_done(directory) or _finish(
-            directory, run_round(config, settings, train_settings, index, latest, caches, out, extractor_record, args))
+        summary = procs.first(_read_done, directory)
+        if summary is None:
+            finished = run_round(config, settings, train_settings, index, latest, caches, out, extractor_record, args, procs)
+            summary = procs.first(_finish, directory, finished)
         caches.append(round_cache(out, settings, index))
         latest = out / summary["policy"]
         rounds.append(summary)
@@ -532,20 +575,22 @@ def run_dagger(args) -> dict:
             best_name, best, since_best = name, summary, 0
         else:
             since_best += 1
-        run.publish(initial, rounds, caches, best_name, None)
-        tqdm.write(_summary_line(name, summary, best_name))
+        procs.first(run.publish, initial, rounds, caches, best_name, None)
+        if procs.main:
+            tqdm.write(_summary_line(name, summary, best_name))
         if since_best >= args.patience:
             stopped = f"no better development score in {args.patience} round(s)"
             break
     else:
         stopped = f"{args.rounds} round(s) run"
-    provenance = run.publish(initial, rounds, caches, best_name, stopped)
-    tqdm.write(f"dagger: {stopped}; best: {best_name} (dev score {best['dev']['score']:.3f}), now {out / BEST_POLICY}")
+    provenance = procs.first(run.publish, initial, rounds, caches, best_name, stopped)
+    if procs.main:
+        tqdm.write(f"dagger: {stopped}; best: {best_name} (dev score {best['dev']['score']:.3f}), now {out / BEST_POLICY}")
     return provenance
 
 
 def run_round(config: dict, settings: dict, train_settings: dict, index: int, latest: Path, caches: list[Path], out: Path,
-              extractor_record: dict, args) -> dict:
+              extractor_record: dict, args, processes: Processes) -> dict:
     """Round `index`: rollouts of `latest` into the round's cache (unless complete), training on
     every cache so far plus it, the development evaluation."""
     from sps_driving.train.cache import META_FILE
@@ -555,17 +600,18 @@ def run_round(config: dict, settings: dict, train_settings: dict, index: int, la
     seconds = {}
     start = time.perf_counter()
     rollouts_file = directory / "rollouts.json"
-    if not ((round_cache(out, settings, index) / META_FILE).is_file() and rollouts_file.is_file()):
-        _write_json(rollouts_file, collect_round(config, settings, index, latest, out, extractor_record, args.keep_bags,
-                                                 args.device))
-    rollouts = json.loads(rollouts_file.read_text())
+    collected = processes.first(lambda: (round_cache(out, settings, index) / META_FILE).is_file() and rollouts_file.is_file())
+    if not collected:
+        summary = collect_round(config, settings, index, latest, out, extractor_record, args.keep_bags, processes)
+        processes.first(lambda: _write_json(rollouts_file, summary))
+    rollouts = processes.first(lambda: json.loads(rollouts_file.read_text()))
     seconds["rollouts"] = time.perf_counter() - start
     start = time.perf_counter()
     trained = train_policy(train_settings, [*caches, round_cache(out, settings, index)], directory / "policy",
-                           latest if settings["warm_start"] else None, args.device, out)
+                           latest if settings["warm_start"] else None, args.device, out, processes)
     seconds["train"] = time.perf_counter() - start
     start = time.perf_counter()
-    dev = dev_evaluate(config, settings, directory / "policy", directory / "dev", args.workers, args.device)
+    dev = dev_evaluate(config, settings, directory / "policy", directory / "dev", args.workers, processes)
     seconds["dev"] = time.perf_counter() - start
     return {"round": index, **rollouts, "cache": run_path(out, round_cache(out, settings, index)),
             "policy": run_path(out, directory / "policy"), "train": trained, "dev": dev, "seconds": seconds}
@@ -600,7 +646,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-bags", action="store_true", help="also write every rollout as a rosbag2 (round_RR/bags)")
     parser.add_argument("--episode-s", type=float, help="episode length in s of rollouts and dev episodes (default config/sim.yaml)")
     parser.add_argument("--width", type=int, help="rendered image width in px (height follows the camera aspect)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes of the development evaluation")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes of the development evaluation (under torchrun every process is one)")
     parser.add_argument("--device", default="cpu", help="torch device for extraction, policy and training")
     parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. backend: torch)")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
@@ -617,9 +664,12 @@ def run(args) -> int:
     if args.episodes_per_round > COLLECTION_EPISODES:
         raise SystemExit(f"dagger: --episodes-per-round is at most {COLLECTION_EPISODES}: "
                          f"one collection seed's layouts, beyond which rounds would share layouts")
+    procs = start_processes(args.device)
     try:
-        run_dagger(args)
-    except (OSError, ValueError) as error:  # changed settings, bad caches or checkpoints
+        run_dagger(args, procs)
+    except (OSError, ValueError) as error:  # changed settings, bad caches or checkpoints, disagreeing processes
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        procs.close()
     return 0

@@ -10,8 +10,8 @@ worker runs torch and onnxruntime on the same pinned number of threads
 (eval.torch_threads_per_worker); on a GPU, cuDNN is held to deterministic algorithms (the tests
 check all this on CPUs only). The renderer draws a state the same way in every build of its
 scene (sps_driving.sim.render). So the same command gives the same per-episode results whichever
-worker runs an episode and in which order; only the order in which rows arrive (imap_unordered)
-varies, and every reader keys rows, never counts on it.
+worker (or torchrun process) runs an episode and in which order; only the order in which rows
+arrive (imap_unordered) varies, and every reader keys rows, never counts on it.
 """
 
 from __future__ import annotations
@@ -242,13 +242,29 @@ def _run_task(task: tuple[str, int]) -> dict:
 
 
 def run_episodes(config: dict, policy_dir: str | None, tasks: list[tuple[str, int]], workers: int, device: str,
-                 record: Callable[[dict], None], backbone_config: str | None = None,
-                 strips_folder: Path | None = None) -> None:
+                 record: Callable[[dict], None] | None, backbone_config: str | None = None,
+                 strips_folder: Path | None = None, processes=None) -> None:
     """Run (scenario, layout seed) `tasks` with the policy at `policy_dir` (None: the expert) in
     `workers` processes, handing each finished episode's result to `record` as it comes; with
-    `strips_folder`, a policy's failures are drawn there (sps_driving.sim.failure_strips)."""
+    `strips_folder`, a policy's failures are drawn there (sps_driving.sim.failure_strips).
+
+    With several `processes` (sps_driving.distributed, torchrun; every one calling this with the
+    same tasks and its own `device`), each process is one worker: the tasks go round in rounds of
+    one per process, and after each round process 0 gets the round's results (only its `record`
+    is called; the others may pass None)."""
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
     init = (config, policy_dir, device, threads, backbone_config, None if strips_folder is None else str(strips_folder))
+    if processes is not None and processes.world_size > 1:
+        _init_worker(*init)
+        for start in range(0, len(tasks), processes.world_size):
+            task = tasks[start + processes.rank] if start + processes.rank < len(tasks) else None
+            mine = None if task is None else _run_task(task)
+            if mine is not None:
+                processes.log(f"episode {task[0]} layout {task[1]}: score {mine['score']:.3f}")
+            for row in processes.gather(mine):
+                if row is not None and processes.main:
+                    record(row)
+        return
     if workers <= 1:
         _init_worker(*init)
         for task in tasks:

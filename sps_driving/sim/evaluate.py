@@ -7,6 +7,7 @@ on-car nodes, with the vehicle interface's limits and watchdogs; sps_driving.sim
     sps-driving eval --policy models/sps50 --first-seed 100 --episodes 20 --out runs/claim   # held-out layouts
     sps-driving eval --policy models/sps50 --graph --episodes 1 --out runs/eval   # the exact on-car stack
     sps-driving eval --expert --profile quick --out runs/eval      # checks the world itself
+    torchrun --nproc-per-node=4 -m sps_driving.cli eval --policy models/sps50 --device cuda --out runs/eval   # docs/distributed.md
 
 Layouts: episode seeds --first-seed .. --first-seed + episodes - 1, the same in every scenario and
 for every method, below the first collection seed (sps_driving.sim.world.COLLECTION_SEED_BASE),
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import asdict
 from pathlib import Path
 
+from sps_driving.distributed import Processes, file_digest, start_processes
 from sps_driving.sim.config import PROFILES, load_sim_config, widen_view
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
@@ -34,12 +37,23 @@ from sps_driving.sim.world import COLLECTION_SEED_BASE
 
 
 def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
-             backbone_config: str | None = None, failure_strips: bool = True) -> list[dict]:
+             backbone_config: str | None = None, failure_strips: bool = True, processes: Processes | None = None) -> list[dict]:
     """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl
-    (and, with `failure_strips`, a policy's failures drawn into out/failures/<method>/)."""
+    (and, with `failure_strips`, a policy's failures drawn into out/failures/<method>/).
+
+    With several `processes` (torchrun), each runs its share of the episodes on its own world
+    and `device`; process 0 decides which episodes are missing, records every one's results and
+    returns the rows (the others: none). They must agree on the settings, the policy's weights
+    and the simulator configuration."""
+    procs = processes or Processes()
+    procs.agree("the evaluation settings, the policy and the simulator configuration",
+                evaluation_agreement(config, settings, scenarios, backbone_config, failure_strips))
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
-    tasks = _missing(settings, scenarios, path)
+    try:
+        tasks = procs.first(lambda: missing_tasks(settings, scenarios, path))
+    except ValueError as exc:
+        raise SystemExit(f"eval: {exc}") from None
     if not tasks:
         return []
     folder = None
@@ -49,12 +63,29 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
         except ValueError as exc:
             raise SystemExit(f"eval: {exc}") from None
         folder = strips_folder(out, settings.method)
-    record = Recorder(settings, path, len(tasks))
+    record = Recorder(settings, path, len(tasks)) if procs.main else None
+    if procs.world_size > 1:
+        procs.log(f"eval: {len(tasks[procs.rank::procs.world_size])} of {len(tasks)} episode(s), device {device}")
     try:
-        run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config, folder)
+        run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config, folder, procs)
     finally:
-        record.close()
-    return record.rows
+        if record is not None:
+            record.close()
+    return [] if record is None else record.rows
+
+
+def evaluation_agreement(config: dict, settings: EvalSettings, scenarios: list[str], backbone_config: str | None,
+                         failure_strips: bool) -> dict:
+    """What every process of an evaluation must share: the settings, the policy's files (their
+    contents: the folder may lie elsewhere on another machine), the simulator configuration and
+    the extraction settings file's contents."""
+    from sps_driving.core.policy import CONFIG_FILE, WEIGHTS_FILE
+
+    policy = settings.policy_dir
+    return {"settings": {**asdict(settings), "policy_dir": None},
+            "policy": None if policy is None else file_digest(Path(policy) / CONFIG_FILE, Path(policy) / WEIGHTS_FILE),
+            "scenarios": scenarios, "sim_config": config, "failure_strips": failure_strips,
+            "backbone_config": None if backbone_config is None else Path(backbone_config).read_text()}
 
 
 def evaluate_graph(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, real_time_factor: float,
@@ -124,7 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scenario names (default: Table 1's 15)")
     parser.add_argument("--out", required=True,
                         help="output folder: results.jsonl, table1/table2 .csv and .md, details.md, accuracy_vs_rate.png")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--workers", type=int,
+                        help="worker processes (default 2; under torchrun every process is one worker)")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
     parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. precision: int8)")
     parser.add_argument("--no-failure-strips", dest="failure_strips", action="store_false",
@@ -142,8 +174,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import sys
-
     config = load_sim_config(args.sim_config, profile=args.profile)
     try:
         for name in args.scenarios:
@@ -191,19 +221,39 @@ def run(args) -> int:
     cam = config["camera"]
     settings = EvalSettings(method, policy_dir, args.profile, episodes, float(config["episode_s"]), int(cam["render_width"]),
                             int(cam["render_height"]), args.first_seed, seed)
+    procs = start_processes(args.device)
+    try:
+        return _run(args, config, settings, procs)
+    finally:
+        procs.close()
+
+
+def _run(args, config: dict, settings: EvalSettings, procs: Processes) -> int:
+    import sys
+
+    if procs.world_size > 1 and args.graph:
+        raise SystemExit("eval: --graph drives one live graph on this machine: run it without torchrun")
+    if procs.world_size > 1 and args.workers not in (None, 1):
+        raise SystemExit("eval: under torchrun every process is one worker: start more processes (--nproc-per-node) "
+                         "instead of --workers")
+    workers = 2 if args.workers is None else max(1, args.workers)
+    method, seed, policy_dir = settings.method, settings.training_seed, settings.policy_dir
     out = Path(args.out)
     how = (f"through the live graph at real-time factor {args.real_time_factor:g} (node logs in {out / 'graph'})"
-           if args.graph else f"{args.workers} worker(s)")
-    print(f"{method}{'' if seed is None else f' (training seed {seed})'}: profile {args.profile}, {episodes} episode(s) "
-          f"of {settings.episode_s:g} s per scenario on layouts {settings.first_seed}..{settings.seeds[-1]}, "
-          f"{settings.width}x{settings.height} px"
-          + (f" (view {args.view_width_scale:g} times as wide)" if args.view_width_scale != 1.0 else "")
-          + f", {len(args.scenarios)} scenario(s), {how}")
+           if args.graph else f"{procs.world_size} torchrun processes" if procs.world_size > 1 else f"{workers} worker(s)")
+    if procs.main:
+        print(f"{method}{'' if seed is None else f' (training seed {seed})'}: profile {args.profile}, {settings.episodes} "
+              f"episode(s) of {settings.episode_s:g} s per scenario on layouts {settings.first_seed}..{settings.seeds[-1]}, "
+              f"{settings.width}x{settings.height} px"
+              + (f" (view {args.view_width_scale:g} times as wide)" if args.view_width_scale != 1.0 else "")
+              + f", {len(args.scenarios)} scenario(s), {how}")
     if args.graph:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:
-        evaluate(config, settings, args.scenarios, out, max(1, args.workers), args.device, args.backbone_config,
-                 args.failure_strips)
+        evaluate(config, settings, args.scenarios, out, workers, str(procs.device), args.backbone_config,
+                 args.failure_strips, procs)
+        if not procs.main:
+            return 0
         folder = strips_folder(out, method)
         if policy_dir is not None and folder.is_dir():
             print(f"failure strips: {sum(1 for _ in folder.glob('*.png'))} in {folder}")

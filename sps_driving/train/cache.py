@@ -25,7 +25,9 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
                                 visible orbital states of every patch (sps_driving.core.orbital)
                                 of m of the shard's frames, for Manifold augmentation in training
         orbital_rows.npy        int32 [m]: which rows of the shard those are, ascending
-      shard_00001/ ...
+      shard_00001/ ...       (names are the writer's: FeatureCacheWriter numbers them,
+                                UnitCacheWriter's callers name them by unit; meta.json orders them)
+      progress/                 an unfinished UnitCacheWriter cache's plan and finished units
 
 meta.json keys: format, backbone (name), extractor (the extractor config used), grid {rows,
 cols}, descriptor_dim (D), dtype ("float16"), frames (total), shard_size (frames per shard,
@@ -60,6 +62,8 @@ from sps_driving.core.state import STATE_NAMES
 CACHE_FORMAT = "sps_driving.feature_cache/1"
 META_FILE = "meta.json"
 POSITION_TABLE_FILE = "position_table.npy"
+PROGRESS_DIR = "progress"  # an unfinished UnitCacheWriter cache's plan and finished units
+PLAN_FILE = "plan.json"
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -72,6 +76,130 @@ class CacheFrame:
     source: str
     state: dict  # {state input name: value}, NaN where unknown
     intervention: bool = False  # in the seconds after a safety driver's override
+
+
+def _frame_row(grid_n: int, dim: int, descriptors, steering: float, throttle: float, stamp_ns: int,
+               state: dict | None, intervention: bool) -> tuple:
+    """One frame as a shard stores it (without its source id); ValueError for a frame that cannot be stored."""
+    descriptors = np.asarray(descriptors)
+    if descriptors.shape != (grid_n, dim):
+        raise ValueError(f"descriptors must be [{grid_n}, {dim}], got {descriptors.shape}")
+    if not np.all(np.isfinite(descriptors)):
+        raise ValueError("descriptors contain NaN or Inf")
+    if np.abs(descriptors).max() > FLOAT16_MAX:
+        raise ValueError(f"descriptors exceed the float16 range (|x| > {FLOAT16_MAX})")
+    if not (np.isfinite(steering) and np.isfinite(throttle)):
+        raise ValueError(f"labels must be finite, got steering={steering}, throttle={throttle}")
+    if int(stamp_ns) < 0:
+        raise ValueError(f"stamp must be >= 0 ns, got {stamp_ns}")
+    state = dict(state or {})
+    unknown = set(state) - set(STATE_NAMES)
+    if unknown:
+        raise ValueError(f"unknown state inputs {sorted(unknown)}; expected some of {list(STATE_NAMES)}")
+    state_row = np.array([state.get(name, np.nan) for name in STATE_NAMES], dtype=np.float32)
+    if np.isinf(state_row).any():
+        raise ValueError(f"state inputs must be finite or NaN (unknown), got {state}")
+    return descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), state_row, bool(intervention)
+
+
+def _orbital_shape(meta: dict, grid: PatchGrid, dim: int) -> tuple[int, int, int] | None:
+    """[V, N, D] of a frame's orbital states in a cache made with meta "orbital"; None: the cache holds none."""
+    orbital = meta.get("orbital")
+    return (len(orbital["offsets_px"]), grid.n, dim) if orbital else None
+
+
+def _checked_orbital(orbital, shape: tuple[int, int, int] | None) -> np.ndarray:
+    """A frame's orbital states as a shard stores them (float16 [V, N, D]); ValueError for states
+    that cannot be stored or a cache made without them."""
+    if shape is None:
+        raise ValueError("this cache was made without orbital states (meta \"orbital\"): it cannot store them")
+    orbital = np.asarray(orbital)
+    if orbital.shape != shape:
+        raise ValueError(f"orbital states must be [{', '.join(map(str, shape))}], got {orbital.shape}")
+    if not np.all(np.isfinite(orbital)) or np.abs(orbital).max() > FLOAT16_MAX:
+        raise ValueError("orbital states contain NaN or Inf or exceed the float16 range")
+    return orbital.astype(np.float16)
+
+
+class _PendingShard:
+    """The frames of the shard being filled: their rows (_frame_row's, each with its source id after
+    the stamp) and, in a cache with orbital states, the states of those frames that have them."""
+
+    def __init__(self, orbital_shape: tuple[int, int, int] | None):
+        self.orbital_shape = orbital_shape
+        self.rows: list[tuple] = []
+        self.orbital: list[tuple[int, np.ndarray]] = []  # (row in the shard, float16 [V, N, D])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, row: tuple, source_id: int, orbital: np.ndarray | None) -> None:
+        if orbital is not None:
+            self.orbital.append((len(self.rows), orbital))
+        self.rows.append((*row[:3], source_id, *row[3:]))
+
+    def write(self, directory: Path, name: str) -> dict:
+        """Shard `name` of the pending frames, appearing atomically (written as NAME.tmp, then renamed
+        over whatever an interrupted run left there); nothing is pending afterwards."""
+        tmp, final = directory / (name + ".tmp"), directory / name
+        for leftover in (tmp, final):
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp.mkdir()
+        descriptors, targets, stamps, sources, states, interventions = zip(*self.rows)
+        np.save(tmp / "descriptors.npy", np.stack(descriptors))
+        np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
+        np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
+        np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
+        np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
+        np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
+        if self.orbital_shape is not None:
+            rows = [row for row, _ in self.orbital]
+            states_of_rows = [s for _, s in self.orbital]
+            np.save(tmp / "orbital.npy", np.stack(states_of_rows) if rows else np.zeros((0, *self.orbital_shape), np.float16))
+            np.save(tmp / "orbital_rows.npy", np.asarray(rows, dtype=np.int32))
+        os.replace(tmp, final)
+        shard = {"path": name, "frames": len(self.rows)}
+        self.rows, self.orbital = [], []
+        return shard
+
+
+def _check_meta(meta: dict, shard_size: int) -> PatchGrid:
+    for key in ("backbone", "grid", "descriptor_dim"):
+        if key not in meta:
+            raise ValueError(f"feature cache meta needs {key!r}")
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    return PatchGrid(int(meta["grid"]["rows"]), int(meta["grid"]["cols"]))
+
+
+def _save_position_table(directory: Path, table, grid: PatchGrid) -> None:
+    table = np.asarray(table, dtype=np.float32)
+    if table.ndim != 2 or table.shape[0] != grid.n or not np.all(np.isfinite(table)):
+        raise ValueError(f"position table must be finite [{grid.n}, P], got {table.shape}")
+    np.save(directory / POSITION_TABLE_FILE, table)
+
+
+def _write_meta(directory: Path, meta: dict, extra_meta: dict | None, grid: PatchGrid, dim: int, shard_size: int,
+                shards: list[dict], sources: list[str], has_position_table: bool, orbital_frames: int) -> None:
+    meta = {
+        **meta,
+        **(extra_meta or {}),
+        "format": CACHE_FORMAT,
+        "grid": {"rows": grid.rows, "cols": grid.cols},
+        "descriptor_dim": dim,
+        "dtype": "float16",
+        "frames": sum(int(shard["frames"]) for shard in shards),
+        "shard_size": shard_size,
+        "shards": shards,
+        "sources": sources,
+        "position_table": POSITION_TABLE_FILE if has_position_table else None,
+        "state": list(STATE_NAMES),
+        "intervention": True,
+        "created_unix": time.time(),
+    }
+    if meta.get("orbital"):
+        meta["orbital"] = {**meta["orbital"], "frames": orbital_frames}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
 
 
 class FeatureCacheWriter:
@@ -88,105 +216,45 @@ class FeatureCacheWriter:
     def __init__(self, directory, meta: dict, position_table: np.ndarray | None = None,
                  shard_size: int = 512, overwrite: bool = False):
         self.directory = Path(directory)
-        for key in ("backbone", "grid", "descriptor_dim"):
-            if key not in meta:
-                raise ValueError(f"feature cache meta needs {key!r}")
-        if shard_size < 1:
-            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        self.grid = _check_meta(meta, shard_size)
         if self.directory.exists() and any(self.directory.iterdir()):
             if not overwrite:
                 raise FileExistsError(f"{self.directory} is not empty; choose a new cache directory or overwrite it")
             shutil.rmtree(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.grid = PatchGrid(int(meta["grid"]["rows"]), int(meta["grid"]["cols"]))
         self.dim = int(meta["descriptor_dim"])
         self.shard_size = int(shard_size)
         self.meta = dict(meta)
         if position_table is not None:
-            table = np.asarray(position_table, dtype=np.float32)
-            if table.ndim != 2 or table.shape[0] != self.grid.n or not np.all(np.isfinite(table)):
-                raise ValueError(f"position table must be finite [{self.grid.n}, P], got {table.shape}")
-            np.save(self.directory / POSITION_TABLE_FILE, table)
+            _save_position_table(self.directory, position_table, self.grid)
         self._has_position_table = position_table is not None
-        orbital = self.meta.get("orbital")
-        self._orbital_views = len(orbital["offsets_px"]) if orbital else 0
-        self._pending_orbital: list[tuple[int, np.ndarray]] = []  # (row in the pending shard, states)
-        self.orbital_frames = 0
         self._sources: dict[str, int] = {}
         self._shards: list[dict] = []
-        self._pending: list[tuple] = []
+        self._pending = _PendingShard(_orbital_shape(self.meta, self.grid, self.dim))
         self._closed = False
         self.frames = 0
+        self.orbital_frames = 0
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
             state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None) -> None:
         """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown;
         `intervention`: the frame follows a safety driver's override; `orbital`: its patches'
         visible orbital states [V, N, D] (a cache made with meta "orbital" only)."""
-        descriptors = np.asarray(descriptors)
-        if descriptors.shape != (self.grid.n, self.dim):
-            raise ValueError(f"descriptors must be [{self.grid.n}, {self.dim}], got {descriptors.shape}")
-        if not np.all(np.isfinite(descriptors)):
-            raise ValueError("descriptors contain NaN or Inf")
-        if np.abs(descriptors).max() > FLOAT16_MAX:
-            raise ValueError(f"descriptors exceed the float16 range (|x| > {FLOAT16_MAX})")
-        if not (np.isfinite(steering) and np.isfinite(throttle)):
-            raise ValueError(f"labels must be finite, got steering={steering}, throttle={throttle}")
-        if int(stamp_ns) < 0:
-            raise ValueError(f"stamp must be >= 0 ns, got {stamp_ns}")
-        state = dict(state or {})
-        unknown = set(state) - set(STATE_NAMES)
-        if unknown:
-            raise ValueError(f"unknown state inputs {sorted(unknown)}; expected some of {list(STATE_NAMES)}")
-        state_row = np.array([state.get(name, np.nan) for name in STATE_NAMES], dtype=np.float32)
-        if np.isinf(state_row).any():
-            raise ValueError(f"state inputs must be finite or NaN (unknown), got {state}")
+        row = _frame_row(self.grid.n, self.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
         if orbital is not None:
-            orbital = self._checked_orbital(orbital)
+            orbital = _checked_orbital(orbital, self._pending.orbital_shape)
         if self._closed:
             raise RuntimeError(f"feature cache {self.directory} is already closed")
-        if orbital is not None:
-            self._pending_orbital.append((len(self._pending), orbital))
-            self.orbital_frames += 1
         source_id = self._sources.setdefault(str(source), len(self._sources))
-        self._pending.append((descriptors.astype(np.float16), (float(steering), float(throttle)), int(stamp_ns), source_id,
-                              state_row, bool(intervention)))
+        self._pending.add(row, source_id, orbital)
         self.frames += 1
+        self.orbital_frames += orbital is not None
         if len(self._pending) == self.shard_size:
             self._flush()
 
-    def _checked_orbital(self, orbital) -> np.ndarray:
-        if not self._orbital_views:
-            raise ValueError("this cache was made without orbital states (meta \"orbital\"): it cannot store them")
-        orbital = np.asarray(orbital)
-        if orbital.shape != (self._orbital_views, self.grid.n, self.dim):
-            raise ValueError(f"orbital states must be [{self._orbital_views}, {self.grid.n}, {self.dim}], got {orbital.shape}")
-        if not np.all(np.isfinite(orbital)) or np.abs(orbital).max() > FLOAT16_MAX:
-            raise ValueError("orbital states contain NaN or Inf or exceed the float16 range")
-        return orbital.astype(np.float16)
-
     def _flush(self) -> None:
-        if not self._pending:
-            return
-        name = f"shard_{len(self._shards):05d}"
-        tmp = self.directory / (name + ".tmp")
-        tmp.mkdir()
-        descriptors, targets, stamps, sources, states, interventions = zip(*self._pending)
-        np.save(tmp / "descriptors.npy", np.stack(descriptors))
-        np.save(tmp / "targets.npy", np.asarray(targets, dtype=np.float32))
-        np.save(tmp / "stamps.npy", np.asarray(stamps, dtype=np.int64))
-        np.save(tmp / "sources.npy", np.asarray(sources, dtype=np.int32))
-        np.save(tmp / "state.npy", np.stack(states).astype(np.float32))
-        np.save(tmp / "intervention.npy", np.asarray(interventions, dtype=bool))
-        if self._orbital_views:
-            rows = [row for row, _ in self._pending_orbital]
-            empty = np.zeros((0, self._orbital_views, self.grid.n, self.dim), np.float16)
-            np.save(tmp / "orbital.npy", np.stack([s for _, s in self._pending_orbital]) if rows else empty)
-            np.save(tmp / "orbital_rows.npy", np.asarray(rows, dtype=np.int32))
-        os.replace(tmp, self.directory / name)
-        self._shards.append({"path": name, "frames": len(self._pending)})
-        self._pending = []
-        self._pending_orbital = []
+        if len(self._pending):
+            self._shards.append(self._pending.write(self.directory, f"shard_{len(self._shards):05d}"))
 
     def close(self, extra_meta: dict | None = None) -> Path:
         """Write the last shard and meta.json; `extra_meta` is merged into meta.json. Closing twice is a no-op."""
@@ -194,25 +262,8 @@ class FeatureCacheWriter:
             return self.directory
         self._closed = True
         self._flush()
-        meta = {
-            **self.meta,
-            **(extra_meta or {}),
-            "format": CACHE_FORMAT,
-            "grid": {"rows": self.grid.rows, "cols": self.grid.cols},
-            "descriptor_dim": self.dim,
-            "dtype": "float16",
-            "frames": self.frames,
-            "shard_size": self.shard_size,
-            "shards": self._shards,
-            "sources": list(self._sources),
-            "position_table": POSITION_TABLE_FILE if self._has_position_table else None,
-            "state": list(STATE_NAMES),
-            "intervention": True,
-            "created_unix": time.time(),
-        }
-        if self._orbital_views:
-            meta["orbital"] = {**self.meta["orbital"], "frames": self.orbital_frames}
-        (self.directory / META_FILE).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
+        _write_meta(self.directory, self.meta, extra_meta, self.grid, self.dim, self.shard_size, self._shards,
+                    list(self._sources), self._has_position_table, self.orbital_frames)
         return self.directory
 
     def __enter__(self) -> FeatureCacheWriter:
@@ -222,6 +273,143 @@ class FeatureCacheWriter:
         # On an error the cache stays without meta.json, so it cannot be mistaken for a complete one.
         if exc_type is None:
             self.close()
+
+
+class UnitCacheWriter:
+    """A feature cache written in work units by one process or several (sps_driving.distributed):
+    each unit (a stretch of an input's frames, a rollout episode) into shards of its own, named by
+    the caller (`unit(name, base, first_part)`: shards BASE_PPPPP from FIRST_PART on, up to
+    shard_size frames each). A cut-short run resumes with the units it had not finished, and the
+    finished cache lists the shards in unit order, whichever process wrote which.
+
+    While unfinished, CACHE/progress/ holds plan.json (what the units are: a resumed run must have
+    the same plan, else ValueError) and UNIT.json for each finished unit (its shards and the
+    caller's record, such as counts of dropped frames). `records` gathers them on every process;
+    `close` has process 0 write meta.json (sources: `sources`, source ids their positions), then
+    progress/ is removed. Process 0 prepares the folder: an existing cache or another folder there
+    is FileExistsError unless `overwrite`; the others wait for it. meta "orbital" makes a cache
+    with orbital states, as FeatureCacheWriter's: each shard holds those of its own frames.
+    """
+
+    def __init__(self, directory, meta: dict, plan: dict, units: Sequence[str], sources: Sequence[str],
+                 position_table: np.ndarray | None = None, shard_size: int = 512, overwrite: bool = False,
+                 processes=None):
+        from sps_driving.distributed import Processes, digest
+
+        self.processes = processes or Processes()
+        self.directory = Path(directory)
+        self.progress = self.directory / PROGRESS_DIR
+        self.grid = _check_meta(meta, shard_size)
+        self.dim = int(meta["descriptor_dim"])
+        self.shard_size = int(shard_size)
+        self.meta = dict(meta)
+        self.units = list(units)
+        self.sources = list(sources)
+        self.source_ids = {name: index for index, name in enumerate(self.sources)}
+        self.plan = {**plan, "units": self.units, "sources": self.sources, "shard_size": self.shard_size}
+        self.plan_digest = digest(self.plan)
+        self._has_position_table = position_table is not None
+        self.orbital_shape = _orbital_shape(self.meta, self.grid, self.dim)
+        self.processes.first(lambda: self._prepare(overwrite, position_table))
+        self.progress.mkdir(parents=True, exist_ok=True)  # on machines that do not share the folder, too
+
+    def _prepare(self, overwrite: bool, position_table) -> None:
+        from sps_driving.distributed import digest
+
+        if overwrite and self.directory.exists():
+            shutil.rmtree(self.directory)
+        if (self.directory / META_FILE).exists():
+            raise FileExistsError(f"{self.directory} is a complete feature cache; choose a new cache directory or overwrite it")
+        plan_file = self.progress / PLAN_FILE
+        if plan_file.is_file():
+            if digest(json.loads(plan_file.read_text())) != self.plan_digest:
+                raise ValueError(f"{self.directory} holds an unfinished feature cache of other settings or inputs: "
+                                 f"resume it with those, or overwrite it")
+        elif self.directory.exists() and any(self.directory.iterdir()):
+            raise FileExistsError(f"{self.directory} is not empty; choose a new cache directory or overwrite it")
+        self.progress.mkdir(parents=True, exist_ok=True)
+        _write_json_atomically(plan_file, self.plan)
+        if position_table is not None:
+            _save_position_table(self.directory, position_table, self.grid)
+
+    def done(self, unit: str) -> dict | None:
+        """The record of `unit` when this machine's folder has it finished under this plan."""
+        path = self.progress / f"{unit}.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return record if record.get("plan") == self.plan_digest else None
+
+    def unit(self, name: str, base: str, first_part: int = 0) -> UnitShards:
+        return UnitShards(self, name, base, first_part)
+
+    def records(self, mine: Sequence[str]) -> list[dict]:
+        """Every unit's record, in unit order, on every process; `mine`: the units this process
+        was given (each unit is some process's)."""
+        local = {unit: record for unit in mine if (record := self.done(unit)) is not None}
+        merged: dict[str, dict] = {}
+        for part in self.processes.gather(local):
+            merged.update(part)
+        missing = [unit for unit in self.units if unit not in merged]
+        if missing:
+            raise RuntimeError(f"feature cache {self.directory}: units {missing[:5]} were not finished")
+        return [merged[unit] for unit in self.units]
+
+    def close(self, records: list[dict], extra_meta: dict | None = None) -> Path:
+        """Process 0 writes meta.json with the shards of `records` (unit order); progress/ goes."""
+        if self.processes.main:
+            shards = [shard for record in records for shard in record["shards"]]
+            _write_meta(self.directory, self.meta, extra_meta, self.grid, self.dim, self.shard_size, shards, self.sources,
+                        self._has_position_table, sum(record["orbital_frames"] for record in records))
+        self.processes.barrier()
+        if self.processes.local_rank == 0:
+            shutil.rmtree(self.progress, ignore_errors=True)
+        return self.directory
+
+
+class UnitShards:
+    """The frames of one unit of a UnitCacheWriter: `add` as FeatureCacheWriter's (a source the
+    writer does not list is a KeyError), `finish` to write the last shard and the unit's record."""
+
+    def __init__(self, writer: UnitCacheWriter, name: str, base: str, first_part: int):
+        self.writer, self.name, self.base, self.part = writer, name, base, first_part
+        self.shards: list[dict] = []
+        self.frames = 0
+        self.orbital_frames = 0
+        self._pending = _PendingShard(writer.orbital_shape)
+
+    def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
+            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None) -> None:
+        w = self.writer
+        row = _frame_row(w.grid.n, w.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
+        if orbital is not None:
+            orbital = _checked_orbital(orbital, w.orbital_shape)
+        self._pending.add(row, w.source_ids[source], orbital)
+        self.frames += 1
+        self.orbital_frames += orbital is not None
+        if len(self._pending) == w.shard_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if len(self._pending):
+            self.shards.append(self._pending.write(self.writer.directory, f"{self.base}_{self.part:05d}"))
+            self.part += 1
+
+    def finish(self, record: dict | None = None) -> dict:
+        """The unit is done: its last shard, then its record (`record` with its shards, frames and
+        frames with orbital states)."""
+        self._flush()
+        record = {**(record or {}), "plan": self.writer.plan_digest, "shards": self.shards, "frames": self.frames,
+                  "orbital_frames": self.orbital_frames}
+        _write_json_atomically(self.writer.progress / f"{self.name}.json", record)
+        return record
+
+
+def _write_json_atomically(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, allow_nan=False) + "\n")
+    os.replace(tmp, path)
 
 
 def _read_cache(directory: Path) -> dict:

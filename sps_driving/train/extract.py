@@ -24,22 +24,28 @@ label or descriptors, and for car labels the reasons of car_labels.DROP_REASONS)
 counted by reason; the counts go to meta.json ("counts") with, per input, where its labels came
 from and by which rules ("labels"), and to the summary printed at the end.
 
-With --orbital-every K, every K-th written frame also gets the visible orbital states of all its
-patches (sps_driving.core.orbital: 16 sub-patch shifts of the backbone input, read by the torch
-DINOv2 extractor, in the family of the cache's own descriptors), for Manifold augmentation in
-training (docs/feature_cache.md, docs/training.md).
+The frames go in units of shard_size camera frames of one input, each its own shard: a rerun of
+an interrupted extraction keeps the finished units, and under torchrun the processes share them
+(`extract`; docs/distributed.md).
+
+With --orbital-every K, every K-th written frame of each unit (rows 0, K, 2K, ... of its shard)
+also gets the visible orbital states of all its patches (sps_driving.core.orbital: 16 sub-patch
+shifts of the backbone input, read by the torch DINOv2 extractor, in the family of the cache's
+own descriptors), for Manifold augmentation in training (docs/feature_cache.md, docs/training.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import cv2
@@ -49,8 +55,9 @@ from tqdm import tqdm
 
 from sps_driving import topics
 from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
+from sps_driving.distributed import Processes, shares, start_processes
 from sps_driving.resources import config_path
-from sps_driving.train.cache import META_FILE, FeatureCacheWriter
+from sps_driving.train.cache import META_FILE, UnitCacheWriter, UnitShards
 from sps_driving.train.car_labels import CarLabelRules, has_reports, missing_reports, read_car_labels
 
 LABELS_FILE = "labels.csv"
@@ -235,10 +242,11 @@ def human_labels(car):
     return label
 
 
-def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: dict, steering_ratio: float) -> Iterator[LabelledFrame]:
-    """Camera frames of a bag, each labelled from the bag's label source (`bag_label_source`) and
-    with its state inputs matched by stamp (the car's labels bring their own speed). `labels` gets
-    where the labels came from and by which rules."""
+def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: dict, steering_ratio: float,
+               first: int = 0, stop: int | None = None) -> Iterator[LabelledFrame]:
+    """Camera frames first..stop-1 of a bag, each labelled from the bag's label source
+    (`bag_label_source`) and with its state inputs matched by stamp (the car's labels bring their
+    own speed). `labels` gets where the labels came from and by which rules."""
     from sps_driving.bagio import read_messages, topic_types
     from sps_driving.core.image import ImageError, to_rgb
     from sps_driving.msgs import stamp_ns
@@ -256,7 +264,7 @@ def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: d
     tolerance_ns = int(settings.match_tolerance_s * 1e9)
     states = bag_states(path)
 
-    for message in read_messages(path, [settings.camera_topic]):
+    for message in read_messages(path, [settings.camera_topic], first, stop):
         msg = message.msg
         frame = label(stamp_ns(msg.header), message.log_time_ns)
         if frame.drop_reason:
@@ -281,9 +289,12 @@ def folder_rows(path: Path) -> list[dict]:
         return list(reader)
 
 
-def folder_frames(path: Path, settings: ExtractSettings, counts: Counter) -> Iterator[LabelledFrame]:
+def folder_frames(path: Path, settings: ExtractSettings, counts: Counter, first: int = 0,
+                  stop: int | None = None) -> Iterator[LabelledFrame]:
+    """Frames first..stop-1 of an image folder (rows of labels.csv)."""
     period_ns = int(round(1e9 / settings.image_folder_frame_rate_hz))
-    for row_number, row in enumerate(folder_rows(path)):
+    rows = folder_rows(path)
+    for row_number, row in enumerate(rows[first:stop], start=first):
         try:
             steering, throttle = float(row["steering"]), float(row["throttle"])
             stamp = int(row["stamp_ns"]) if row.get("stamp_ns") else row_number * period_ns
@@ -310,15 +321,27 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
 
 def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
             settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None,
-            orbital_every: int = 0) -> dict:
+            processes: Processes | None = None, orbital_every: int = 0) -> dict:
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by
     reason; written_intervention: frames after an override). Car labels use the steering ratio of
     `params_file` (config/graph.yaml by default: the vehicle interface's). orbital_every K > 0:
-    every K-th written frame also stores its patches' visible orbital states."""
+    every K-th written frame of each unit (its shard's rows 0, K, 2K, ...) also stores its patches'
+    visible orbital states.
+
+    The work is split into units of settings.shard_size consecutive camera frames of one input,
+    each written to a shard of its own (shard_IIIII_CCCCC: input I, unit C): with several
+    `processes` (torchrun) each takes an equal contiguous block of units, and the cache is the same
+    as one process writes. A cut-short run resumes with the units not finished (UnitCacheWriter).
+    """
     from sps_driving.graph import car_facts
 
+    procs = processes or Processes()
     inputs = [Path(p) for p in inputs]
     kinds = check_inputs(inputs, settings)
+    sources = source_names(inputs)
+    totals = [bag_frame_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
+              for path, kind in zip(inputs, kinds)]
+    steering_ratio = float(car_facts(params_file)["steering_ratio"])
     meta = {
         "backbone": extractor.name,
         "extractor": extractor_config or {"name": extractor.name},
@@ -330,39 +353,135 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
     if orbital_every:
         from sps_driving.core.orbital import visible_reader
 
-        orbital = visible_reader(extractor, extractor_config)
+        # A twin extractor (an exported backend's) runs on this process's device, as the extractor does.
+        twin_config = extractor_config if processes is None else {**(extractor_config or {}), "device": str(procs.device)}
+        orbital = visible_reader(extractor, twin_config)
         meta["orbital"] = {"offsets_px": orbital.offsets.tolist(), "family": orbital.families[0], "every": int(orbital_every)}
+    plan = extraction_plan(meta, settings, steering_ratio, sources, kinds, totals)
+    procs.agree("the extraction settings and inputs (their names and frame counts)", plan)
+    size = settings.shard_size
+    units = [(i, c) for i, total in enumerate(totals) for c in range(max(1, math.ceil(total / size)))]
+    last_unit = {i: c for i, c in units}
+
+    def name(unit):
+        return f"{unit[0]:05d}_{unit[1]:05d}"
+
+    def frames_of(unit):  # the camera frames the unit plans for (the last of an input: all that remain)
+        i, c = unit
+        return totals[i] - c * size if c == last_unit[i] else size
+
+    writer = UnitCacheWriter(out, meta, plan, [name(u) for u in units], sources, extractor.position_table(), size,
+                             overwrite, procs)
+    mine = [units[k] for k in shares(len(units), procs)]
+    todo = {unit for unit in mine if writer.done(name(unit)) is None}
+    done_units, done_frames = procs.all_sum(len(mine) - len(todo), sum(frames_of(u) for u in mine if u not in todo))
+    if procs.main and done_units:
+        tqdm.write(f"resuming {out}: {int(done_units)} of {len(units)} units ({int(done_frames)} frames) already written")
+    if procs.world_size > 1:
+        procs.log(f"extract: {len(mine)} of {len(units)} units ({sum(map(frames_of, mine))} camera frames)"
+                  + (f" from {name(mine[0])} on" if mine else "") + f", {len(mine) - len(todo)} already written")
+    bar = tqdm(total=sum(totals), initial=int(done_frames), desc="extract", unit="frame", disable=not procs.main)
     all_patches = np.arange(extractor.grid.n, dtype=np.int64)
-    report, labels = {}, {}
-    steering_ratio = float(car_facts(params_file)["steering_ratio"])
-    writer = FeatureCacheWriter(out, meta, extractor.position_table(), settings.shard_size, overwrite)
-    with writer:
-        for path, kind, source in zip(inputs, kinds, source_names(inputs)):
+    stretch = None  # the reading of this process's consecutive unfinished units of one input
+    started, written = time.perf_counter(), 0
+    for position in range(math.ceil(len(units) / procs.world_size)):  # rounds: one unit per process
+        unit = mine[position] if position < len(mine) else None
+        seen = 0
+        if unit in todo:
+            i, c = unit
+            if stretch is None or (stretch.input, stretch.next_unit) != unit:
+                end = c
+                while (i, end + 1) in todo:
+                    end += 1
+                if stretch is not None:
+                    stretch.close()
+                stretch = _Stretch(i, c, inputs[i], kinds[i], settings, steering_ratio, c * size,
+                                   None if end == last_unit[i] else (end + 1) * size)
             counts = Counter()
-            labels[source] = {}
-            if kind == "rosbag2":
-                frames = bag_frames(path, settings, counts, labels[source], steering_ratio)
-                total = bag_frame_count(path, settings.camera_topic)
-            else:
-                frames, total = folder_frames(path, settings, counts), len(folder_rows(path))
-                labels[source] = {"from": LABELS_FILE}
-            for frame in tqdm(frames, total=total, desc=f"extract {source}", unit="frame"):
-                if frame.drop_reason is None:
-                    wants_orbital = orbital is not None and writer.frames % orbital_every == 0
-                    frame.drop_reason = _add_frame(writer, extractor, frame, all_patches, source, orbital if wants_orbital else None)
-                counts[frame.drop_reason or "written"] += 1
-                if frame.drop_reason is None:
-                    for name in STATE_INPUTS:
-                        if not math.isfinite(frame.state.get(name, math.nan)):
-                            counts[f"written_without_{name}"] += 1
-                    if frame.intervention:
-                        counts["written_intervention"] += 1
-            report[source] = dict(counts)
-        writer.close({"counts": report, "labels": labels})
+            shards = writer.unit(name(unit), f"shard_{i:05d}", c)
+            for frame in stretch.next(None if c == last_unit[i] else size):
+                # The unit's own written frames pick those with orbital states: the same whichever process writes it.
+                wants_orbital = orbital is not None and shards.frames % orbital_every == 0
+                _count_frame(shards, extractor, frame, all_patches, sources[i], counts, orbital if wants_orbital else None)
+                seen += 1
+                if procs.world_size == 1:
+                    bar.update(1)
+            record = {"counts": dict(counts)}
+            if c == 0:  # what is the input's, not its frames': counted once
+                record.update(counts=dict(counts + stretch.counts), labels=stretch.labels)
+            written += shards.finish(record)["frames"]
+        if procs.world_size > 1:
+            bar.update(int(procs.all_sum(seen)[0]))
+    bar.close()
+    if stretch is not None:
+        stretch.close()
+    if procs.world_size > 1:
+        procs.log(f"extract: {written} frames written in {time.perf_counter() - started:.0f} s")
+    records = writer.records([name(u) for u in mine])
+    report, labels = {}, {}
+    for (i, c), record in zip(units, records):
+        report[sources[i]] = dict(Counter(report.get(sources[i], {})) + Counter(record["counts"]))
+        if c == 0:
+            labels[sources[i]] = record["labels"]
+    writer.close(records, {"counts": report, "labels": labels})
     return report
 
 
-def _add_frame(writer: FeatureCacheWriter, extractor, frame: LabelledFrame, patches: np.ndarray, source: str,
+class _Stretch:
+    """One pass over camera frames first..stop-1 of input `index` (consecutive units), unit by unit;
+    `counts` and `labels` get what the reading finds of the input as a whole (messages that are no
+    frame's, where the labels come from)."""
+
+    def __init__(self, index: int, unit: int, path: Path, kind: str, settings: ExtractSettings, steering_ratio: float,
+                 first: int, stop: int | None):
+        self.input, self.next_unit = index, unit
+        self.counts, self.labels = Counter(), {}
+        if kind == "rosbag2":
+            self.frames = bag_frames(path, settings, self.counts, self.labels, steering_ratio, first, stop)
+        else:
+            self.frames = folder_frames(path, settings, self.counts, first, stop)
+            self.labels["from"] = LABELS_FILE
+
+    def next(self, count: int | None) -> Iterator[LabelledFrame]:
+        """The next unit's `count` frames (None: all that remain)."""
+        self.next_unit += 1
+        return itertools.islice(self.frames, count)
+
+    def close(self) -> None:
+        self.frames.close()
+
+
+def extraction_plan(meta: dict, settings: ExtractSettings, steering_ratio: float, sources: list[str], kinds: list[str],
+                    totals: list[int]) -> dict:
+    """What every process of an extraction, and a resumed one, must share: the descriptors'
+    settings, the extraction and label settings, the orbital states asked for, and the inputs by
+    name, kind and frame count (paths may differ between machines; runtime settings such as the
+    device may too)."""
+    from sps_driving.core.backbones import DESCRIPTOR_KEYS
+
+    descriptor_settings = {key: value for key, value in meta["extractor"].items() if key in (*DESCRIPTOR_KEYS, "precision", "dtype")}
+    return {"backbone": meta["backbone"], "grid": meta["grid"], "descriptor_dim": meta["descriptor_dim"],
+            "extractor": descriptor_settings, "settings": asdict(settings), "steering_ratio": steering_ratio,
+            "orbital": meta.get("orbital"),
+            "inputs": [{"source": s, "kind": k, "frames": t} for s, k, t in zip(sources, kinds, totals)]}
+
+
+def _count_frame(writer, extractor, frame: LabelledFrame, patches: np.ndarray, source: str, counts: Counter,
+                 orbital=None) -> None:
+    """Store `frame` (with its orbital states when an OrbitalReader `orbital` is given) unless it
+    was dropped already, counting it as written or by its drop reason."""
+    if frame.drop_reason is None:
+        frame.drop_reason = _add_frame(writer, extractor, frame, patches, source, orbital)
+    counts[frame.drop_reason or "written"] += 1
+    if frame.drop_reason is None:
+        for name in STATE_INPUTS:
+            if not math.isfinite(frame.state.get(name, math.nan)):
+                counts[f"written_without_{name}"] += 1
+        if frame.intervention:
+            counts["written_intervention"] += 1
+
+
+def _add_frame(writer: UnitShards, extractor, frame: LabelledFrame, patches: np.ndarray, source: str,
                orbital=None) -> str | None:
     """Extract and store one frame (with its orbital states when an OrbitalReader `orbital` is
     given); returns the drop reason, or None when written."""
@@ -403,7 +522,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the first the bag has; default from --config)")
     parser.add_argument("--params", type=Path, help="graph parameters file with the car's steering_ratio (default: config/graph.yaml)")
     parser.add_argument("--orbital-every", type=int, default=0, metavar="K",
-                        help="also store the visible orbital states of every K-th written frame (DINOv2; for "
+                        help="also store the visible orbital states of every K-th written frame of each unit (DINOv2; for "
                              "`train --orbital-fraction`; about 16x a frame's descriptors each); 0: none (default)")
 
 
@@ -412,6 +531,7 @@ def run(args) -> int:
 
     from sps_driving.extractors import open_extractor
 
+    procs = None
     try:
         settings = ExtractSettings.from_yaml(args.config)
         if args.camera_topic:
@@ -421,22 +541,32 @@ def run(args) -> int:
         if args.label_source:
             settings = replace(settings, label_source=args.label_source)
         check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
-        extraction = extraction_settings_from_args(args)
-        for warning in extraction.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-        opened = open_extractor(extraction)
-        extractor = opened.extractor
-        print(opened.describe())
         if args.orbital_every < 0:
             raise ValueError(f"--orbital-every must be 0 (none) or a positive frame interval, got {args.orbital_every}")
-        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params,
+        extraction = extraction_settings_from_args(args)
+        # Under torchrun each process runs on a device of its own (cuda:LOCAL_RANK); the cache records the
+        # setting. A config without one (pixels: the CPU; BLIP-2: its default, auto) reads as auto.
+        procs = start_processes(extraction.config.get("device", "auto"))
+        if procs.main:
+            for warning in extraction.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+        opened = open_extractor(replace(extraction, config={**extraction.config, "device": str(procs.device)}))
+        extractor = opened.extractor
+        print(opened.describe()) if procs.main else procs.log(opened.describe())
+        report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params, procs,
                          args.orbital_every)
-    except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output
+    except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output, disagreeing processes
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if procs is not None:
+            procs.close()
     written = sum(c.get("written", 0) for c in report.values())
+    if not procs.main:
+        return 0 if written else 1
     print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
-          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}")
+          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}"
+          + (f", by {procs.world_size} processes" if procs.world_size > 1 else ""))
     labels = json.loads((Path(args.out) / META_FILE).read_text())["labels"]
     for source, counts in report.items():
         dropped = {k: v for k, v in counts.items() if not k.startswith("written")}

@@ -47,7 +47,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -74,6 +73,7 @@ from sps_driving.core.relative_policy import READOUTS
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
 from sps_driving.core.view import view_record
+from sps_driving.distributed import Processes, start_processes
 from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
 from sps_driving.train.orbital_augment import OrbitalAugmenter
@@ -337,44 +337,6 @@ def evaluate_checkpoint(policy_dir, cache_dir=None, batch_size: int = 64) -> flo
     return criterion(errors, len(val_idx), scale)
 
 
-# ---- distributed set-up -----------------------------------------------------------------------
-
-
-@dataclass
-class Processes:
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, *values: float) -> list[float]:
-        if self.world_size == 1:
-            return list(values)
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
-
-
-def start_processes(device: str) -> Processes:
-    """Join the torchrun process group when there is one (WORLD_SIZE > 1)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = torch.device(device)
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", local_rank)
-    if world_size > 1:
-        if target.type == "cuda":
-            torch.cuda.set_device(target)
-        dist.init_process_group("nccl" if target.type == "cuda" else "gloo")
-        return Processes(dist.get_rank(), world_size, target)
-    return Processes(0, 1, target)
-
-
 def draw_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
 
@@ -497,8 +459,7 @@ def train(cfg: TrainConfig, descriptor_transform: DescriptorTransform | None = N
     try:
         return _train(cfg, procs, descriptor_transform, init_checkpoint)
     finally:
-        if procs.world_size > 1:
-            dist.destroy_process_group()
+        procs.close()
 
 
 def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
@@ -653,8 +614,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         if state["epochs_without_improvement"] >= cfg.early_stop_patience:
             stopped_early = True
             break
-    if procs.world_size > 1:
-        dist.barrier()
+    procs.barrier()
     return {
         "out": str(out),
         "best_validation_loss": state["best_validation_loss"],
