@@ -388,7 +388,7 @@ def test_the_window_coverage_table(capsys):
 
     assert main(["--rates", "0.5", "--window-frames", "1", "4", "--windows", "100", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["grid"] == [16, 16] and result["frame_stride_s"] == 0.1  # the shipped policy's grid, train.yaml's stride
+    assert result["grid"] == [12, 24] and result["frame_stride_s"] == 0.1  # the shipped policy's road band, train.yaml's stride
     one, four = result["rows"]
     assert one["independent"] == one["shared"] == 0.5
     assert four["independent"] == pytest.approx(four["independent_expected"], abs=0.02) and four["independent_expected"] == 0.9375
