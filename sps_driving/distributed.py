@@ -20,10 +20,14 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+# How long a process leaving the group waits for the others to finish their collectives.
+CLOSE_WAIT = timedelta(seconds=60)
 
 T = TypeVar("T")
 
@@ -106,6 +110,13 @@ class Processes:
     def close(self) -> None:
         """Leave the process group if start_processes joined it for this object."""
         if self.joined and dist.is_initialized():
+            # No process tears the group down while another is still in a collective: under load,
+            # a process leaving first has been seen to abort the other at exit (gloo, SIGABRT). The
+            # wait is bounded, so a process that failed alone does not hang the others.
+            try:
+                dist.monitored_barrier(timeout=CLOSE_WAIT)
+            except RuntimeError:
+                pass  # a process failed or left: its own error is the one to report
             dist.destroy_process_group()
         self.joined = False
 
