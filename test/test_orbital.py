@@ -50,6 +50,17 @@ def noise_frame(seed=0, shape=(60, 90)):
     return (np.random.default_rng(seed).random((*shape, 3)) * 255).astype(np.uint8)
 
 
+def frame_folder(folder, steering):
+    """An image folder of extract: noise_frame(i) as i.png, labelled steering[i] and throttle 0.2."""
+    folder.mkdir()
+    rows = ["filename,steering,throttle"]
+    for i, value in enumerate(steering):
+        cv2.imwrite(str(folder / f"{i}.png"), cv2.cvtColor(noise_frame(i), cv2.COLOR_RGB2BGR))
+        rows.append(f"{i}.png,{value},0.2")
+    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
+    return folder
+
+
 # ---------------------------------------------------------------- offsets and shifts
 
 
@@ -369,13 +380,7 @@ def test_a_cache_stores_orbital_states_for_some_frames(tmp_path):
 def test_extract_stores_the_visible_states_of_every_kth_frame(tmp_path):
     from sps_driving.train.extract import extract
 
-    folder = tmp_path / "frames"
-    folder.mkdir()
-    rows = ["filename,steering,throttle"]
-    for i in range(5):
-        cv2.imwrite(str(folder / f"{i}.png"), cv2.cvtColor(noise_frame(i), cv2.COLOR_RGB2BGR))
-        rows.append(f"{i}.png,0.01,0.2")
-    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
+    folder = frame_folder(tmp_path / "frames", [0.01] * 5)
     extractor = tiny_dinov2()
     extract([folder], tmp_path / "cache", extractor, {"backbone": extractor.name}, orbital_every=2)
     cache = FeatureCache(tmp_path / "cache")
@@ -395,13 +400,7 @@ def test_each_unit_of_an_extraction_carries_its_own_orbital_states_and_resumes(t
     import sps_driving.train.extract as extract_module
     from sps_driving.train.extract import ExtractSettings, extract
 
-    folder = tmp_path / "frames"
-    folder.mkdir()
-    rows = ["filename,steering,throttle"]
-    for i in range(7):
-        cv2.imwrite(str(folder / f"{i}.png"), cv2.cvtColor(noise_frame(i), cv2.COLOR_RGB2BGR))
-        rows.append(f"{i}.png,{0.01 * i},0.2")
-    (folder / "labels.csv").write_text("\n".join(rows) + "\n")
+    folder = frame_folder(tmp_path / "frames", [0.01 * i for i in range(7)])
     extractor, settings = tiny_dinov2(), ExtractSettings(shard_size=3)
     record = {"backbone": extractor.name}
     extract([folder], tmp_path / "whole", extractor, record, settings, orbital_every=2)
