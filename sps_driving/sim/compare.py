@@ -1,0 +1,98 @@
+"""`sps-driving compare`: method A against method B over the episodes of `eval` results files,
+paired cell by cell (sps_driving.sim.statistics): in distribution, out of distribution and, on
+request, per scenario, each with its 95% bootstrap interval over scenarios, layouts and training
+seeds, and the cells won and lost. Tables 1 and 2 pair every method with DA only; an ablation (a
+policy with and without an option, two architectures, one policy on two views) needs any pair."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from sps_driving.sim.results import RESULTS_FILE, read_results, row_key
+from sps_driving.sim.scenarios import ID_SCENARIO, SCENARIO_NAMES
+from sps_driving.sim.statistics import Estimate, paired_difference, score_interval
+from sps_driving.sim.tables import method_scores
+
+OOD_NAMES = tuple(name for name in SCENARIO_NAMES if name != ID_SCENARIO.name)
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    """The episodes of every results file (or eval folder) given; where two files hold the same
+    episode (method, training seed, scenario, layout, length, size), the later file's row wins."""
+    rows: dict = {}
+    for given in paths:
+        path = Path(given)
+        path = path / RESULTS_FILE if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no results at {path}: give an `sps-driving eval --out` folder or its {RESULTS_FILE}")
+        rows.update((row_key(row), row) for row in read_results(path))
+    return list(rows.values())
+
+
+def compare(rows: list[dict], a: str, b: str, per_scenario: bool = False) -> list[dict]:
+    """One entry per group of scenarios both methods drove: its name, each method's score and A - B,
+    each an Estimate. Groups: in distribution, OOD (the mean over its scenarios) and, with
+    `per_scenario`, each scenario."""
+    methods = {row["method"] for row in rows}
+    unknown = [m for m in (a, b) if m not in methods]
+    if unknown:
+        raise ValueError(f"no episodes of {', '.join(map(repr, unknown))}; the results hold {', '.join(sorted(map(repr, methods)))}")
+    groups = [("in distribution", (ID_SCENARIO.name,)), ("OOD", OOD_NAMES)]
+    if per_scenario:
+        groups += [(name, (name,)) for name in SCENARIO_NAMES]
+    entries = []
+    for group, scenarios in groups:
+        scores = method_scores(rows, scenarios)
+        if a not in scores or b not in scores:
+            continue
+        try:
+            difference = paired_difference(scores[a], scores[b])
+        except ValueError:  # no cell that both drove
+            continue
+        entries.append({"group": group, "a": score_interval(scores[a]), "b": score_interval(scores[b]),
+                        "difference": difference})
+    if not entries:
+        raise ValueError(f"{a!r} and {b!r} share no (scenario, layout) cell: evaluate both with the same --first-seed")
+    return entries
+
+
+def _interval(estimate: Estimate, scale: float = 1.0, signed: bool = False) -> str:
+    mean, low, high = (scale * v for v in (estimate.mean, estimate.low, estimate.high))
+    form = "+.1f" if signed else ".3f"
+    return f"{mean:{form}} [{low:{form}}, {high:{form}}]"
+
+
+def markdown(entries: list[dict], a: str, b: str) -> str:
+    lines = [f"| scenarios | cells (scenarios x layouts) | seeds A / B | {a} | {b} | A - B, points [95%] | wins / losses |",
+             "|---|---|---|---|---|---|---|"]
+    for entry in entries:
+        d = entry["difference"]
+        lines.append(f"| {entry['group']} | {d.cells} ({d.scenarios} x {d.layouts}) | {d.seeds_a} / {d.seeds_b} | "
+                     f"{_interval(entry['a'])} | {_interval(entry['b'])} | {_interval(d, 100, signed=True)} | "
+                     f"{d.wins} / {d.losses} |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results", nargs="+", help="eval output folders or their results.jsonl files")
+    parser.add_argument("--a", required=True, metavar="METHOD", help="method name of A (as eval's --name wrote it)")
+    parser.add_argument("--b", required=True, metavar="METHOD", help="method name of B")
+    parser.add_argument("--per-scenario", action="store_true", help="also a row per scenario")
+    parser.add_argument("--json", metavar="FILE", help="also write the estimates to FILE")
+
+
+def run(args) -> int:
+    try:
+        entries = compare(read_rows(args.results), args.a, args.b, args.per_scenario)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"compare: {err}", file=sys.stderr)
+        return 2
+    print(markdown(entries, args.a, args.b))
+    if args.json:
+        records = [{"group": e["group"], **{k: asdict(e[k]) for k in ("a", "b", "difference")}} for e in entries]
+        Path(args.json).write_text(json.dumps({"a": args.a, "b": args.b, "groups": records}, indent=1) + "\n")
+    return 0
