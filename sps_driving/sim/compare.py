@@ -1,6 +1,6 @@
 """`sps-driving compare`: method A against method B over the episodes of `eval` results files,
 paired cell by cell (sps_driving.sim.statistics): in distribution, out of distribution and, on
-request, per scenario, each with its 95% bootstrap interval over scenarios, layouts and training
+request, per OOD scenario, each with its 95% bootstrap interval over scenarios, layouts and training
 seeds, and the cells won and lost. Tables 1 and 2 pair every method with DA only; an ablation (a
 policy with and without an option, two architectures, one policy on two views) needs any pair."""
 
@@ -36,14 +36,14 @@ def read_rows(paths: list[str]) -> list[dict]:
 def compare(rows: list[dict], a: str, b: str, per_scenario: bool = False) -> list[dict]:
     """One entry per group of scenarios both methods drove: its name, each method's score and A - B,
     each an Estimate. Groups: in distribution, OOD (the mean over its scenarios) and, with
-    `per_scenario`, each scenario."""
+    `per_scenario`, each OOD scenario."""
     methods = {row["method"] for row in rows}
     unknown = [m for m in (a, b) if m not in methods]
     if unknown:
         raise ValueError(f"no episodes of {', '.join(map(repr, unknown))}; the results hold {', '.join(sorted(map(repr, methods)))}")
     groups = [("in distribution", (ID_SCENARIO.name,)), ("OOD", OOD_NAMES)]
     if per_scenario:
-        groups += [(name, (name,)) for name in SCENARIO_NAMES]
+        groups += [(name, (name,)) for name in OOD_NAMES]
     entries = []
     for group, scenarios in groups:
         scores = method_scores(rows, scenarios)
