@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from sps_driving.cli import main
-from sps_driving.sim.compare import OOD_NAMES, compare, read_rows
-from sps_driving.sim.scenarios import ID_SCENARIO
+from sps_driving.sim.compare import compare, read_rows
+from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
 
 def row(method, scenario, seed, score, training_seed=0, width=448):
@@ -20,18 +20,14 @@ def write(path, rows):
     return path
 
 
-def layouts_scores(rng, n):
-    return rng.uniform(0.2, 0.8, n)
-
-
 def test_a_constant_gap_in_every_cell_is_the_difference_with_a_zero_width_interval(tmp_path, capsys):
     rng = np.random.default_rng(0)
     rows = []
-    for scenario in (ID_SCENARIO.name, *OOD_NAMES[:3]):
-        for seed, base in zip(range(100, 105), layouts_scores(rng, 5)):
+    for scenario in (ID_SCENARIO.name, *OOD_SCENARIO_NAMES[:3]):
+        for seed, base in zip(range(100, 105), rng.uniform(0.2, 0.8, 5)):
             rows += [row("B", scenario, seed, base), row("A", scenario, seed, base + 0.1)]
     entries = compare(rows, "A", "B", per_scenario=True)
-    assert [e["group"] for e in entries] == ["in distribution", "OOD", *OOD_NAMES[:3]]
+    assert [e["group"] for e in entries] == ["in distribution", "OOD", *OOD_SCENARIO_NAMES[:3]]
     ood = entries[1]["difference"]
     assert (ood.mean, ood.low, ood.high) == pytest.approx((0.1, 0.1, 0.1))
     assert (ood.scenarios, ood.layouts, ood.cells, ood.wins, ood.losses) == (3, 5, 15, 15, 0)
@@ -44,13 +40,13 @@ def test_a_constant_gap_in_every_cell_is_the_difference_with_a_zero_width_interv
 def test_a_random_gap_gives_an_interval_that_holds_the_mean_and_counts_wins(tmp_path):
     rng = np.random.default_rng(1)
     rows = []
-    for scenario in OOD_NAMES:
+    for scenario in OOD_SCENARIO_NAMES:
         for seed in range(100, 110):
             base = rng.uniform(0, 1)
             rows += [row("B", scenario, seed, base), row("A", scenario, seed, base + rng.normal(0.05, 0.1))]
     (ood,) = [e["difference"] for e in compare(rows, "A", "B") if e["group"] == "OOD"]
     assert ood.low < ood.mean < ood.high
-    assert ood.wins + ood.losses == len(OOD_NAMES) * 10
+    assert ood.wins + ood.losses == len(OOD_SCENARIO_NAMES) * 10
     assert not any(e["group"] == "in distribution" for e in compare(rows, "A", "B"))
 
 

@@ -13,11 +13,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sps_driving.sim.results import RESULTS_FILE, read_results, row_key
-from sps_driving.sim.scenarios import ID_SCENARIO, SCENARIO_NAMES
+from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 from sps_driving.sim.statistics import Estimate, paired_difference, score_interval
-from sps_driving.sim.tables import method_scores
-
-OOD_NAMES = tuple(name for name in SCENARIO_NAMES if name != ID_SCENARIO.name)
+from sps_driving.sim.tables import format_interval, method_scores
 
 
 def read_rows(paths: list[str]) -> list[dict]:
@@ -41,9 +39,9 @@ def compare(rows: list[dict], a: str, b: str, per_scenario: bool = False) -> lis
     unknown = [m for m in (a, b) if m not in methods]
     if unknown:
         raise ValueError(f"no episodes of {', '.join(map(repr, unknown))}; the results hold {', '.join(sorted(map(repr, methods)))}")
-    groups = [("in distribution", (ID_SCENARIO.name,)), ("OOD", OOD_NAMES)]
+    groups = [("in distribution", (ID_SCENARIO.name,)), ("OOD", OOD_SCENARIO_NAMES)]
     if per_scenario:
-        groups += [(name, (name,)) for name in OOD_NAMES]
+        groups += [(name, (name,)) for name in OOD_SCENARIO_NAMES]
     entries = []
     for group, scenarios in groups:
         scores = method_scores(rows, scenarios)
@@ -60,10 +58,8 @@ def compare(rows: list[dict], a: str, b: str, per_scenario: bool = False) -> lis
     return entries
 
 
-def _interval(estimate: Estimate, scale: float = 1.0, signed: bool = False) -> str:
-    mean, low, high = (scale * v for v in (estimate.mean, estimate.low, estimate.high))
-    form = "+.1f" if signed else ".3f"
-    return f"{mean:{form}} [{low:{form}}, {high:{form}}]"
+def _estimate(estimate: Estimate, scale: float = 1.0, fmt: str = ".3f") -> str:
+    return f"{format(scale * estimate.mean, fmt)} {format_interval(estimate.low, estimate.high, scale, fmt)}"
 
 
 def markdown(entries: list[dict], a: str, b: str) -> str:
@@ -72,7 +68,7 @@ def markdown(entries: list[dict], a: str, b: str) -> str:
     for entry in entries:
         d = entry["difference"]
         lines.append(f"| {entry['group']} | {d.cells} ({d.scenarios} x {d.layouts}) | {d.seeds_a} / {d.seeds_b} | "
-                     f"{_interval(entry['a'])} | {_interval(entry['b'])} | {_interval(d, 100, signed=True)} | "
+                     f"{_estimate(entry['a'])} | {_estimate(entry['b'])} | {_estimate(d, 100, '+.1f')} | "
                      f"{d.wins} / {d.losses} |")
     return "\n".join(lines)
 
@@ -81,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("results", nargs="+", help="eval output folders or their results.jsonl files")
     parser.add_argument("--a", required=True, metavar="METHOD", help="method name of A (as eval's --name wrote it)")
     parser.add_argument("--b", required=True, metavar="METHOD", help="method name of B")
-    parser.add_argument("--per-scenario", action="store_true", help="also a row per scenario")
+    parser.add_argument("--per-scenario", action="store_true", help="also a row per OOD scenario")
     parser.add_argument("--json", metavar="FILE", help="also write the estimates to FILE")
 
 

@@ -66,6 +66,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("urban", "summer", "dry", "night", "animal"),
 )
 SCENARIO_NAMES = tuple(s.name for s in SCENARIOS)
+OOD_SCENARIO_NAMES = tuple(s.name for s in SCENARIOS if not s.in_distribution)
 
 
 def get_scenario(name: str) -> Scenario:

@@ -28,7 +28,7 @@ import numpy as np
 
 from sps_driving.core.history import PATCH_POLICY
 from sps_driving.resources import source_revision
-from sps_driving.sim.scenarios import SCENARIO_NAMES, SCENARIOS
+from sps_driving.sim.scenarios import OOD_SCENARIO_NAMES, SCENARIO_NAMES, SCENARIOS
 from sps_driving.sim.statistics import Estimate, paired_difference, score_interval, unpaired_difference
 
 EXPERT = "expert"  # the method name of the privileged expert's episodes
@@ -148,8 +148,7 @@ class MethodReport:
 
 def method_reports(rows: list[dict]) -> dict:
     """{method: MethodReport} from result rows."""
-    ood_names = SCENARIO_NAMES[1:]
-    ood = method_scores(rows, ood_names)
+    ood = method_scores(rows, OOD_SCENARIO_NAMES)
     reports = {}
     for method in sorted({r["method"] for r in rows}):
         own = [r for r in rows if r["method"] == method]
@@ -164,7 +163,7 @@ def method_reports(rows: list[dict]) -> dict:
             score_interval(ood[method]) if method in ood else None, gain,
             min(len({r["seed"] for r in own if r["scenario"] == s}) for s in scenarios),
             min(len({r.get("training_seed") for r in own if r["scenario"] == s}) for s in scenarios),
-            obstacle_margins([r for r in own if r["scenario"] in ood_names]))
+            obstacle_margins([r for r in own if r["scenario"] in OOD_SCENARIO_NAMES]))
     return reports
 
 
@@ -211,7 +210,7 @@ def table_rows(summary: dict, reports: dict, methods: list[str] | None = None) -
 
 def ood_average(by_scenario: dict) -> float | None:
     """Mean score over the OOD scenarios present (every Table 1 row but the first, the ID one)."""
-    ood = [by_scenario[s]["mean"] for s in SCENARIO_NAMES[1:] if s in by_scenario]
+    ood = [by_scenario[s]["mean"] for s in OOD_SCENARIO_NAMES if s in by_scenario]
     return float(np.mean(ood)) if ood else None
 
 
@@ -225,7 +224,8 @@ def table_methods(summary: dict) -> dict:
     return {name: methods for name, methods in tables.items() if methods}
 
 
-def _interval(low: float, high: float, scale: float = 1.0, fmt: str = ".2f") -> str:
+def format_interval(low: float, high: float, scale: float = 1.0, fmt: str = ".2f") -> str:
+    """"[low, high]" scaled and formatted; "[n/a]" where there was nothing to resample."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return "[n/a]"
     return f"[{format(scale * low, fmt)}, {format(scale * high, fmt)}]"
@@ -311,14 +311,14 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
             passes = f"{s['passed']}/{s['obstacles']}" if s["obstacles"] else ""
             margin = f"{s['margin_median_m']:+.2f} / {s['margin_p05_m']:+.2f}" if s["obstacles"] else ""
             details.append(
-                f"| {labels[scenario]} | {s['mean']:.2f} {_interval(s['low'], s['high'])} | {s['layouts']} x {s['seeds']} | "
+                f"| {labels[scenario]} | {s['mean']:.2f} {format_interval(s['low'], s['high'])} | {s['layouts']} x {s['seeds']} | "
                 f"{s['interventions']} | {f.get('lane_boundary', 0)} | {f.get('collision', 0)} | {f.get('heading', 0)} | "
                 f"{passes} | {margin} | {s['mean_speed_mps']:.1f} | {s['dropped_frames']} |"
             )
         details.append("")
     paired = {m: r.gain for m, r in reports.items() if r.gain is not None}
     if paired:
-        ood = method_scores(rows, SCENARIO_NAMES[1:])
+        ood = method_scores(rows, OOD_SCENARIO_NAMES)
         details += ["## Paired differences against DA", "",
                     "Over the OOD (scenario, layout) cells both methods drove with every checkpoint; 95% bootstrap "
                     "intervals: paired (resampling scenarios, layouts within them, and each method's training seeds) and, "
@@ -330,8 +330,8 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
         for method in sorted(paired, key=_method_sort_key):
             d = paired[method]
             _, low, high = unpaired_difference(ood[method], ood["DA"])
-            details.append(f"| {method} | {100 * d.mean:+.1f} | {_interval(d.low, d.high, 100, '+.1f')} | "
-                           f"{_interval(low, high, 100, '+.1f')} | {d.scenarios} | {d.layouts} | {d.seeds_a} / {d.seeds_b} | "
+            details.append(f"| {method} | {100 * d.mean:+.1f} | {format_interval(d.low, d.high, 100, '+.1f')} | "
+                           f"{format_interval(low, high, 100, '+.1f')} | {d.scenarios} | {d.layouts} | {d.seeds_a} / {d.seeds_b} | "
                            f"{d.wins} | {d.losses} |")
         details.append("")
     (out / "details.md").write_text("\n".join(details))
