@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
             module.add_arguments(cmd_parser)
             cmd_parser.set_defaults(run=module.run)
     args = parser.parse_args(argv)
-    return int(args.run(args) or 0)
+    code = int(args.run(args) or 0)
+    processes = sys.modules.get("sps_driving.distributed")  # imported only by commands that run under torchrun
+    if processes is not None and processes.left_a_process_group:
+        processes.exit_after_group(code)
+    return code
 
 
 if __name__ == "__main__":

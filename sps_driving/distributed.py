@@ -31,6 +31,9 @@ CLOSE_WAIT = timedelta(seconds=60)
 
 T = TypeVar("T")
 
+# Set once this process has left a process group it joined (Processes.close): see exit_after_group.
+left_a_process_group = False
+
 
 @dataclass
 class Processes:
@@ -109,6 +112,7 @@ class Processes:
 
     def close(self) -> None:
         """Leave the process group if start_processes joined it for this object."""
+        global left_a_process_group
         if self.joined and dist.is_initialized():
             # No process tears the group down while another is still in a collective: under load,
             # a process leaving first has been seen to abort the other at exit (gloo, SIGABRT). The
@@ -118,7 +122,19 @@ class Processes:
             except RuntimeError:
                 pass  # a process failed or left: its own error is the one to report
             dist.destroy_process_group()
+            left_a_process_group = True
         self.joined = False
+
+
+def exit_after_group(code: int) -> None:
+    """End a process that has left its process group with `code`, its output flushed, without the
+    interpreter's teardown: there, gloo's C++ threads and the objects they still hold are torn down
+    in no fixed order, and under load that has aborted a process (SIGABRT, "terminate called
+    without an active exception") after its work and its error message were complete. Every file
+    a command writes is closed before it returns."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def start_processes(device: str = "cpu") -> Processes:
