@@ -28,7 +28,7 @@ import numpy as np
 
 from sps_driving.core.history import PATCH_POLICY
 from sps_driving.resources import source_revision
-from sps_driving.sim.scenarios import OOD_SCENARIO_NAMES, SCENARIO_NAMES, SCENARIOS
+from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES, SCENARIO_NAMES, SCENARIOS
 from sps_driving.sim.statistics import Estimate, paired_difference, score_interval, unpaired_difference
 
 EXPERT = "expert"  # the method name of the privileged expert's episodes
@@ -348,7 +348,7 @@ def rate_curves(summary: dict) -> dict:
         for rate, method in [(r / 100, f"{family}-{r}") for r in RATES_PERCENT] + [(1.0, "DA")]:
             ood = ood_average(summary[method]) if method in summary else None
             if ood is not None:
-                points.append((rate, ood, summary[method].get(SCENARIO_NAMES[0], {}).get("mean", math.nan)))
+                points.append((rate, ood, summary[method].get(ID_SCENARIO.name, {}).get("mean", math.nan)))
         if any(rate < 1.0 for rate, _, _ in points):
             curves[family] = sorted(points)
     return curves
