@@ -38,6 +38,35 @@ def test_descriptors_are_dinov2s_own_last_hidden_state(model, extractor, unmaske
     assert np.abs(masked - descriptors).max() > 1.0, "the masked descriptors are a different thing"
 
 
+@pytest.mark.parametrize("facet,layer", [("key", 9), ("query", -1), ("value", 0)])
+def test_a_facet_is_that_projection_of_the_blocks_normalized_input(model, unmasked, photo, facet, layer):
+    """The SPS paper's I-ViT: keys, queries or values of an intermediate block (Amir et al.),
+    checked against transformers' own forward up to that block."""
+    reader = DinoV2Extractor(model, falloff="none", ivit_facet=facet, ivit_layer=layer)
+    descriptors = reader.descriptors(reader.encode(photo), np.arange(reader.grid.n))
+    block = model.encoder.layer[layer]
+    projection = {"key": block.attention.k_proj, "query": block.attention.q_proj, "value": block.attention.v_proj}[facet]
+    with torch.inference_mode():
+        entering = model(pixel_values=reader.preprocess(photo), output_hidden_states=True).hidden_states[layer % 12]
+        reference = projection(block.norm1(entering))[0, 1:].numpy()
+    assert descriptors.shape == (256, 384) and descriptors.dtype == np.float32
+    assert np.abs(descriptors - reference).max() <= 1e-4 * max(1.0, np.abs(reference).max())
+    tokens = unmasked.descriptors(unmasked.encode(photo), np.arange(256))
+    assert np.abs(descriptors - tokens).max() > 1.0, "a facet is not the output token"
+
+
+def test_facet_settings_are_checked_and_recorded(model):
+    for settings, match in [({"ivit_facet": "attention"}, "unknown ivit_facet 'attention'"),
+                            ({"ivit_facet": "key", "ivit_layer": 12}, "ivit_layer must index one of the 12 blocks")]:
+        with pytest.raises(ValueError, match=match):
+            DinoV2Extractor(model, falloff="none", **settings)
+    # What the descriptors are: a policy trained on one facet refuses another's.
+    from sps_driving.core.backbones import DESCRIPTOR_KEYS
+
+    assert {"ivit_facet", "ivit_layer"} <= set(DESCRIPTOR_KEYS)
+    assert resolve_config({"falloff": "none"})["ivit_facet"] == "token"  # what falloff none meant before facets
+
+
 def test_all_patches_come_from_one_forward_pass(model, unmasked, photo):
     calls = []
     hooks = [layer.mlp.register_forward_hook(lambda *_: calls.append(1)) for layer in model.encoder.layer]

@@ -14,7 +14,8 @@ file) and what "auto" runs. The keys and their defaults (with units) are in conf
   sps_driving.extractors.open_extractor, which can export the model on first use (core loads
   what exists, it never builds);
 - DINOv2: model_path, input_size, roi, masked_layer, falloff, alpha, suppression,
-  memory_budget_mb, device, dtype; falloff "none" (UNMASKED_FALLOFF) is the I-ViT baseline;
+  memory_budget_mb, device, dtype; falloff "none" (UNMASKED_FALLOFF) is the I-ViT baseline,
+  reading the ViT's output tokens or (ivit_facet, ivit_layer) a block's keys, queries or values;
 - pixels: input_size, roi, pixel_pool (backend torch only: there is no model to export);
 - every backbone: roi, the region of the frame that is resized to the backbone's input (null:
   the whole frame; sps_driving.core.image, where every backend's preprocessing crops it).
@@ -42,8 +43,8 @@ AUTO = "auto"  # the backend chosen for the machine and the model (see the modul
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 PRECISIONS = ("fp32", "int8")  # int8: onnxruntime's dynamic quantization of the backbone graph
 # What a descriptor is: a policy's checkpoint records these, and a policy must get them exactly.
-DESCRIPTOR_KEYS = ("backbone", "input_size", "roi", "masked_layer", "falloff", "alpha", "suppression", "pixel_pool",
-                   "dim", "cls_mask")  # dim, cls_mask: BLIP-2's
+DESCRIPTOR_KEYS = ("backbone", "input_size", "roi", "masked_layer", "falloff", "ivit_facet", "ivit_layer", "alpha",
+                   "suppression", "pixel_pool", "dim", "cls_mask")  # dim, cls_mask: BLIP-2's
 # Where the same weights are on this machine: the checkpoint's record unless given here.
 WEIGHTS_KEYS = ("model_path", "head_path")  # head_path: BLIP-2's
 # Every other key says how and where descriptors are computed (backend, device, threads, ...).
@@ -53,6 +54,8 @@ CONFIG_NAME = "extraction.yaml"
 PIXELS_KEYS = ("input_size", "roi", "pixel_pool")
 # DINOv2 falloff without any mask: the ViT's own output tokens (the I-ViT baseline).
 UNMASKED_FALLOFF = "none"
+# What falloff none reads of each patch (config ivit_facet): the output token, or a block's key, query or value.
+IVIT_FACETS = ("token", "key", "query", "value")
 
 
 def patch_indices(indices, n: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sps_driving.core.backbones import UNMASKED_FALLOFF, patch_indices, resolve_device
+from sps_driving.core.backbones import IVIT_FACETS, UNMASKED_FALLOFF, patch_indices, resolve_device
 from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 from sps_driving.core.backbones.vit_masked import MaskedViT, block_forward, resolve_dtype
 from sps_driving.core.grid import FALLOFFS, PatchGrid
@@ -160,7 +160,7 @@ def load_dinov2(model_path: str | Path | None = None):
 @dataclass
 class DinoV2State:
     """One encoded frame: the hidden states [1, 1 + N, D] entering the masked layer; with falloff
-    none, the final tokens after the final LayerNorm."""
+    none, the final tokens after the final LayerNorm or the ivit facet of every token."""
 
     hidden: torch.Tensor
 
@@ -174,10 +174,11 @@ class DinoV2Extractor:
     normalized with the ImageNet mean and std DINOv2 was trained with. The extractor takes
     `model` over: it moves it to its device and dtype in place.
 
-    falloff "none" (the I-ViT baseline) masks nothing: patch j's descriptor is the ViT's own
-    output token j after the final LayerNorm (Dinov2Model's last_hidden_state), all patches from
-    one ordinary forward pass in encode(); masked_layer, alpha, suppression and memory_budget_mb
-    are then ignored.
+    falloff "none" (the I-ViT baseline) masks nothing: all patches come from one ordinary forward
+    pass in encode(), and patch j's descriptor is, by `ivit_facet`, the ViT's own output token j
+    after the final LayerNorm (token: Dinov2Model's last_hidden_state) or token j's key, query or
+    value in block `ivit_layer` (all heads, from the block's normalized input; the blocks after it
+    are not run); masked_layer, alpha, suppression and memory_budget_mb are then ignored.
     """
 
     name = "dinov2_vits14"
@@ -189,6 +190,8 @@ class DinoV2Extractor:
         roi: list[float] | None = None,
         masked_layer: int | None = None,
         falloff: str = "hard",
+        ivit_facet: str = "token",
+        ivit_layer: int = -1,
         alpha: float = 1.5,
         suppression: float = -100.0,
         memory_budget_mb: float = 256.0,
@@ -209,6 +212,12 @@ class DinoV2Extractor:
         if falloff not in (*FALLOFFS, UNMASKED_FALLOFF):
             raise ValueError(f"unknown mask falloff {falloff!r}; expected one of {(*FALLOFFS, UNMASKED_FALLOFF)}")
         self.falloff = falloff
+        if ivit_facet not in IVIT_FACETS:
+            raise ValueError(f"unknown ivit_facet {ivit_facet!r}; expected one of {IVIT_FACETS}")
+        blocks = len(self.model.encoder.layer)
+        if not -blocks <= int(ivit_layer) < blocks:
+            raise ValueError(f"ivit_layer must index one of the {blocks} blocks (-{blocks}..{blocks - 1}), got {ivit_layer}")
+        self.ivit_facet, self.ivit_layer = ivit_facet, int(ivit_layer) % blocks
         self._encoder = None if self.unmasked else MaskedViT(
             layers=list(self.model.encoder.layer),
             final_norm=self.model.layernorm,
@@ -245,6 +254,8 @@ class DinoV2Extractor:
             roi=config.get("roi"),
             masked_layer=config["masked_layer"],
             falloff=config["falloff"],
+            ivit_facet=config["ivit_facet"],
+            ivit_layer=config["ivit_layer"],
             alpha=config["alpha"],
             suppression=config["suppression"],
             memory_budget_mb=config["memory_budget_mb"],
@@ -268,15 +279,21 @@ class DinoV2Extractor:
         tokens = self.model.embeddings(pixels)
         if not self.unmasked:
             return DinoV2State(hidden=self.encoder.prefix(tokens))
-        for layer in self.model.encoder.layer:
+        if self.ivit_facet == "token":
+            for layer in self.model.encoder.layer:
+                tokens = block_forward(layer, tokens)
+            return DinoV2State(hidden=layer_norm_fp32(tokens, self.model.layernorm))
+        for layer in self.model.encoder.layer[:self.ivit_layer]:
             tokens = block_forward(layer, tokens)
-        return DinoV2State(hidden=layer_norm_fp32(tokens, self.model.layernorm))
+        layer = self.model.encoder.layer[self.ivit_layer]
+        projection = {"key": layer.attention.k_proj, "query": layer.attention.q_proj, "value": layer.attention.v_proj}
+        return DinoV2State(hidden=projection[self.ivit_facet](layer_norm_fp32(tokens, layer.norm1)))
 
     @torch.inference_mode()
     def raw_tokens(self, state: DinoV2State) -> np.ndarray:
-        """float32 [B, N, D]: the ViT's own final patch tokens (no mask, after the final LayerNorm:
-        falloff none's descriptors) of an encoded state of B rows; a masked extractor runs its
-        masked layer and those after it unmasked."""
+        """float32 [B, N, D]: the ViT's own final patch tokens (no mask, after the final LayerNorm)
+        of an encoded state of B rows, or with falloff none its descriptors (ivit_facet); a masked
+        extractor runs its masked layer and those after it unmasked."""
         hidden = state.hidden
         if not self.unmasked:
             for layer in self.model.encoder.layer[self.encoder.masked_layer:]:
