@@ -397,3 +397,35 @@ def test_checkpoints_without_state_inputs_load_and_ignore_a_state(tmp_path):
     command = older.predict(descriptors, indices)
     assert np.isfinite(command).all()
     assert older.predict(descriptors, indices, {"speed_mps": 3.0, "target_speed_mps": 5.0}) == command
+
+
+def test_an_mlp_with_the_state_to_head_reads_the_state_through_its_head_and_older_ones_load_unchanged(tmp_path):
+    from sps_driving.core.policy import PolicyArchitecture
+
+    selection = SelectionConfig("sps", 0.5, 0)
+    settings = {"width": 8, "reduce": 2, "dropout": 0.0}
+    grids, keep = torch.randn(2, GRID.n, D), torch.ones(2, GRID.n, dtype=torch.bool)
+    state = torch.tensor([[4.0, 10.0], [12.0, 10.0]])
+
+    def saved(name, **extra):
+        cfg = PolicyArchitecture("mlp", {**settings, **extra}, 0.5).config(GRID, D, selection, state_inputs=STATE)
+        torch.manual_seed(0)
+        model = build_policy(cfg)
+        save_policy(model, cfg, tmp_path / name)
+        return model.eval(), load_policy(tmp_path / name)
+
+    model, loaded = saved("head", state_to_head=True)
+    assert loaded.config["policy"]["state_to_head"] is True
+    assert model.head.in_features == settings["width"] // 2 + len(STATE)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module.forward_selected(grids, keep, state), model.forward_selected(grids, keep, state))
+        # With the hidden layers' share of the head at zero, the output is a function of the state alone.
+        model.head.weight[:, : settings["width"] // 2] = 0.0
+        out = model.forward_selected(grids, keep, state)
+        torch.testing.assert_close(model.forward_selected(torch.randn_like(grids), keep, state), out)
+        assert abs(float(out[0, 1] - out[1, 1])) > 1e-4, "the head reads the speed"
+    # Without the setting (every checkpoint written before it): the head reads the hidden layers only.
+    old, loaded_old = saved("old")
+    assert "state_to_head" not in loaded_old.config["policy"] and old.head.in_features == settings["width"] // 2
+    with pytest.raises(ValueError, match="needs state inputs"):
+        build_policy(PolicyArchitecture("mlp", {**settings, "state_to_head": True}, 0.5).config(GRID, D, selection))

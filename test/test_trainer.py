@@ -269,11 +269,14 @@ def test_a_policy_with_state_inputs_learns_the_throttle_the_frames_cannot_show(t
     common = dict(width=32, reduce=2, batch_size=32, epochs=15, lr=3e-3, validation_fraction=0.2)
     with_state = train(TrainConfig.from_yaml(cache=str(cache_dir), out=str(tmp_path / "with"), **common))
     without = train(TrainConfig.from_yaml(cache=str(cache_dir), out=str(tmp_path / "without"), state_inputs=[], **common))
+    to_head = train(TrainConfig.from_yaml(cache=str(cache_dir), out=str(tmp_path / "head"), state_to_head=True, **common))
 
     def throttle_error(summary):
         return min(h["validation_error_fraction"]["throttle"] for h in summary["history"])
 
     assert throttle_error(with_state) < 0.4 < 0.8 < throttle_error(without), (throttle_error(with_state), throttle_error(without))
+    assert throttle_error(to_head) < 0.4, throttle_error(to_head)
+    assert load_policy(tmp_path / "head").config["policy"]["state_to_head"] is True
     policy = load_policy(tmp_path / "with")
     cache = FeatureCache(cache_dir)
     train_idx, _, _ = split_frames(cache, 0.2)

@@ -44,9 +44,10 @@ patches of the last T frames under a block-causal mask, one readout per frame.
 State inputs (config "state_inputs", names from sps_driving.core.state; none when absent): the
 car's speed and the cruise target speed, which the throttle depends on and no frame shows. Each is
 standardized with training statistics kept as buffers (`StateStandardizer`, set by the trainer);
-the grid MLP concatenates them to its flattened reduced grid, the transformers read them as one
-more token (a linear embedding of the state vector), the positional transformers concatenate them to
-their flattened readout grid and the CNN concatenates them to its MLP input.
+the grid MLP concatenates them to its flattened reduced grid (and with state_to_head to the input
+of its head), the transformers read them as one more token (a linear embedding of the state
+vector), the positional transformers concatenate them to their flattened readout grid and the CNN
+concatenates them to its MLP input.
 
 Outputs follow `sps_driving.topics`: steering is the front road-wheel angle in rad (left
 positive), bounded to +-max_steering_rad by tanh scaling; throttle is in [-1, 1] (negative is
@@ -57,7 +58,7 @@ A checkpoint is a directory with `policy.safetensors` (the module's state dict) 
 grid {rows, cols}, descriptor_dim D, position_dim P (transformer sequence policies), selection {variant,
 rate, seed, keep_probability}, state_inputs [names], policy (transformer: {width, depth, heads, mlp_ratio, dropout};
 positional_transformer: {width, depth, heads, mlp_ratio, dropout, reduce}; relative_query: those and {query_stride,
-readout}; mlp: {width, reduce, dropout, canvas}; cnn: {width, dropout}; patch_policy: positional_transformer's and its
+readout}; mlp: {width, reduce, dropout, canvas, state_to_head}; cnn: {width, dropout}; patch_policy: positional_transformer's and its
 window's, core.history.WINDOW_SETTINGS), output {max_steering_rad}, and whatever the trainer adds (view: the roi and its
 centre, training data, provenance, validation_loss).
 """
@@ -93,7 +94,7 @@ CONFIG_FILE = "config.json"
 # config "architecture" -> the names of its policy settings (config "policy"; values: config/train.yaml)
 TRANSFORMER_SETTINGS = ("width", "depth", "heads", "mlp_ratio", "dropout")
 POSITIONAL_TRANSFORMER_SETTINGS = (*TRANSFORMER_SETTINGS, "reduce")
-MLP_SETTINGS = ("width", "reduce", "dropout", "canvas")
+MLP_SETTINGS = ("width", "reduce", "dropout", "canvas", "state_to_head")
 CNN_SETTINGS = ("width", "dropout")
 # The patch policy (sps_driving.core.patch_policy): a transformer's settings and its window's.
 PATCH_POLICY_SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, *WINDOW_SETTINGS)
@@ -103,7 +104,7 @@ ARCHITECTURES = {"positional_transformer": POSITIONAL_TRANSFORMER_SETTINGS, "tra
                  "relative_query": RELATIVE_QUERY_SETTINGS}
 # Settings added after checkpoints without them were written: the value those checkpoints mean (a
 # policy config leaves them out at that value).
-SETTING_DEFAULTS = {"mlp": {"canvas": None}}
+SETTING_DEFAULTS = {"mlp": {"canvas": None, "state_to_head": False}}
 # The architectures that can read the kept tokens as a sequence (spps, mspps), the one to train
 # first; the others read the whole grid with zeros at dropped patches, where spps would equal sps.
 SEQUENCE_ARCHITECTURES = ("positional_transformer", "transformer", PATCH_POLICY, "relative_query")
@@ -381,7 +382,8 @@ class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
     """
 
     def __init__(self, grid: PatchGrid, descriptor_dim: int, width: int, reduce: int, dropout: float,
-                 max_steering_rad: float, state_dim: int = 0, canvas: PatchGrid | None = None):
+                 max_steering_rad: float, state_dim: int = 0, canvas: PatchGrid | None = None,
+                 state_to_head: bool = False):
         super().__init__()
         _state_input(self, state_dim)
         self._input_statistics(descriptor_dim)
@@ -389,7 +391,12 @@ class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
         self.canvas = canvas
         cells = grid.n if canvas is None else canvas.n
         self.mlp = nn.Sequential(nn.Flatten(), *_readout_mlp(cells * reduce + state_dim, width, dropout))
-        self.head = BoundedHead(width // 2, max_steering_rad)
+        # The state also reaches the head directly: the throttle is close to linear in (target - speed),
+        # and as 2 of the first layer's thousands of inputs, beside the selection's noise, it was barely learned.
+        if state_to_head and not state_dim:
+            raise ValueError("mlp state_to_head needs state inputs (state_inputs is empty)")
+        self.state_to_head = bool(state_to_head)
+        self.head = BoundedHead(width // 2 + (state_dim if self.state_to_head else 0), max_steering_rad)
         if canvas is not None:
             self.set_view(grid)
             empty = torch.ones(canvas.n, dtype=torch.bool)
@@ -425,13 +432,17 @@ class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
             reduced = reduced.new_zeros(len(reduced), self.canvas.n, reduced.shape[-1]).index_copy(1, self.slots, reduced)
         return reduced.flatten(1)
 
+    def _read(self, reduced: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        hidden = self.mlp(_with_state(self, reduced, state))
+        return self.head(_with_state(self, hidden, state) if self.state_to_head else hidden)
+
     def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
-        return self.head(self.mlp(_with_state(self, self._reduced(grids), state)))
+        return self._read(self._reduced(grids), state)
 
     def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """Dense grids [B, N, D] and keep masks [B, N] (and states [B, S]); as forward on the zeroed grids."""
-        return self.head(self.mlp(_with_state(self, self._reduced(grids, keep), state)))
+        return self._read(self._reduced(grids, keep), state)
 
 
 def pack_kept(grids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -562,7 +573,8 @@ def build_policy(config: dict, position_table: np.ndarray | None = None) -> nn.M
             raise ValueError(f"mlp canvas must be null or [rows, cols] (patches), got {canvas!r}")
         return GridMlpPolicy(grid, descriptor_dim, width=int(dims["width"]), reduce=int(dims["reduce"]),
                              dropout=float(dims["dropout"]), max_steering_rad=max_steering_rad, state_dim=state_dim,
-                             canvas=None if canvas is None else PatchGrid(int(canvas[0]), int(canvas[1])))
+                             canvas=None if canvas is None else PatchGrid(int(canvas[0]), int(canvas[1])),
+                             state_to_head=bool(dims.get("state_to_head", SETTING_DEFAULTS["mlp"]["state_to_head"])))
     if architecture.name == PATCH_POLICY:
         from sps_driving.core.patch_policy import build_patch_policy  # which builds on this module
 

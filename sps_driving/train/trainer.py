@@ -132,6 +132,7 @@ class TrainConfig:
     shared_selection: bool = False
     # Policy settings added later (their defaults: what runs recorded before them meant).
     canvas: list | None = None  # mlp: [rows, cols] patches of the canvas its weights are laid out on; None: the grid
+    state_to_head: bool = False  # mlp: the standardized state inputs also reach the output head directly
     query_stride: int = 1  # relative_query: queries at every query_stride-th row and column of the grid
     readout: str = "flatten"  # relative_query: flatten | pool
     # Manifold augmentation (sps_driving.train.orbital_augment): the fraction of the patches of training
@@ -657,6 +658,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                    "relative_query: channels each query is read out with (readout flatten)")
     parser.add_argument("--canvas", type=int, nargs=2, metavar=("ROWS", "COLS"),
                         help="mlp: lay its weights out on a canvas of this many patches, the grid centred on it")
+    parser.add_argument("--state-to-head", action=argparse.BooleanOptionalAction, default=None,
+                        help="mlp: the state inputs also reach the output head directly (config/train.yaml)")
     parser.add_argument("--query-stride", type=int, help="relative_query: a query at every Nth row and column")
     parser.add_argument("--readout", choices=READOUTS, help="relative_query: how the head reads the queries")
     parser.add_argument("--depth", type=int)
@@ -681,7 +684,7 @@ def run(args) -> int:
     overrides = {k: getattr(args, k) for k in (
         "variant", "rate", "architecture", "state_inputs", "seed", "epochs", "batch_size", "lr", "width", "reduce", "depth", "heads",
         "early_stop_patience", "validation_fraction", "num_workers", "device", "intervention_weight", "window_frames",
-        "frame_stride_s", "shared_selection", "canvas", "query_stride", "readout", "orbital_fraction")}
+        "frame_stride_s", "shared_selection", "canvas", "state_to_head", "query_stride", "readout", "orbital_fraction")}
     try:
         cfg = TrainConfig.from_yaml(args.config, cache=args.cache, out=args.out, resume=args.resume or None, **overrides)
         summary = train(cfg)
