@@ -1,13 +1,16 @@
 """vehicle_interface ("topics" backend) in a graph of its own: a stepped ROS clock neither stalls
 its watchdog nor goes unnoticed; SIGTERM while engaged brakes, then exits; an exception in a
-callback still runs the fail-safe exit."""
+callback still runs the fail-safe exit; a node whose parent dies (a launch killed) exits, the vehicle
+interface through its fail-safe exit."""
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from rosgraph_msgs.msg import Clock as ClockMsg
@@ -109,3 +112,63 @@ def test_an_exception_in_a_callback_runs_the_fail_safe_exit():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert "FAIL-SAFE EXIT: exception RuntimeError" in done.stdout, (done.stdout, done.stderr)
+
+
+NODE_UNDER_A_PARENT = textwrap.dedent(
+    """
+    import sys
+    from rclpy.node import Node
+    from sps_driving.nodes.common import run
+
+    class Watched(Node):
+        NODE_NAME = "watched"
+
+        def __init__(self):
+            super().__init__(self.NODE_NAME)
+            self.create_timer(0.05, lambda: open(sys.argv[1] + ".spinning", "w").close())
+
+    class WatchedFailSafe(Watched):
+        def fail_safe_exit(self, why):
+            open(sys.argv[1] + ".exit", "w").write(why)
+
+    raise SystemExit(run(WatchedFailSafe if sys.argv[2] == "fail-safe" else Watched))
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["fail-safe", "plain"])
+def test_a_node_whose_parent_dies_exits_the_vehicle_interface_through_its_fail_safe_exit(tmp_path, kind):
+    """ros2 launch ended with SIGTERM or SIGKILL leaves its children running unless they ask Linux
+    to stop them with it: the parent here starts the node and is then killed."""
+    marker = tmp_path / "node"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], sys.argv[3]]); "
+                               "print(child.pid, flush=True); time.sleep(600)", NODE_UNDER_A_PARENT, str(marker), kind],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.with_suffix(".spinning").exists():
+            assert time.monotonic() < deadline, "the node never spun"
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{child}").exists() and b"Z" not in _state(child):
+            assert time.monotonic() < deadline, "the node outlived its parent"
+            time.sleep(0.05)
+        if kind == "fail-safe":
+            assert marker.with_suffix(".exit").read_text() == "SIGTERM"
+    finally:
+        parent.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _state(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return b"Z"
