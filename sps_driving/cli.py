@@ -21,6 +21,7 @@ COMMANDS = {
     "collect": ("sps_driving.sim.collect", "record expert drives in the simulator as rosbag2"),
     "eval": ("sps_driving.sim.evaluate", "closed-loop out-of-distribution evaluation"),
     "compare": ("sps_driving.sim.compare", "method A against method B over eval results, paired, with 95% intervals"),
+    "tables": ("sps_driving.sim.tables", "Tables 1 and 2 and the per-scenario details from eval results"),
     "dagger": ("sps_driving.sim.dagger", "on-policy data: roll out, label with the expert, aggregate, retrain (DAgger)"),
     "analyze": ("sps_driving.analysis.analyze", "redundancy analysis of patch descriptors"),
     "export": ("sps_driving.export.cli", "export the extractor to ONNX / TensorRT"),

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from sps_driving.cli import main
-from sps_driving.sim.compare import compare, read_rows
+from sps_driving.sim.compare import compare
+from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
 
@@ -55,7 +56,7 @@ def test_files_and_folders_merge_and_the_later_copy_of_an_episode_wins(tmp_path)
     first.mkdir(), second.mkdir()
     write(first / "results.jsonl", [row("A", ID_SCENARIO.name, 100, 0.2), row("B", ID_SCENARIO.name, 100, 0.5)])
     write(second / "results.jsonl", [row("A", ID_SCENARIO.name, 100, 0.9)])
-    rows = read_rows([str(first), str(second / "results.jsonl")])
+    rows = merge_results([str(first), str(second / "results.jsonl")])
     assert sorted((r["method"], r["score"]) for r in rows) == [("A", 0.9), ("B", 0.5)]
     (entry,) = compare(rows, "A", "B")
     assert entry["difference"].mean == pytest.approx(0.4)

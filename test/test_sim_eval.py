@@ -216,6 +216,34 @@ def test_tables_pool_training_seeds_into_one_method_and_mark_thin_columns(tmp_pa
         assert (again / name).read_text() == (tmp_path / name).read_text()
 
 
+def test_the_tables_command_merges_runs_keeps_the_chosen_layouts_and_renders_again_from_its_own_rows(tmp_path, capsys):
+    """Each method and seed in its own eval folder, as long runs are; --first-seed/--episodes keep a
+    layout range every column drove; the written results.jsonl renders the same tables again."""
+    runs = {}
+    for method, score, layouts in (("DA", 0.6, range(100, 120)), ("SPS-50", 0.8, range(100, 110))):
+        runs[method] = tmp_path / method
+        runs[method].mkdir()
+        rows = [_row(method, s, score, layout) for s in SCENARIO_NAMES for layout in layouts]
+        (runs[method] / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "table"
+    assert main(["tables", str(runs["DA"]), str(runs["SPS-50"] / "results.jsonl"), "--out", str(out),
+                 "--first-seed", "100", "--episodes", "10"]) == 0
+    merged = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(merged) == 2 * 15 * 10 and {r["seed"] for r in merged} == set(range(100, 110))
+    table1 = (out / "table1.md").read_text()
+    assert "| Scenario | DA ‡ | SPS-50 ‡ |" in table1 and "Layouts x training seeds | 10 x 1 | 10 x 1 |" in table1
+    assert "--first-seed 100 --episodes 10`" in table1 and "| +20.0 [+20.0, +20.0] |" in table1
+    again = tmp_path / "again"
+    assert main(["tables", str(out), "--out", str(again)]) == 0
+    for name in ("table1.csv", "table2.csv", "details.md"):
+        assert (again / name).read_text() == (out / name).read_text()
+    assert main(["tables", str(out), "--out", str(again), "--first-seed", "200", "--episodes", "5"]) == 2
+    assert "no episodes" in capsys.readouterr().err
+    assert main(["tables", str(out), "--out", str(again), "--first-seed", "100"]) == 2
+    assert main(["tables", str(tmp_path / "nothing"), "--out", str(again)]) == 2
+    assert "no results at" in capsys.readouterr().err
+
+
 def test_method_names_and_training_seeds():
     assert training_seed({"selection": {"variant": "sps", "rate": 0.5, "seed": 2}}) == 2 and training_seed({}) is None
     assert method_name({"selection": {"variant": "sps", "rate": 1.0}}) == "DA"

@@ -12,23 +12,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from sps_driving.sim.results import RESULTS_FILE, read_results, row_key
+from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 from sps_driving.sim.statistics import Estimate, paired_difference, score_interval
 from sps_driving.sim.tables import format_interval, method_scores
-
-
-def read_rows(paths: list[str]) -> list[dict]:
-    """The episodes of every results file (or eval folder) given; where two files hold the same
-    episode (method, training seed, scenario, layout, length, size), the later file's row wins."""
-    rows: dict = {}
-    for given in paths:
-        path = Path(given)
-        path = path / RESULTS_FILE if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"no results at {path}: give an `sps-driving eval --out` folder or its {RESULTS_FILE}")
-        rows.update((row_key(row), row) for row in read_results(path))
-    return list(rows.values())
 
 
 def compare(rows: list[dict], a: str, b: str, per_scenario: bool = False) -> list[dict]:
@@ -83,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     try:
-        entries = compare(read_rows(args.results), args.a, args.b, args.per_scenario)
+        entries = compare(merge_results(args.results), args.a, args.b, args.per_scenario)
     except (FileNotFoundError, ValueError) as err:
         print(f"compare: {err}", file=sys.stderr)
         return 2

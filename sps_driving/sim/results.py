@@ -66,6 +66,19 @@ def read_results(path: Path) -> list[dict]:
     return rows
 
 
+def merge_results(paths: list[str]) -> list[dict]:
+    """The episodes of every results file (or eval folder) given; where two files hold the same
+    episode (method, training seed, scenario, layout, length, size), the later file's row wins."""
+    rows: dict = {}
+    for given in paths:
+        path = Path(given)
+        path = path / RESULTS_FILE if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no results at {path}: give an `sps-driving eval --out` folder or its {RESULTS_FILE}")
+        rows.update((row_key(row), row) for row in read_results(path))
+    return list(rows.values())
+
+
 def missing_tasks(settings: EvalSettings, scenarios: list[str], path: Path) -> list[tuple[str, int]]:
     """The (scenario, layout seed) pairs of `settings` that `path` has no row of yet. Rows of the
     same method and training seed from another policy are refused (ValueError): they would be

@@ -14,12 +14,19 @@ speed; paired and unpaired differences against DA).
 
 Checkpoints of one method trained from different seeds are one column: their rows carry the
 same method name and their own `training_seed`.
+
+`sps-driving tables` renders them from the rows of several eval folders (each method and seed is
+usually its own run), optionally on one range of layouts, and writes the merged rows beside them,
+so a committed table folder can be rendered again from its own results.jsonl.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 import math
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +35,7 @@ import numpy as np
 
 from sps_driving.core.history import PATCH_POLICY
 from sps_driving.resources import source_revision
+from sps_driving.sim.results import RESULTS_FILE, merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES, SCENARIO_NAMES, SCENARIOS
 from sps_driving.sim.statistics import Estimate, paired_difference, score_interval, unpaired_difference
 
@@ -374,3 +382,36 @@ def plot_rate_curves(curves: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results", nargs="+",
+                        help="eval output folders or their results.jsonl files (a later file's copy of an episode wins)")
+    parser.add_argument("--out", required=True, help="folder for the tables, details.md and the merged results.jsonl")
+    parser.add_argument("--first-seed", type=int, metavar="N", help="keep only layouts N .. N + EPISODES - 1 (with --episodes)")
+    parser.add_argument("--episodes", type=int, metavar="EPISODES", help="how many layouts from --first-seed")
+
+
+def run(args) -> int:
+    if (args.first_seed is None) != (args.episodes is None) or (args.episodes is not None and args.episodes < 1):
+        print("tables: give --first-seed and a positive --episodes together, or neither", file=sys.stderr)
+        return 2
+    try:
+        rows = merge_results(args.results)
+    except FileNotFoundError as err:
+        print(f"tables: {err}", file=sys.stderr)
+        return 2
+    command = f"sps-driving tables {' '.join(args.results)} --out {args.out}"
+    if args.episodes is not None:
+        layouts = range(args.first_seed, args.first_seed + args.episodes)
+        rows = [r for r in rows if r["seed"] in layouts]
+        command += f" --first-seed {args.first_seed} --episodes {args.episodes}"
+    if not rows:
+        print("tables: no episodes to tabulate" + (" on those layouts" if args.episodes is not None else ""), file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tables(rows, out, command)
+    print(f"{len(rows)} episodes -> {out}/table1.md, table2.md, details.md")
+    return 0
