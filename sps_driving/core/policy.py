@@ -433,8 +433,11 @@ class GridMlpPolicy(_DenseGridInput, _StandardizedInput, nn.Module):
         return reduced.flatten(1)
 
     def _read(self, reduced: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
-        hidden = self.mlp(_with_state(self, reduced, state))
-        return self.head(_with_state(self, hidden, state) if self.state_to_head else hidden)
+        if self.state is None:
+            return self.head(self.mlp(reduced))
+        standardized = self.state(state).to(reduced.dtype)  # once, for the input and (state_to_head) the head
+        hidden = self.mlp(torch.cat([reduced, standardized], dim=1))
+        return self.head(torch.cat([hidden, standardized], dim=1) if self.state_to_head else hidden)
 
     def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
