@@ -6,6 +6,7 @@ A source checkout (editable install, `make demo`) uses its own folders; an insta
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -89,3 +90,18 @@ def source_revision() -> str:
     if not revision:
         return "unknown"
     return revision + ("+changes" if dirty.stdout.strip() else "")
+
+
+def read_format_json(path: Path, file_format: str, what: str, missing_hint: str) -> dict:
+    """The JSON object at `path` whose "format" is `file_format` (a policy config, a cache's meta):
+    FileNotFoundError with `missing_hint` when it is not there, ValueError when it is not such a
+    file. `what` names it in the errors."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} at {path}: {missing_hint}")
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what} {path} is not valid JSON: {err}") from err
+    if not isinstance(value, dict) or value.get("format") != file_format:
+        raise ValueError(f"{path} is not a {what} of format {file_format!r}")
+    return value

@@ -84,6 +84,7 @@ from sps_driving.core.history import PATCH_POLICY, WINDOW_SETTINGS, policy_selec
 from sps_driving.core.selection import SelectionConfig
 from sps_driving.core.state import check_state_names, state_vector
 from sps_driving.core.view import WindowSelector, window_origin
+from sps_driving.resources import read_format_json
 
 POLICY_FORMAT = "sps_driving.policy/1"
 # Occlusion attribution runs its occluded copies of a frame in batches of at most this many grid
@@ -638,19 +639,9 @@ def save_policy(model: nn.Module, config: dict, directory) -> Path:
 
 
 def read_policy_config(directory) -> dict:
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no policy config at {path}: train one with `sps-driving train --out {Path(directory)}` "
-            f"or put its {WEIGHTS_FILE} and {CONFIG_FILE} in that folder"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"policy config {path} is not valid JSON: {err}") from err
-    if not isinstance(config, dict) or config.get("format") != POLICY_FORMAT:
-        raise ValueError(f"{path} is not a policy config of format {POLICY_FORMAT!r}")
-    return config
+    return read_format_json(Path(directory) / CONFIG_FILE, POLICY_FORMAT, "policy config",
+                            f"train one with `sps-driving train --out {Path(directory)}` "
+                            f"or put its {WEIGHTS_FILE} and {CONFIG_FILE} in that folder")
 
 
 def load_policy(directory, device: str = "cpu", grid: PatchGrid | None = None) -> DrivingPolicy:

@@ -58,6 +58,7 @@ from torch.utils.data import Dataset
 
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.state import STATE_NAMES
+from sps_driving.resources import read_format_json
 
 CACHE_FORMAT = "sps_driving.feature_cache/1"
 META_FILE = "meta.json"
@@ -414,18 +415,8 @@ def _write_json_atomically(path: Path, value) -> None:
 
 def _read_cache(directory: Path) -> dict:
     """meta, memory-mapped descriptor shards and the in-memory arrays of one cache directory."""
-    meta_path = directory / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(
-            f"no feature cache at {directory} ({META_FILE} missing): "
-            f"create one with `sps-driving extract --out {directory} INPUT...`"
-        )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{meta_path} is not valid JSON: {err}") from err
-    if meta.get("format") != CACHE_FORMAT:
-        raise ValueError(f"{meta_path} is not a feature cache of format {CACHE_FORMAT!r}")
+    meta = read_format_json(directory / META_FILE, CACHE_FORMAT, "feature cache",
+                            f"create one with `sps-driving extract --out {directory} INPUT...`")
     grid_n = int(meta["grid"]["rows"]) * int(meta["grid"]["cols"])
     stored_state = list(meta.get("state", []))
     has_intervention = bool(meta.get("intervention"))
@@ -471,7 +462,7 @@ def _read_cache(directory: Path) -> dict:
     for key, default in empty.items():
         part[key] = np.concatenate(part[key]) if part[key] else default
     if len(part["targets"]) != int(meta["frames"]):
-        raise ValueError(f"{meta_path} says {meta['frames']} frames, its shards hold {len(part['targets'])}")
+        raise ValueError(f"{directory / META_FILE} says {meta['frames']} frames, its shards hold {len(part['targets'])}")
     ids = part["source_ids"]
     if len(ids) and (ids.min() < 0 or ids.max() >= len(meta["sources"])):
         raise ValueError(f"feature cache {directory} has source ids outside meta.json's sources")
