@@ -413,5 +413,5 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_tables(rows, out, command)
-    print(f"{len(rows)} episodes -> {out}/table1.md, table2.md, details.md")
+    print(f"{len(rows)} episodes: tables and details in {out}")
     return 0
