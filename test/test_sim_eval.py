@@ -10,7 +10,7 @@ from samples import tiny_dinov2_policy
 
 from sps_driving.cli import main
 from sps_driving.sim.scenarios import SCENARIO_NAMES
-from sps_driving.sim.tables import method_name, method_reports, rate_curves, summarize, table_rows, training_seed, write_tables
+from sps_driving.sim.tables import method_name, method_reports, rate_curves, seed_scores, summarize, table_rows, training_seed, write_tables
 
 
 def read_rows(folder: Path) -> list[dict]:
@@ -208,6 +208,17 @@ def test_tables_pool_training_seeds_into_one_method_and_mark_thin_columns(tmp_pa
     assert "| Scenario | DA | SPS-50 | SPS-30 ‡ |" in table2 and "10 x 1" in table2
     details = (tmp_path / "details.md").read_text()
     assert "| Rural Summer Dry Day Car | " in details and "| 20 x 3 | " in details and "| 180/240 | +0.40 / -0.10 |" in details
+    # Each checkpoint of a multi-seed method on its own row; one of a single checkpoint is not repeated there.
+    per_seed = seed_scores(rows)
+    assert set(per_seed) == {"DA", "SPS-50"} and list(per_seed["SPS-50"]) == [10, 11, 12]
+    for seed in range(3):
+        expected = np.minimum(1.0, difficulty[1:] + 0.05 + 0.01 * seed).mean()
+        in_distribution, ood = per_seed["SPS-50"][seed + 10]
+        assert ood.mean == pytest.approx(expected) and ood.cells == 14 * 20 and ood.low < ood.mean < ood.high
+        assert in_distribution.mean == pytest.approx(np.minimum(1.0, difficulty[0] + 0.05 + 0.01 * seed).mean())
+        assert f"| SPS-50 | {seed + 10} | {in_distribution.mean:.3f} [" in details
+        assert f"| {ood.mean:.3f} [{ood.low:.3f}, {ood.high:.3f}] | 280 |" in details
+    assert "| SPS-30 | 0 |" not in details
     # The same rows in another order give the same tables.
     again = tmp_path / "again"
     again.mkdir()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
-from sps_driving.sim.statistics import Estimate, paired_difference, score_interval
-from sps_driving.sim.tables import format_interval, method_scores
+from sps_driving.sim.statistics import paired_difference, score_interval
+from sps_driving.sim.tables import format_estimate, method_scores
 
 
 def compare(rows: list[dict], a: str, b: str, per_scenario: bool = False) -> list[dict]:
@@ -45,17 +45,13 @@ def compare(rows: list[dict], a: str, b: str, per_scenario: bool = False) -> lis
     return entries
 
 
-def _estimate(estimate: Estimate, scale: float = 1.0, fmt: str = ".3f") -> str:
-    return f"{format(scale * estimate.mean, fmt)} {format_interval(estimate.low, estimate.high, scale, fmt)}"
-
-
 def markdown(entries: list[dict], a: str, b: str) -> str:
     lines = [f"| scenarios | cells (scenarios x layouts) | seeds A / B | {a} | {b} | A - B, points [95%] | wins / losses |",
              "|---|---|---|---|---|---|---|"]
     for entry in entries:
         d = entry["difference"]
         lines.append(f"| {entry['group']} | {d.cells} ({d.scenarios} x {d.layouts}) | {d.seeds_a} / {d.seeds_b} | "
-                     f"{_estimate(entry['a'])} | {_estimate(entry['b'])} | {_estimate(d, 100, '+.1f')} | "
+                     f"{format_estimate(entry['a'])} | {format_estimate(entry['b'])} | {format_estimate(d, 100, '+.1f')} | "
                      f"{d.wins} / {d.losses} |")
     return "\n".join(lines)
 

@@ -175,6 +175,21 @@ def method_reports(rows: list[dict]) -> dict:
     return reports
 
 
+def seed_scores(rows: list[dict]) -> dict:
+    """{method: {training seed: (ID Estimate or None, OOD Estimate or None)}} for the methods with
+    more than one checkpoint: how far apart the seeds of one method land, beside the pooled score."""
+    by_method: dict = defaultdict(dict)
+    for method, scores in method_scores(rows).items():
+        seeds = sorted({seed for _, _, seed in scores}, key=repr)
+        if len(seeds) < 2:
+            continue
+        for seed in seeds:
+            own = {cell: score for cell, score in scores.items() if cell[2] == seed}
+            groups = [{c: v for c, v in own.items() if c[0] in names} for names in ((ID_SCENARIO.name,), OOD_SCENARIO_NAMES)]
+            by_method[method][seed] = tuple(score_interval(g) if g else None for g in groups)
+    return dict(by_method)
+
+
 def _method_sort_key(name: str) -> tuple:
     if name in TABLE1_METHODS:
         return (0, TABLE1_METHODS.index(name), name)
@@ -237,6 +252,13 @@ def format_interval(low: float, high: float, scale: float = 1.0, fmt: str = ".2f
     if not (math.isfinite(low) and math.isfinite(high)):
         return "[n/a]"
     return f"[{format(scale * low, fmt)}, {format(scale * high, fmt)}]"
+
+
+def format_estimate(estimate: Estimate | None, scale: float = 1.0, fmt: str = ".3f") -> str:
+    """"mean [low, high]" scaled and formatted; empty for no estimate."""
+    if estimate is None:
+        return ""
+    return f"{format(scale * estimate.mean, fmt)} {format_interval(estimate.low, estimate.high, scale, fmt)}"
 
 
 def _markdown_table(header: list[str], table: list[list[str]], reports: dict) -> list[str]:
@@ -341,6 +363,18 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
             details.append(f"| {method} | {100 * d.mean:+.1f} | {format_interval(d.low, d.high, 100, '+.1f')} | "
                            f"{format_interval(low, high, 100, '+.1f')} | {d.scenarios} | {d.layouts} | {d.seeds_a} / {d.seeds_b} | "
                            f"{d.wins} | {d.losses} |")
+        details.append("")
+    per_seed = seed_scores(rows)
+    if per_seed:
+        details += ["## Training seeds", "",
+                    "Each checkpoint of a method with several: its score over the layouts it drove, 95% bootstrap interval over "
+                    "layouts (in distribution) and over scenarios and layouts (OOD). The spread between seeds of one method "
+                    "is part of what the pooled intervals above resample.", "",
+                    "| Method | Training seed | In distribution [95%] | OOD average [95%] | OOD cells |", "|---|---|---|---|---|"]
+        for method in sorted(per_seed, key=_method_sort_key):
+            for seed, (in_distribution, ood) in per_seed[method].items():
+                details.append(f"| {method} | {seed} | {format_estimate(in_distribution)} | {format_estimate(ood)} | "
+                               f"{ood.cells if ood else 0} |")
         details.append("")
     (out / "details.md").write_text("\n".join(details))
     curves = rate_curves(summary)
