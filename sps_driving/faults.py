@@ -45,7 +45,7 @@ HOLD_S = 2.0  # s watched after each fault
 STANDIN_SENT = "/pacmod3_standin/sent"  # the stand-in's frame to the car of every period
 READY_TIMEOUT_S = 60.0  # s to get back to driving between faults (a killed node's DDS endpoints must expire)
 SHORT = ("kill -9 vehicle_interface", "SIGTERM vehicle_interface", "override", "NaN command", "second stop-request publisher",
-         "clock step backwards")
+         "clock step backwards", "shift to reverse")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,9 @@ FAULTS = [
     Fault("PACMod fault", "vehicle", "standin", "fault"),
     Fault("CAN timeout", "vehicle", "standin", "can_timeout"),
     Fault("report timeout", "vehicle", "standin", "pause_reports"),
-    Fault("second stop-request publisher", "vehicle", "spoof_stop", ""),
+    Fault("shift to reverse", "vehicle", "standin", "reverse"),
+    Fault("second stop-request publisher", "vehicle", "spoof", "stop"),
+    Fault("second speed-report publisher", "vehicle", "spoof", "speed"),
     Fault("NaN command", "vehicle", "command", "nan"),
     Fault("out-of-range command", "vehicle", "command", "huge"),
     Fault("obstacle too close to measure (-inf)", "vehicle", "obstacle", "-inf"),
@@ -145,8 +147,8 @@ class Harness:
         self.command = (0.02, 0.15)  # what this process publishes as the policy (vehicle graphs)
         self.obstacle_m = math.inf
         self.camera_mode = "ok"
-        self.spoof_wanted = False
-        self.spoof = None
+        self.spoof_wanted = ""  # "stop" or "speed": a second publisher of that input
+        self.spoof = None  # (what, publisher)
         self.status = {}
         self.sent = []
         self.lock = threading.Lock()  # self.sent and self.status are written by the spinning thread
@@ -249,17 +251,30 @@ class Harness:
         self.range_pub.publish(msgs.to_ros(msgs.range_fields(self.obstacle_m, stamp)))
         if self.command_pub is not None:
             self.command_pub.publish(msgs.to_ros(msgs.command_fields(*self.command, self.now_ns())))
-        # The second stop-request publisher lives on this (the executor's) thread only: made,
-        # used and destroyed here, never while another thread publishes through it.
+        # A second publisher lives on this (the executor's) thread only: made, used and destroyed
+        # here, never while another thread publishes through it. Each says all is well: no stop
+        # requested, a valid standstill.
         if self.spoof_wanted and self.spoof is None:
+            self.spoof = (self.spoof_wanted, self._spoof_publisher(self.spoof_wanted))
+        elif not self.spoof_wanted and self.spoof is not None:
+            self.node.destroy_publisher(self.spoof[1])
+            self.spoof = None
+        if self.spoof is not None and self.spoof[0] == "stop":
+            self.spoof[1].publish(msgs.stop_request_message(stamp, "safety_monitor", False))
+        elif self.spoof is not None:
+            from pacmod3_msgs.msg import VehicleSpeedRpt
+
+            header = msgs.to_ros(msgs.header_fields(stamp, "pacmod"))
+            self.spoof[1].publish(VehicleSpeedRpt(header=header, vehicle_speed=0.0, vehicle_speed_valid=True))
+
+    def _spoof_publisher(self, what: str):
+        if what == "stop":
             from diagnostic_msgs.msg import DiagnosticArray
 
-            self.spoof = self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control"))
-        elif not self.spoof_wanted and self.spoof is not None:
-            self.node.destroy_publisher(self.spoof)
-            self.spoof = None
-        if self.spoof is not None:
-            self.spoof.publish(msgs.stop_request_message(stamp, "safety_monitor", False))
+            return self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control"))
+        from pacmod3_msgs.msg import VehicleSpeedRpt
+
+        return self.node.create_publisher(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, msgs.qos("driver"))
 
     def _publish_frame(self) -> None:
         if self.camera_mode == "stop":
@@ -383,8 +398,8 @@ class Harness:
             self.clock_offset_ns += int(float(target) * 1e9)
         elif kind == "standin":
             self.inject_standin(target, True)
-        elif kind == "spoof_stop":
-            self.spoof_wanted = True
+        elif kind == "spoof":
+            self.spoof_wanted = target
         elif kind == "command":
             self.command = (math.nan, 0.15) if target == "nan" else (5.0, 3.0)
         elif kind == "obstacle":
@@ -406,8 +421,8 @@ class Harness:
             wait_for_nodes(self.node, [target], 120.0, self.graph)
         elif kind == "standin":
             self.inject_standin(target, False)
-        elif kind == "spoof_stop":
-            self.spoof_wanted = False
+        elif kind == "spoof":
+            self.spoof_wanted = ""
         elif kind == "command":
             self.command = (0.02, 0.15)
         elif kind == "obstacle":

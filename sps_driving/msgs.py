@@ -464,6 +464,12 @@ def system_status(report):
     return SystemStatus(bool(report.enabled), bool(report.override_active), fault, bool(report.command_timeout), float(report.output))
 
 
+def forward_gear(report) -> bool:
+    """Whether a shift report (SystemRptInt) shows a forward gear: SHIFT_FORWARD or SHIFT_LOW
+    (the RX 450h's B, engine braking); park, reverse, neutral, between gears and none are not."""
+    return int(report.output) in (int(report.SHIFT_FORWARD), int(report.SHIFT_LOW))
+
+
 def global_status(report):
     """core.control.GlobalStatus from a GlobalRpt (`enabled` = any system enabled)."""
     from sps_driving.core.control import GlobalStatus

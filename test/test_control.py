@@ -51,6 +51,7 @@ class Car:
         self.override = self.fault = self.timeout = False
         self.steering_wheel_rad = steering_wheel_rad
         self.speed = speed
+        self.forward_gear = True  # None: no shift report
         self.command = (0.05, 0.2)
 
     def feed(self, t, command=True, camera=True, reports=True, safety=True):
@@ -61,6 +62,8 @@ class Car:
                 self.logic.on_system_report(s, SystemStatus(status.enabled, status.override, status.fault, status.timeout, out), t)
             self.logic.on_global_report(GlobalStatus(self.enabled, self.override, self.fault, self.timeout), t)
             self.logic.on_speed(self.speed, True, t)
+            if self.forward_gear is not None:
+                self.logic.on_gear(self.forward_gear, t)
         if safety:
             self.logic.on_safety(False, t)
             self.logic.on_failsafe(False, t)
@@ -184,6 +187,37 @@ def test_limits_and_speed_cap():
     assert StopReason.OVERSPEED in last.reasons and last.throttle == -LIMITS.stop_brake
 
 
+def test_the_speed_cap_holds_in_reverse_too():
+    logic, car = engaged()
+    car.speed = -LIMITS.max_speed_mps  # PACMod's vehicle_speed is signed
+    assert car.run(0.1, 0.2)[-1].throttle == 0.0
+    car.speed = -(LIMITS.max_speed_mps + LIMITS.overspeed_margin_mps + 0.5)
+    last = car.run(0.2, 0.3)[-1]
+    assert StopReason.OVERSPEED in last.reasons and last.throttle == -LIMITS.stop_brake
+
+
+def test_no_engagement_and_a_controlled_stop_without_a_fresh_forward_gear():
+    logic = VehicleLogic(LIMITS, RATIO)
+    car = Car(logic)
+    car.forward_gear = False  # in reverse (or park, neutral)
+    car.feed(0.0)
+    ok, why = logic.request_engage(0.0)
+    assert not ok and "gear_not_forward" in why
+    car.forward_gear = True
+    car.feed(0.01)
+    assert logic.request_engage(0.01) == (True, "engaging")
+    logic, car = engaged()
+    car.forward_gear = None  # the shift report stops
+    cmds = car.run(0.1, 0.1 + LIMITS.max_report_age_s + 2 * DT)
+    assert StopReason.GEAR_NOT_FORWARD in cmds[-1].reasons and cmds[-1].throttle == -LIMITS.stop_brake
+    assert all(StopReason.GEAR_NOT_FORWARD not in c.reasons for c in cmds[:5])
+    logic, car = engaged()
+    car.forward_gear = False
+    last = car.run(0.1, 0.1 + DT)[-1]
+    assert StopReason.GEAR_NOT_FORWARD in last.reasons and last.throttle == -LIMITS.stop_brake
+    assert StopReason.GEAR_NOT_FORWARD not in engaged(require_forward_gear=False)[1].run(1.0, 1.1)[-1].reasons
+
+
 @pytest.mark.parametrize(
     "silenced, reason, limit",
     [
@@ -291,6 +325,23 @@ def test_override_disengages_counts_and_locks_out_until_rearmed():
     assert not ok and "re-arm" in why
     assert logic.rearm() == (True, "re-armed")
     assert logic.request_engage(0.5) == (True, "engaging")
+
+
+def test_an_override_while_engaging_aborts_once_the_old_flag_was_cleared():
+    logic = VehicleLogic(LIMITS, RATIO)
+    car = Car(logic)
+    car.override = True  # left set from the last takeover: engaging clears it
+    car.feed(0.0)
+    assert logic.request_engage(0.0) == (True, "engaging")
+    cmds = car.run(0.0, 0.2)
+    assert logic.state is EngageState.ENGAGING and all(c.clear_override for c in cmds) and logic.interventions == 0
+    car.override = False
+    car.feed(0.2)
+    car.override = True  # the safety driver brakes to abort the engagement
+    car.feed(0.23)
+    assert logic.state is EngageState.DISENGAGED and logic.last_event == Event.OVERRIDE.value
+    assert logic.interventions == 1 and logic.locked_out
+    assert not logic.tick(0.26).enable
 
 
 @pytest.mark.parametrize("flag, event", [("fault", Event.FAULT), ("timeout", Event.CAN_TIMEOUT)])

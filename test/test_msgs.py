@@ -174,7 +174,7 @@ def test_bag_messages_convert_to_this_distros_types():
 
 
 def test_pacmod3_reports_and_commands_in_the_upstream_layout():
-    from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat
+    from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat, SystemRptInt
 
     from sps_driving.core.control import GlobalStatus, PacmodCommand, SystemStatus
 
@@ -183,6 +183,10 @@ def test_pacmod3_reports_and_commands_in_the_upstream_layout():
     assert msgs.system_status(SystemRptFloat(command_timeout=True)).timeout
     assert msgs.global_status(GlobalRpt(enabled=True, brake_can_timeout=True)) == GlobalStatus(True, False, False, True)
     assert msgs.global_status(GlobalRpt(config_fault_active=True)).fault
+    gears = {g: msgs.forward_gear(SystemRptInt(output=getattr(SystemRptInt, g))) for g in
+             ("SHIFT_PARK", "SHIFT_REVERSE", "SHIFT_NEUTRAL", "SHIFT_FORWARD", "SHIFT_LOW", "SHIFT_NONE")}
+    assert gears == {"SHIFT_PARK": False, "SHIFT_REVERSE": False, "SHIFT_NEUTRAL": False, "SHIFT_FORWARD": True,
+                     "SHIFT_LOW": True, "SHIFT_NONE": False}
     command = PacmodCommand(True, False, 0.3, 4.4, 0.2, 0.0, True)
     out = msgs.pacmod_commands(command, 5)
     assert isinstance(out["steering"], SteeringCmd) and out["steering"].command == 0.3 and out["steering"].rotation_rate == 4.4

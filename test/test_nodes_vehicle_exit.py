@@ -1,7 +1,7 @@
 """vehicle_interface ("topics" backend) in a graph of its own: a stepped ROS clock neither stalls
-its watchdog nor goes unnoticed; SIGTERM while engaged brakes, then exits; an exception in a
-callback still runs the fail-safe exit; a node whose parent dies (a launch killed) exits, the vehicle
-interface through its fail-safe exit."""
+its watchdog nor goes unnoticed; SIGTERM while engaged brakes, then exits; an inactive (lifecycle)
+node refuses to engage; an exception in a callback still runs the fail-safe exit; a node whose
+parent dies (a launch killed) exits, the vehicle interface through its fail-safe exit."""
 
 import os
 import signal
@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.srv import ChangeState
 from rosgraph_msgs.msg import Clock as ClockMsg
 from std_srvs.srv import SetBool
 from test_nodes_vehicle import STOP_BRAKE, VEHICLE, Inputs, actuation, drives, engage, start_rig, stop_reasons, vehicle
@@ -82,6 +84,28 @@ def test_sigterm_while_engaged_brakes_then_exits(tmp_path):
         first_brake = next(i for i, (_, t) in enumerate(after) if t == pytest.approx(-STOP_BRAKE))
         assert all(t == pytest.approx(-STOP_BRAKE) for _, t in after[first_brake:])
         assert "exit commands" in graph.log("vehicle_interface")
+    finally:
+        graph.stop()
+        probe.close()
+
+
+def test_an_inactive_vehicle_interface_refuses_to_engage_until_activated(tmp_path):
+    def transition(transition_id):
+        request = ChangeState.Request()
+        request.transition.id = transition_id
+        answer = probe.call(ChangeState, "/vehicle_interface/change_state", request)
+        assert answer is not None and answer.success
+
+    graph, probe = start_rig(tmp_path, {**VEHICLE, "autostart": False, "require_safety_monitor": False},
+                             nodes=("vehicle_interface",))
+    try:
+        inputs = Inputs(probe)
+        transition(Transition.TRANSITION_CONFIGURE)
+        probe.spin_until(lambda: False, 0.5, every=inputs.tick)  # inputs fresh: only the lifecycle state is missing
+        answer = probe.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=True))
+        assert answer is not None and not answer.success and "not active" in answer.message
+        transition(Transition.TRANSITION_ACTIVATE)
+        engage(probe, inputs)
     finally:
         graph.stop()
         probe.close()

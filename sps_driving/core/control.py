@@ -7,8 +7,9 @@ throttle is in [-1, 1], negative = brake. Every time here is steady-clock second
 
 The node feeds inputs and drive-by-wire reports as they arrive and calls `VehicleLogic.tick` at
 the control rate; whatever goes wrong (an input stale or invalid, a safety stop, reports stale,
-speed unknown or over the cap, a second publisher on an input, a clock jump) shows in the very
-next tick's command, so a stop takes effect within one control period of its limit.
+speed unknown or over the cap in either direction, no forward gear, a second publisher on an
+input, a clock jump) shows in the very next tick's command, so a stop takes effect within one
+control period of its limit.
 
 Engagement (PACMod 3 semantics, see sps_driving.sim.pacmod for the driver's behaviour):
 - engaging is an edge: `request_engage` (the node's engage service), accepted only when the car
@@ -19,7 +20,9 @@ Engagement (PACMod 3 semantics, see sps_driving.sim.pacmod for the driver's beha
 - engaged, any stop reason latches a controlled stop (accelerator 0, stop_brake, steering held,
   hazard lights) that holds until the safety driver disengages, however the input recovers;
 - an override disengages, counts one safety-driver intervention and locks engagement out until
-  `rearm`; a reported fault or timeout, or a system the car disabled, disengages with its cause;
+  `rearm`; so does one while engaging on a report that had already shown its override cleared
+  (the safety driver aborting the engagement); a reported fault or timeout, or a system the car
+  disabled, disengages with its cause;
 - disengaged, enable is false and the steering command follows the measured angle, so the next
   engagement starts from where the wheel is.
 """
@@ -120,7 +123,8 @@ class StopReason(str, Enum):
     FAILSAFE_TIMEOUT = "failsafe_timeout"  # the failsafe went silent
     REPORT_TIMEOUT = "report_timeout"  # drive-by-wire reports stale or missing: the car's state is unknown
     SPEED_UNKNOWN = "speed_unknown"  # speed report stale, missing or invalid: the speed cap cannot hold
-    OVERSPEED = "overspeed"  # speed above max_speed_mps + overspeed_margin_mps
+    OVERSPEED = "overspeed"  # |speed| above max_speed_mps + overspeed_margin_mps (either direction)
+    GEAR_NOT_FORWARD = "gear_not_forward"  # gear report missing, stale, or not a forward gear: the policy only drives forward
     DUPLICATE_PUBLISHER = "duplicate_publisher"  # an input topic has more publishers than the graph has
     CLOCK_JUMP = "clock_jump"  # the ROS clock stepped against the steady clock
 
@@ -195,6 +199,7 @@ class VehicleLogic:
     without them gets reports made up by its backend from what was commanded).
     `steering_ratio`: steering-wheel angle / road-wheel angle, to read the measured steering;
     `require_speed`: a fresh speed report is needed to drive (the speed cap must hold);
+    `require_forward_gear`: a fresh gear report showing a forward gear is needed to engage and drive;
     `latch_stops`: an engaged stop holds until disengaged (off only for offline replays, whose
     report wants to see the stack resume)."""
 
@@ -205,6 +210,7 @@ class VehicleLogic:
         require_safety_monitor: bool = True,
         require_failsafe: bool = True,
         require_speed: bool = True,
+        require_forward_gear: bool = True,
         latch_stops: bool = True,
     ):
         if not (math.isfinite(steering_ratio) and steering_ratio > 0):
@@ -214,11 +220,12 @@ class VehicleLogic:
         self.require_safety_monitor = require_safety_monitor
         self.require_failsafe = require_failsafe
         self.require_speed = require_speed
+        self.require_forward_gear = require_forward_gear
         self.latch_stops = latch_stops
         self.state = EngageState.DISENGAGED
         self.locked_out = False  # after an override, until rearm()
         self.last_event = ""
-        self.interventions = 0  # overrides while engaged
+        self.interventions = 0  # overrides while engaged, and engagements the safety driver aborted
         self.disengagements: dict[str, int] = {}  # Event value -> count, for every cause
         self.invalid_commands = 0
         self.late_commands = 0
@@ -232,7 +239,9 @@ class VehicleLogic:
         self._failsafe: tuple[bool, float] | None = None  # active, when
         self._systems: dict[str, tuple[SystemStatus, float]] = {}
         self._global: tuple[GlobalStatus, float] | None = None
-        self._speed: tuple[float, float] | None = None  # valid speed m/s, when
+        self._speed: tuple[float, float] | None = None  # valid speed m/s (negative in reverse), when
+        self._forward_gear: tuple[bool, float] | None = None  # a forward gear reported, when
+        self._override_cleared: set[str] = set()  # reports (systems, "global") seen without override while engaging
         self._duplicates: dict[str, int] = {}
         self._clock: tuple[int, float] | None = None  # ROS ns, steady s of the last check
         self._clock_jump_s: float | None = None
@@ -277,6 +286,10 @@ class VehicleLogic:
         if valid and math.isfinite(speed_mps):
             self._speed = (float(speed_mps), now_s)
 
+    def on_gear(self, forward: bool, now_s: float) -> None:
+        """The gear report: True for a forward gear (PACMod SHIFT_FORWARD or SHIFT_LOW)."""
+        self._forward_gear = (bool(forward), now_s)
+
     def on_duplicates(self, topics: dict[str, int]) -> None:
         """{topic: publishers} of the inputs with more publishers than expected ({} when none)."""
         self._duplicates = dict(topics)
@@ -302,13 +315,13 @@ class VehicleLogic:
         if system == "steering" and math.isfinite(status.output):
             limit = self.limits.max_road_wheel_angle_rad
             self._measured_steering = clip(status.output / self.steering_ratio, -limit, limit)
-        self._react(status.override, status.fault, status.timeout, status.enabled, now_s)
+        self._react(system, status.override, status.fault, status.timeout, status.enabled, now_s)
 
     def on_global_report(self, status: GlobalStatus, now_s: float) -> None:
         self._global = (status, now_s)
-        self._react(status.override, status.fault, status.timeout, status.enabled, now_s)
+        self._react("global", status.override, status.fault, status.timeout, status.enabled, now_s)
 
-    def _react(self, override: bool, fault: bool, timeout: bool, enabled: bool, now_s: float) -> None:
+    def _react(self, source: str, override: bool, fault: bool, timeout: bool, enabled: bool, now_s: float) -> None:
         if self.state is EngageState.DISENGAGED:
             # Reports of one period arrive one by one: a system reported disabled may be followed
             # by the report that says why. The cause is corrected; the disengagement was at once.
@@ -323,14 +336,23 @@ class VehicleLogic:
             self._disengage(Event.FAULT, now_s)
         elif timeout:
             self._disengage(Event.CAN_TIMEOUT, now_s)
-        elif self.state is EngageState.ENGAGED:
-            # While engaging, an old override flag is being cleared and systems are coming up.
-            if override:
-                self.interventions += 1
-                self.locked_out = True
-                self._disengage(Event.OVERRIDE, now_s)
-            elif not enabled:
-                self._disengage(Event.DISABLED_BY_VEHICLE, now_s)
+        elif self.state is EngageState.ENGAGING:
+            # An old override flag is being cleared and systems are coming up; an override on a
+            # report that had already shown it cleared is the safety driver aborting the engagement.
+            if not override:
+                self._override_cleared.add(source)
+            elif source in self._override_cleared:
+                self._take_over(now_s)
+        elif override:
+            self._take_over(now_s)
+        elif not enabled:
+            self._disengage(Event.DISABLED_BY_VEHICLE, now_s)
+
+    def _take_over(self, now_s: float) -> None:
+        """The safety driver overrode: an intervention, and engagement locked out until rearm()."""
+        self.interventions += 1
+        self.locked_out = True
+        self._disengage(Event.OVERRIDE, now_s)
 
     # ------------------------------------------------------------ operator requests
 
@@ -342,6 +364,7 @@ class VehicleLogic:
         if blockers:
             return False, "not engaging: " + "; ".join(blockers)
         self._engage_requested_s = now_s
+        self._override_cleared = set()
         self._set(EngageState.ENGAGING, Event.ENGAGE_REQUESTED)
         return True, "engaging"
 
@@ -427,8 +450,11 @@ class VehicleLogic:
         speed = self._speed[0] if self._speed is not None and not stale(self._speed[1], lim.max_report_age_s) else None
         if self.require_speed and speed is None:
             reasons.append(StopReason.SPEED_UNKNOWN)
-        if speed is not None and speed > lim.max_speed_mps + lim.overspeed_margin_mps:
+        if speed is not None and abs(speed) > lim.max_speed_mps + lim.overspeed_margin_mps:
             reasons.append(StopReason.OVERSPEED)
+        if self.require_forward_gear and (stale(self._forward_gear and self._forward_gear[1], lim.max_report_age_s)
+                                          or not self._forward_gear[0]):
+            reasons.append(StopReason.GEAR_NOT_FORWARD)
         if self._duplicates:
             reasons.append(StopReason.DUPLICATE_PUBLISHER)
         if self._clock_jump_s is not None and now_s - self._clock_jump_s <= lim.max_command_age_s:
@@ -464,7 +490,7 @@ class VehicleLogic:
         target, throttle, stamp = self._command
         throttle = clip(throttle, -lim.max_brake, lim.max_throttle)
         speed = self._speed[0] if self._speed is not None else None
-        if speed is not None and now_s - self._speed[1] <= lim.max_report_age_s and speed >= lim.max_speed_mps:
+        if speed is not None and now_s - self._speed[1] <= lim.max_report_age_s and abs(speed) >= lim.max_speed_mps:
             throttle = min(throttle, 0.0)
         target = clip(target, -lim.max_road_wheel_angle_rad, lim.max_road_wheel_angle_rad)
         step = lim.max_steering_rate_rad_s * dt

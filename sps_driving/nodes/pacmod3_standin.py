@@ -1,12 +1,13 @@
 """pacmod3_standin: the PACMod 3 driver and the car behind it, for tests, `sps-driving faults` and
 bench checks without a car. Same topics, message types and QoS as the AutonomouStuff driver
 (namespace /pacmod): it latches each command and re-sends it every period from its own timer, and
-publishes global_rpt, steering_rpt, accel_rpt, brake_rpt, turn_rpt, vehicle_speed_rpt and
+publishes global_rpt, steering_rpt, accel_rpt, brake_rpt, turn_rpt, shift_rpt, vehicle_speed_rpt and
 enabled. Behaviour: sps_driving.sim.pacmod.
 
 Fault injection, each a std_srvs/SetBool service of this node: ~/override (the safety driver takes
 the wheel and pedals; false lets go), ~/fault (a PACMod system fault), ~/can_timeout (CAN timeout
-flags in the global report) and ~/pause_reports (reports stop while true). What the driver
+flags in the global report), ~/pause_reports (reports stop while true) and ~/reverse (the gear in
+reverse while true). What the driver
 re-sends to the car every period goes out on ~/sent (msgs.sent_message), so a test can see it.
 """
 
@@ -22,7 +23,7 @@ from std_srvs.srv import SetBool
 
 from sps_driving import msgs, topics
 from sps_driving.nodes.common import Param, declare, now_ns, run
-from sps_driving.sim.pacmod import PacmodStandIn
+from sps_driving.sim.pacmod import SHIFT_FORWARD, SHIFT_REVERSE, PacmodStandIn, SystemReport
 
 PARAMETERS = {
     "rate_hz": Param(30.0, "re-send and report rate (the driver re-sends every 33 ms)", "Hz", above=0.0),
@@ -54,6 +55,7 @@ class PacmodStandInNode(Node):
             self.create_subscription(types[system], topic, self._command_callback(system), driver)
         self.report_pubs = {system: self.create_publisher(pacmod.SystemRptFloat, topic, driver) for system, topic in REPORTS.items()}
         self.turn_pub = self.create_publisher(pacmod.SystemRptInt, topics.PACMOD_TURN_RPT, driver)
+        self.shift_pub = self.create_publisher(pacmod.SystemRptInt, topics.PACMOD_SHIFT_RPT, driver)
         self.global_pub = self.create_publisher(pacmod.GlobalRpt, topics.PACMOD_GLOBAL_RPT, driver)
         self.speed_pub = self.create_publisher(pacmod.VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, driver)
         from rclpy.qos import DurabilityPolicy, QoSProfile
@@ -61,7 +63,7 @@ class PacmodStandInNode(Node):
         latched = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.enabled_pub = self.create_publisher(Bool, topics.PACMOD_ENABLED, latched)
         self.sent_pub = self.create_publisher(JointState, "~/sent", msgs.qos("status"))
-        for name in ("override", "fault", "can_timeout", "pause_reports"):
+        for name in ("override", "fault", "can_timeout", "pause_reports", "reverse"):
             self.create_service(SetBool, f"~/{name}", self._injection(name))
         self._last_s = None
         self.create_timer(self.period_s, self._tick, clock=Clock(clock_type=ClockType.STEADY_TIME))
@@ -82,6 +84,8 @@ class PacmodStandInNode(Node):
             self.model.can_timeout = active
         elif name == "pause_reports":
             self.model.reports_paused = active
+        elif name == "reverse":
+            self.model.gear = SHIFT_REVERSE if active else SHIFT_FORWARD
         else:
             raise ValueError(f"unknown fault {name!r}")
         self.get_logger().warning(f"injected {name} = {active}")
@@ -120,6 +124,8 @@ class PacmodStandInNode(Node):
             publisher.publish(pacmod.SystemRptFloat(manual_input=r.manual_input, command=r.command, output=r.output, **flags(r)))
         turn = reports.systems["turn"]
         self.turn_pub.publish(pacmod.SystemRptInt(manual_input=0, command=int(turn.command), output=int(turn.output), **flags(turn)))
+        gear = reports.gear  # the human's: the shift system is never enabled
+        self.shift_pub.publish(pacmod.SystemRptInt(manual_input=gear, command=gear, output=gear, **flags(SystemReport())))
         t = reports.can_timeout
         self.global_pub.publish(
             pacmod.GlobalRpt(

@@ -2,7 +2,7 @@
 
 Policy commands in (sensor_msgs/JointState); limited commands out every control period through
 the `pacmod3` backend (PACMod 3 steering, accelerator, brake and turn commands; engagement from
-the steering, accelerator, brake, global and speed reports) or the `topics` backend (standard
+the steering, accelerator, brake, global, speed and shift reports) or the `topics` backend (standard
 messages for the simulator and replays). Every control period it also publishes the limited
 command on topics.ACTUATION: the heartbeat the failsafe watches.
 
@@ -60,6 +60,8 @@ PARAMETERS = {
     "require_safety_monitor": Param(True, "stop when the safety monitor's stop request goes silent"),
     "require_failsafe": Param(True, "stop when the failsafe's status goes silent (pacmod3 graphs)"),
     "require_speed": Param(True, "stop when the speed report is stale or invalid, so the speed cap holds"),
+    "require_forward_gear": Param(True, "stop, and refuse to engage, unless a fresh shift report shows a forward gear "
+                                  "(the policy only drives forward; the topics backend reports one)"),
     "latch_stops": Param(True, "an engaged stop holds until the safety driver disengages"),
     "status_rate_hz": Param(5.0, "/diagnostics rate (also on every change of state or stop reasons)", "Hz", above=0.0),
     "steering_ratio": Param(STEERING_RATIO, "steering-wheel angle / road-wheel angle", "ratio", above=0.0),
@@ -71,7 +73,8 @@ SAFETY_SOURCE, FAILSAFE_SOURCE = "safety_monitor", "failsafe"
 
 class TopicsBackend:
     """Standard messages: for the simulator and replays. The command is the ACTUATION message
-    itself; the car's reports are made up from what was commanded and the override topic."""
+    itself; the car's reports are made up from what was commanded and the override topic, and its
+    speed is the TwistStamped on topics.VEHICLE_TWIST. The simulated car only drives forward."""
 
     hardware_id = "topics"
 
@@ -79,20 +82,28 @@ class TopicsBackend:
         self.node = node
         self.override_active = False
         node.create_subscription(Bool, topics.VEHICLE_OVERRIDE, self._on_override, msgs.qos("control"))
+        node.create_subscription(TwistStamped, topics.VEHICLE_TWIST, self._on_twist, msgs.qos("sensor"))
 
     def _on_override(self, msg: Bool) -> None:
         self.override_active = bool(msg.data)
+
+    def _on_twist(self, msg) -> None:
+        self.node.logic.on_speed(msgs.speed_from_message(msg), True, time.monotonic())
 
     def report(self, logic: VehicleLogic, now_s: float) -> None:
         enabled = logic.state is not EngageState.DISENGAGED and not self.override_active
         for system in SYSTEMS:
             logic.on_system_report(system, SystemStatus(enabled, self.override_active), now_s)
         logic.on_global_report(GlobalStatus(enabled, self.override_active), now_s)
+        logic.on_gear(True, now_s)
 
     def send(self, command, stamp: int) -> None:
         pass  # the ACTUATION message is the command
 
     def output_topics(self) -> list[str]:
+        return []
+
+    def input_topics(self) -> list[str]:
         return []
 
 
@@ -102,7 +113,7 @@ class Pacmod3Backend:
     hardware_id = "pacmod3"
 
     def __init__(self, node: VehicleInterface, limits: ControlLimits, steering_ratio: float):
-        from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat, VehicleSpeedRpt
+        from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat, SystemRptInt, VehicleSpeedRpt
 
         self.node, self.limits, self.steering_ratio = node, limits, steering_ratio
         self.logic = node.logic
@@ -112,10 +123,11 @@ class Pacmod3Backend:
             for system, topic in topics.PACMOD_COMMANDS.items()
         }
         sensor = msgs.qos("sensor")
-        for system, topic in topics.PACMOD_SYSTEM_REPORTS.items():
-            node.create_subscription(SystemRptFloat, topic, self._system_callback(system), sensor)
-        node.create_subscription(GlobalRpt, topics.PACMOD_GLOBAL_RPT, self._on_global, sensor)
-        node.create_subscription(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, self._on_speed, sensor)
+        self.reports = [node.create_subscription(SystemRptFloat, topic, self._system_callback(system), sensor)
+                        for system, topic in topics.PACMOD_SYSTEM_REPORTS.items()]
+        self.reports += [node.create_subscription(GlobalRpt, topics.PACMOD_GLOBAL_RPT, self._on_global, sensor),
+                         node.create_subscription(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, self._on_speed, sensor),
+                         node.create_subscription(SystemRptInt, topics.PACMOD_SHIFT_RPT, self._on_shift, sensor)]
 
     def _system_callback(self, system: str):
         def on_report(msg) -> None:
@@ -130,6 +142,9 @@ class Pacmod3Backend:
         speed = msgs.speed_from_message(msg)
         self.logic.on_speed(math.nan if speed is None else speed, speed is not None, time.monotonic())
 
+    def _on_shift(self, msg) -> None:
+        self.logic.on_gear(msgs.forward_gear(msg), time.monotonic())
+
     def report(self, logic: VehicleLogic, now_s: float) -> None:
         pass  # reports arrive on their own subscriptions
 
@@ -139,6 +154,11 @@ class Pacmod3Backend:
 
     def output_topics(self) -> list[str]:
         return [publisher.topic_name for publisher in self.publishers.values()]
+
+    def input_topics(self) -> list[str]:
+        """The driver's reports: a second publisher there (a bag played on the car's domain) could
+        hide a stale or invalid report."""
+        return [subscription.topic_name for subscription in self.reports]
 
 
 class VehicleInterface(LifecycleNode):
@@ -160,7 +180,8 @@ class VehicleInterface(LifecycleNode):
         self.logic = VehicleLogic(
             self.limits, float(p["steering_ratio"]),
             require_safety_monitor=bool(p["require_safety_monitor"]), require_failsafe=bool(p["require_failsafe"]),
-            require_speed=bool(p["require_speed"]), latch_stops=bool(p["latch_stops"]),
+            require_speed=bool(p["require_speed"]), require_forward_gear=bool(p["require_forward_gear"]),
+            latch_stops=bool(p["latch_stops"]),
         )
         self.steady = Clock(clock_type=ClockType.STEADY_TIME)
         self.backend = None
@@ -186,7 +207,6 @@ class VehicleInterface(LifecycleNode):
         self.camera_sub = self.create_subscription(CameraInfo, topics.CAMERA_INFO, self._on_camera, msgs.qos("sensor"))
         self.safety_sub = self.create_subscription(DiagnosticArray, topics.SAFETY_STOP, self._on_safety, msgs.qos("control"))
         self.failsafe_sub = self.create_subscription(DiagnosticArray, topics.FAILSAFE_STATUS, self._on_failsafe, msgs.qos("control"))
-        self.create_subscription(TwistStamped, topics.VEHICLE_TWIST, self._on_twist, msgs.qos("sensor"))
         self.create_service(SetBool, topics.ENGAGE_SERVICE, self._on_engage)
         self.create_service(Trigger, topics.REARM_SERVICE, self._on_rearm)
         self.create_timer(self.limits.control_period_s, self._tick, clock=self.steady)
@@ -262,11 +282,10 @@ class VehicleInterface(LifecycleNode):
         if request is not None:
             self.logic.on_failsafe(request.stop, time.monotonic())
 
-    def _on_twist(self, msg) -> None:
-        self.logic.on_speed(msgs.speed_from_message(msg), True, time.monotonic())
-
     def _on_engage(self, request, response):
-        if request.data:
+        if request.data and not self.active:  # inactive, nothing is sent: an engagement would wait for activate
+            response.success, response.message = False, "not engaging: the node is not active (lifecycle)"
+        elif request.data:
             response.success, response.message = self.logic.request_engage(time.monotonic())
         else:
             response.success, response.message = self.logic.request_disengage()
@@ -289,6 +308,8 @@ class VehicleInterface(LifecycleNode):
             expected[self.failsafe_sub.topic_name] = 1
         for topic in self.backend.output_topics():
             expected[topic] = 1 + int(self.logic.require_failsafe)  # this node and the failsafe
+        for topic in self.backend.input_topics():
+            expected[topic] = 1  # the driver
         return expected
 
     def _check_publishers(self) -> None:

@@ -14,8 +14,9 @@ stays set after the driver lets go until a command arrives with clear_override.
 The car: the steering wheel moves toward its command at the commanded rotation rate; speed follows
 the pedals (full accelerator `max_accel_mps2`, full brake `max_decel_mps2`); a system not
 enabled is the human's (pedals released, wheel left where it is).
+The gear is the human's: forward unless shifted to reverse.
 Fault injection: an override (the safety driver takes a system), a PACMod fault, a CAN timeout,
-and reports that stop (the car's state then unknown to the stack).
+reports that stop (the car's state then unknown to the stack), and a shift to reverse.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 COMMANDED = ("steering", "accel", "brake", "turn")  # command topics the stand-in latches
 TURN_NONE = 1  # pacmod3_msgs/SystemCmdInt: turn signals off (the driver's stalk)
+SHIFT_REVERSE, SHIFT_FORWARD = 1, 3  # pacmod3_msgs/SystemRptInt gears
 
 
 @dataclass
@@ -68,6 +70,7 @@ class CarReports:
     can_timeout: bool = False  # every *_can_timeout flag of GlobalRpt
     vehicle_speed: float = 0.0  # m/s
     vehicle_speed_valid: bool = True
+    gear: int = SHIFT_FORWARD  # the shift report's output
 
 
 class PacmodStandIn:
@@ -78,6 +81,7 @@ class PacmodStandIn:
         self.fault = False
         self.can_timeout = False
         self.reports_paused = False
+        self.gear = SHIFT_FORWARD
         self.steering_wheel_rad = 0.0
         self.speed_mps = 0.0
         self.max_accel_mps2 = max_accel_mps2
@@ -156,4 +160,5 @@ class PacmodStandIn:
             pacmod_sys_fault_active=self.fault,
             can_timeout=self.can_timeout,
             vehicle_speed=self.speed_mps,
+            gear=self.gear,
         )
