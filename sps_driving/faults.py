@@ -184,11 +184,11 @@ class Harness:
             params["camera_driver"] = {"source": str(frames), "loop": True, "width": 160, "height": 100, "rate_hz": 30.0}
         else:
             params["selection"] = {"checkpoint": checkpoint}
-            params["policy"] = {"checkpoint": checkpoint}
+            params["policy"] = {"checkpoint": checkpoint, "vehicle_backend": "pacmod3"}  # its speed input: the stand-in's report
             # Two CPU cores run the whole perception graph at about 10 frames/s: commands come every
             # ~0.1 s with jitter, so the command age limit is 1 s here (0.25 s on the car's GPU).
             params["vehicle_interface"]["max_command_age_s"] = 1.0
-            params["extractor"] = {}
+            params["extractor"] = {"checkpoint": checkpoint}  # the policy's extraction (its region of interest and grid)
         return params
 
     def _demo_frames(self):

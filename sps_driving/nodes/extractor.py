@@ -131,6 +131,15 @@ class ExtractorNode(Node):
         return None
 
     def _work(self) -> None:
+        try:
+            self._extract_frames()
+        except Exception:
+            if self.context.ok():
+                raise
+            # Shutting down: on SIGINT or SIGTERM rclpy invalidates the context before
+            # destroy_node stops this thread, and a publish in between fails. Nothing is lost.
+
+    def _extract_frames(self) -> None:
         while True:
             item = self._next_frame()
             if item is None:
