@@ -45,7 +45,7 @@ HOLD_S = 2.0  # s watched after each fault
 STANDIN_SENT = "/pacmod3_standin/sent"  # the stand-in's frame to the car of every period
 READY_TIMEOUT_S = 60.0  # s to get back to driving between faults (a killed node's DDS endpoints must expire)
 SHORT = ("kill -9 vehicle_interface", "SIGTERM vehicle_interface", "override", "NaN command", "second stop-request publisher",
-         "clock step backwards", "shift to reverse")
+         "clock step backwards", "shift to reverse", "second speed-report publisher")
 
 
 @dataclass(frozen=True)

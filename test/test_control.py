@@ -339,9 +339,12 @@ def test_an_override_while_engaging_aborts_once_the_old_flag_was_cleared():
     car.feed(0.2)
     car.override = True  # the safety driver brakes to abort the engagement
     car.feed(0.23)
-    assert logic.state is EngageState.DISENGAGED and logic.last_event == Event.OVERRIDE.value
-    assert logic.interventions == 1 and logic.locked_out
+    assert logic.state is EngageState.DISENGAGED and logic.last_event == Event.ENGAGE_ABORTED.value
+    assert logic.interventions == 0 and logic.locked_out  # the car never drove: no intervention
     assert not logic.tick(0.26).enable
+    car.override = False
+    car.feed(0.3)
+    assert not logic.request_engage(0.3)[0] and logic.rearm() == (True, "re-armed")
 
 
 @pytest.mark.parametrize("flag, event", [("fault", Event.FAULT), ("timeout", Event.CAN_TIMEOUT)])

@@ -1,6 +1,6 @@
 """Property-based tests of the vehicle interface's decisions (sps_driving.core.control): 10,000
 generated sequences of commands (NaN, infinite, out of range, late), drive-by-wire reports
-(overrides, faults, timeouts, missing), speed reports, stop requests, camera frames, duplicate
+(overrides, faults, timeouts, missing), speed reports (either direction), gear reports, stop requests, camera frames, duplicate
 publishers, clock steps, engage, disengage and re-arm requests, and control ticks at irregular
 times. Invariants, checked at every tick against a model of the inputs kept by the test:
 - every command is finite and within the configured limits;
@@ -9,10 +9,12 @@ times. Invariants, checked at every tick against a model of the inputs kept by t
   control period on the car);
 - the car is engaged only after an accepted engage request (an edge) and only at a tick where
   steering, accelerator and brake all report enabled, fresh, with no override, fault or timeout;
-- after an override, nothing engages again before a re-arm.
+- after an override, nothing engages again before a re-arm;
+- and the sequences do reach engaged driving (else the invariants above would hold vacuously).
 """
 
 import math
+from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,7 +27,7 @@ PERIOD = LIMITS.control_period_s
 
 floats = st.one_of(st.floats(-2.0, 2.0), st.sampled_from([math.nan, math.inf, -math.inf, 1e9, -1e9, 0.0]))
 flags = st.booleans()
-INPUTS = ("command", "camera", "safety", "failsafe", "speed", "steering", "accel", "brake", "global")
+INPUTS = ("command", "camera", "safety", "failsafe", "speed", "gear", "steering", "accel", "brake", "global")
 report = st.tuples(st.just("report"), st.sampled_from(SYSTEMS + ("global",)), flags, flags, flags, flags, floats)
 events = st.one_of(
     # Everything fresh and fine but (maybe) one input: engaged stretches happen, and one input goes stale.
@@ -39,7 +41,8 @@ events = st.one_of(
     st.tuples(st.just("safety"), flags),
     st.tuples(st.just("failsafe"), flags),
     report,
-    st.tuples(st.just("speed"), st.one_of(st.floats(0.0, 15.0), st.just(math.nan)), flags),
+    st.tuples(st.just("speed"), st.one_of(st.floats(-15.0, 15.0), st.just(math.nan)), flags),
+    st.tuples(st.just("gear"), flags),
     st.tuples(st.just("duplicates"), flags),
     st.tuples(st.just("clock"), st.sampled_from([0.0, 0.0, 0.0, 5.0, -5.0])),
     st.tuples(st.just("disengage")),
@@ -55,8 +58,9 @@ class InputModel:
     """The test's own record of when each input was last fresh and valid."""
 
     def __init__(self):
-        self.command_s = self.camera_s = self.safety_s = self.failsafe_s = self.speed_s = None
+        self.command_s = self.camera_s = self.safety_s = self.failsafe_s = self.speed_s = self.gear_s = None
         self.safety_stop = self.failsafe_active = self.command_bad = False
+        self.forward_gear = True
         self.reports = {}  # name -> (time, enabled, override, fault, timeout)
         self.duplicates = False
         self.jump_s = None
@@ -72,6 +76,7 @@ class InputModel:
             and self.fresh(self.safety_s, lim.max_safety_age_s, now) and not self.safety_stop
             and self.fresh(self.failsafe_s, lim.max_failsafe_age_s, now) and not self.failsafe_active
             and self.fresh(self.speed_s, lim.max_report_age_s, now)
+            and self.fresh(self.gear_s, lim.max_report_age_s, now) and self.forward_gear
             and all(self.fresh(self.reports.get(n, (None,))[0], lim.max_report_age_s, now) for n in SYSTEMS + ("global",))
             and not self.duplicates
             and not (self.jump_s is not None and now - self.jump_s <= lim.max_command_age_s)
@@ -89,9 +94,18 @@ class InputModel:
         return t is not None and now - t <= LIMITS.max_report_age_s and not (override or fault or timeout)
 
 
+REACHED = Counter()  # ticks of the generated sequences: "engaged", "driving"
+
+
+def test_vehicle_logic_invariants():
+    REACHED.clear()
+    check_vehicle_logic_invariants()
+    assert REACHED["driving"] > 100, REACHED  # about 500 ticks of engaged driving in 10,000 sequences
+
+
 @settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sequences)
-def test_vehicle_logic_invariants(sequence):
+def check_vehicle_logic_invariants(sequence):
     latch, steps = sequence
     logic = VehicleLogic(LIMITS, RATIO, latch_stops=latch)
     model = InputModel()
@@ -133,6 +147,9 @@ def test_vehicle_logic_invariants(sequence):
             logic.on_speed(event[1], event[2], now)
             if event[2] and math.isfinite(event[1]):
                 model.speed_s = now
+        elif kind == "gear":
+            logic.on_gear(event[1], now)
+            model.gear_s, model.forward_gear = now, event[1]
         elif kind == "duplicates":
             logic.on_duplicates({"/sps/command": 2} if event[1] else {})
             model.duplicates = event[1]
@@ -172,6 +189,7 @@ def test_vehicle_logic_invariants(sequence):
                     model.reports[name] = (now, True, False, False, False)
             for name, feed in (
                 ("speed", lambda: logic.on_speed(3.0, True, now)),
+                ("gear", lambda: logic.on_gear(True, now)),
                 ("camera", lambda: logic.on_camera(now)),
                 ("safety", lambda: logic.on_safety(False, now)),
                 ("failsafe", lambda: logic.on_failsafe(False, now)),
@@ -183,6 +201,7 @@ def test_vehicle_logic_invariants(sequence):
             model.safety_stop = model.safety_stop and skip == "safety"
             model.failsafe_active = model.failsafe_active and skip == "failsafe"
             model.command_bad = model.command_bad and skip == "command"
+            model.forward_gear = model.forward_gear or skip != "gear"
         if not tick:
             continue
         was = logic.state
@@ -194,6 +213,7 @@ def test_vehicle_logic_invariants(sequence):
         # Driving only with every input fresh: anything stale is a stop at this tick.
         if cmd.enable and not cmd.stopping and cmd.state is EngageState.ENGAGED:
             assert model.inputs_fresh(now, logic), "drove on a stale or invalid input"
+            REACHED["driving"] += 1
         if cmd.stopping and cmd.state is EngageState.ENGAGED:
             assert cmd.throttle == -LIMITS.stop_brake and cmd.enable
         if cmd.state is not EngageState.ENGAGED:

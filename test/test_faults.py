@@ -61,3 +61,4 @@ def test_short_fault_matrix_ends_every_fault_in_a_held_stop(tmp_path):
     assert "duplicate_publisher" in by_name["second stop-request publisher"]["vehicle_interface"]
     assert "clock_jump" in by_name["clock step backwards"]["vehicle_interface"]
     assert "gear_not_forward" in by_name["shift to reverse"]["vehicle_interface"]
+    assert "duplicate_publisher" in by_name["second speed-report publisher"]["vehicle_interface"]

@@ -20,9 +20,10 @@ Engagement (PACMod 3 semantics, see sps_driving.sim.pacmod for the driver's beha
 - engaged, any stop reason latches a controlled stop (accelerator 0, stop_brake, steering held,
   hazard lights) that holds until the safety driver disengages, however the input recovers;
 - an override disengages, counts one safety-driver intervention and locks engagement out until
-  `rearm`; so does one while engaging on a report that had already shown its override cleared
-  (the safety driver aborting the engagement); a reported fault or timeout, or a system the car
-  disabled, disengages with its cause;
+  `rearm`; while engaging, one on a report that had already shown its override cleared (the safety
+  driver aborting the engagement) drops the engagement and locks out the same way, without counting
+  an intervention (the car never drove); a reported fault or timeout, or a system the car disabled,
+  disengages with its cause;
 - disengaged, enable is false and the steering command follows the measured angle, so the next
   engagement starts from where the wheel is.
 """
@@ -146,6 +147,7 @@ class Event(str, Enum):
     DISABLED_BY_VEHICLE = "disabled_by_vehicle"  # a system reported disabled without override or fault
     DISENGAGE_REQUESTED = "disengage_requested"  # the operator disengaged
     ENGAGE_TIMEOUT = "engage_timeout"  # the car did not complete the engagement in time
+    ENGAGE_ABORTED = "engage_aborted"  # the safety driver overrode while engaging (locks out; not an intervention)
     STOP_LATCHED = "stop_latched"  # engaged, braking to a controlled stop
     REARMED = "rearmed"
     SHUTDOWN = "shutdown"  # the node exited (brake, then disable)
@@ -225,7 +227,7 @@ class VehicleLogic:
         self.state = EngageState.DISENGAGED
         self.locked_out = False  # after an override, until rearm()
         self.last_event = ""
-        self.interventions = 0  # overrides while engaged, and engagements the safety driver aborted
+        self.interventions = 0  # overrides while engaged
         self.disengagements: dict[str, int] = {}  # Event value -> count, for every cause
         self.invalid_commands = 0
         self.late_commands = 0
@@ -339,20 +341,18 @@ class VehicleLogic:
         elif self.state is EngageState.ENGAGING:
             # An old override flag is being cleared and systems are coming up; an override on a
             # report that had already shown it cleared is the safety driver aborting the engagement.
+            # It locks out as an override does; the car never drove, so it is no intervention.
             if not override:
                 self._override_cleared.add(source)
             elif source in self._override_cleared:
-                self._take_over(now_s)
+                self.locked_out = True
+                self._disengage(Event.ENGAGE_ABORTED, now_s)
         elif override:
-            self._take_over(now_s)
+            self.interventions += 1
+            self.locked_out = True
+            self._disengage(Event.OVERRIDE, now_s)
         elif not enabled:
             self._disengage(Event.DISABLED_BY_VEHICLE, now_s)
-
-    def _take_over(self, now_s: float) -> None:
-        """The safety driver overrode: an intervention, and engagement locked out until rearm()."""
-        self.interventions += 1
-        self.locked_out = True
-        self._disengage(Event.OVERRIDE, now_s)
 
     # ------------------------------------------------------------ operator requests
 

@@ -71,6 +71,12 @@ PUBLISHER_CHECK_PERIODS = 6  # count the publishers of inputs and outputs every 
 SAFETY_SOURCE, FAILSAFE_SOURCE = "safety_monitor", "failsafe"
 
 
+def _on_speed(logic: VehicleLogic, msg) -> None:
+    """A speed report of either backend (msgs.speed_from_message); one marked invalid is no speed."""
+    speed = msgs.speed_from_message(msg)
+    logic.on_speed(math.nan if speed is None else speed, speed is not None, time.monotonic())
+
+
 class TopicsBackend:
     """Standard messages: for the simulator and replays. The command is the ACTUATION message
     itself; the car's reports are made up from what was commanded and the override topic, and its
@@ -82,13 +88,10 @@ class TopicsBackend:
         self.node = node
         self.override_active = False
         node.create_subscription(Bool, topics.VEHICLE_OVERRIDE, self._on_override, msgs.qos("control"))
-        node.create_subscription(TwistStamped, topics.VEHICLE_TWIST, self._on_twist, msgs.qos("sensor"))
+        node.create_subscription(TwistStamped, topics.VEHICLE_TWIST, lambda msg: _on_speed(node.logic, msg), msgs.qos("sensor"))
 
     def _on_override(self, msg: Bool) -> None:
         self.override_active = bool(msg.data)
-
-    def _on_twist(self, msg) -> None:
-        self.node.logic.on_speed(msgs.speed_from_message(msg), True, time.monotonic())
 
     def report(self, logic: VehicleLogic, now_s: float) -> None:
         enabled = logic.state is not EngageState.DISENGAGED and not self.override_active
@@ -126,7 +129,8 @@ class Pacmod3Backend:
         self.reports = [node.create_subscription(SystemRptFloat, topic, self._system_callback(system), sensor)
                         for system, topic in topics.PACMOD_SYSTEM_REPORTS.items()]
         self.reports += [node.create_subscription(GlobalRpt, topics.PACMOD_GLOBAL_RPT, self._on_global, sensor),
-                         node.create_subscription(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, self._on_speed, sensor),
+                         node.create_subscription(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, lambda msg: _on_speed(self.logic, msg),
+                                                  sensor),
                          node.create_subscription(SystemRptInt, topics.PACMOD_SHIFT_RPT, self._on_shift, sensor)]
 
     def _system_callback(self, system: str):
@@ -137,10 +141,6 @@ class Pacmod3Backend:
 
     def _on_global(self, msg) -> None:
         self.logic.on_global_report(msgs.global_status(msg), time.monotonic())
-
-    def _on_speed(self, msg) -> None:
-        speed = msgs.speed_from_message(msg)
-        self.logic.on_speed(math.nan if speed is None else speed, speed is not None, time.monotonic())
 
     def _on_shift(self, msg) -> None:
         self.logic.on_gear(msgs.forward_gear(msg), time.monotonic())
