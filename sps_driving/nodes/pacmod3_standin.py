@@ -7,8 +7,8 @@ enabled. Behaviour: sps_driving.sim.pacmod.
 Fault injection, each a std_srvs/SetBool service of this node: ~/override (the safety driver takes
 the wheel and pedals; false lets go), ~/fault (a PACMod system fault), ~/can_timeout (CAN timeout
 flags in the global report), ~/pause_reports (reports stop while true) and ~/reverse (the gear in
-reverse while true). What the driver
-re-sends to the car every period goes out on ~/sent (msgs.sent_message), so a test can see it.
+reverse while true). What the driver re-sends to the car every period goes out on ~/sent
+(msgs.sent_message), so a test can see it.
 """
 
 from __future__ import annotations
