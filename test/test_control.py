@@ -17,7 +17,7 @@ from sps_driving.core.control import (
     to_pacmod,
 )
 from sps_driving.core.failsafe import Failsafe, FailsafeState
-from sps_driving.sim.pacmod import PacmodStandIn
+from sps_driving.sim.pacmod import SHIFT_REVERSE, PacmodStandIn
 
 LIMITS = ControlLimits(
     max_road_wheel_angle_rad=0.3,
@@ -431,6 +431,21 @@ def test_standin_latches_resends_and_clears_enable_on_override():
     car.on_command("steering", True, False, True, 0.0, 4.0)
     car.step(t + 2 * DT, DT)
     assert car.enabled("steering")
+
+
+def test_standin_speed_is_signed_and_brakes_to_a_standstill():
+    car = PacmodStandIn()
+    car.gear = SHIFT_REVERSE
+    for system, command in (("accel", 0.3), ("brake", 0.0)):
+        car.on_command(system, True, False, True, command)
+    for k in range(30):
+        car.step(k * DT, DT)
+    assert car.reports().vehicle_speed < -0.5  # PACMod's speed is negative in reverse
+    car.on_command("accel", True, False, True, 0.0)
+    car.on_command("brake", True, False, True, 0.8)
+    for k in range(30, 90):
+        car.step(k * DT, DT)
+    assert car.speed_mps == 0.0  # stopped, not driven forwards by the brake
 
 
 def test_a_disabled_system_followed_by_the_report_saying_why_gets_that_cause():

@@ -11,8 +11,8 @@ What it copies from the real driver (astuff/pacmod3, ROS 2, `PACMod3Node`):
 What it copies from the PACMod firmware: a system is enabled while its latched command has
 enable set, its override flag is clear and no fault or CAN timeout is present; an override flag
 stays set after the driver lets go until a command arrives with clear_override.
-The car: the steering wheel moves toward its command at the commanded rotation rate; speed follows
-the pedals (full accelerator `max_accel_mps2`, full brake `max_decel_mps2`); a system not
+The car: the steering wheel moves toward its command at the commanded rotation rate; speed (signed,
+negative in reverse) follows the pedals (full accelerator `max_accel_mps2`, full brake `max_decel_mps2`); a system not
 enabled is the human's (pedals released, wheel left where it is).
 The gear is the human's: forward unless shifted to reverse.
 Fault injection: an override (the safety driver takes a system), a PACMod fault, a CAN timeout,
@@ -128,8 +128,12 @@ class PacmodStandIn:
         brake = self.latched["brake"].command if self.enabled("brake") else 0.0
         accel = accel if math.isfinite(accel) else 0.0
         brake = brake if math.isfinite(brake) else 0.0
-        dv = (self.max_accel_mps2 * accel - self.max_decel_mps2 * brake - self.drag_per_s * self.speed_mps) * dt_s
-        self.speed_mps = max(0.0, self.speed_mps + dv)
+        # Signed speed, as PACMod reports it: the accelerator pushes the way the gear points; brake
+        # and drag slow the car down to a standstill, never through it.
+        direction = -1.0 if self.gear == SHIFT_REVERSE else 1.0
+        speed = self.speed_mps + direction * self.max_accel_mps2 * accel * dt_s
+        slowing = (self.max_decel_mps2 * brake + self.drag_per_s * abs(speed)) * dt_s
+        self.speed_mps = math.copysign(max(0.0, abs(speed) - slowing), speed)
         return sent
 
     def reports(self) -> CarReports | None:
