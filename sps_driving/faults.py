@@ -148,7 +148,7 @@ class Harness:
         self.obstacle_m = math.inf
         self.camera_mode = "ok"
         self.spoof_wanted = ""  # "stop" or "speed": a second publisher of that input
-        self.spoof = None  # (what, publisher)
+        self.spoof = None  # (publisher, message(stamp)) while spoof_wanted
         self.status = {}
         self.sent = []
         self.lock = threading.Lock()  # self.sent and self.status are written by the spinning thread
@@ -255,26 +255,26 @@ class Harness:
         # here, never while another thread publishes through it. Each says all is well: no stop
         # requested, a valid standstill.
         if self.spoof_wanted and self.spoof is None:
-            self.spoof = (self.spoof_wanted, self._spoof_publisher(self.spoof_wanted))
+            self.spoof = self._spoof(self.spoof_wanted)
         elif not self.spoof_wanted and self.spoof is not None:
-            self.node.destroy_publisher(self.spoof[1])
+            self.node.destroy_publisher(self.spoof[0])
             self.spoof = None
-        if self.spoof is not None and self.spoof[0] == "stop":
-            self.spoof[1].publish(msgs.stop_request_message(stamp, "safety_monitor", False))
-        elif self.spoof is not None:
-            from pacmod3_msgs.msg import VehicleSpeedRpt
+        if self.spoof is not None:
+            publisher, message = self.spoof
+            publisher.publish(message(stamp))
 
-            header = msgs.to_ros(msgs.header_fields(stamp, "pacmod"))
-            self.spoof[1].publish(VehicleSpeedRpt(header=header, vehicle_speed=0.0, vehicle_speed_valid=True))
-
-    def _spoof_publisher(self, what: str):
+    def _spoof(self, what: str):
+        """A second publisher of `what` ("stop" or "speed") and the message it repeats: (publisher, message(stamp))."""
         if what == "stop":
             from diagnostic_msgs.msg import DiagnosticArray
 
-            return self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control"))
+            return (self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control")),
+                    lambda stamp: msgs.stop_request_message(stamp, "safety_monitor", False))
         from pacmod3_msgs.msg import VehicleSpeedRpt
 
-        return self.node.create_publisher(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, msgs.qos("driver"))
+        return (self.node.create_publisher(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, msgs.qos("driver")),
+                lambda stamp: VehicleSpeedRpt(header=msgs.to_ros(msgs.header_fields(stamp, "pacmod")), vehicle_speed=0.0,
+                                              vehicle_speed_valid=True))
 
     def _publish_frame(self) -> None:
         if self.camera_mode == "stop":

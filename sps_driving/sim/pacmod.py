@@ -11,9 +11,9 @@ What it copies from the real driver (astuff/pacmod3, ROS 2, `PACMod3Node`):
 What it copies from the PACMod firmware: a system is enabled while its latched command has
 enable set, its override flag is clear and no fault or CAN timeout is present; an override flag
 stays set after the driver lets go until a command arrives with clear_override.
-The car: the steering wheel moves toward its command at the commanded rotation rate; speed (signed,
-negative in reverse) follows the pedals (full accelerator `max_accel_mps2`, full brake `max_decel_mps2`); a system not
-enabled is the human's (pedals released, wheel left where it is).
+The car: the steering wheel moves toward its command at the commanded rotation rate; speed
+(signed, negative in reverse) follows the pedals (full accelerator `max_accel_mps2`, full brake
+`max_decel_mps2`); a system not enabled is the human's (pedals released, wheel left where it is).
 The gear is the human's: forward unless shifted to reverse.
 Fault injection: an override (the safety driver takes a system), a PACMod fault, a CAN timeout,
 reports that stop (the car's state then unknown to the stack), and a shift to reverse.

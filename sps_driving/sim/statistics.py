@@ -65,13 +65,13 @@ class _Design:
     layouts: tuple[tuple[int, ...], ...]
 
 
-def _seeds(scores: Scores) -> list:
+def training_seeds(scores: Scores) -> list:
     return sorted({seed for _, _, seed in scores}, key=repr)
 
 
 def _design(a: Scores, b: Scores | None) -> _Design:
     """The cells of `a` (and `b`) that every checkpoint of both drove, as arrays, in sorted order."""
-    seeds_a, seeds_b = _seeds(a), _seeds(b) if b is not None else []
+    seeds_a, seeds_b = training_seeds(a), training_seeds(b) if b is not None else []
     cells = {(scenario, layout) for scenario, layout, _ in a}
     if b is not None:
         cells &= {(scenario, layout) for scenario, layout, _ in b}

@@ -37,7 +37,7 @@ from sps_driving.core.history import PATCH_POLICY
 from sps_driving.resources import source_revision
 from sps_driving.sim.results import RESULTS_FILE, merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES, SCENARIO_NAMES, SCENARIOS
-from sps_driving.sim.statistics import Estimate, paired_difference, score_interval, unpaired_difference
+from sps_driving.sim.statistics import Estimate, paired_difference, score_interval, training_seeds, unpaired_difference
 
 EXPERT = "expert"  # the method name of the privileged expert's episodes
 SELECTION_FAMILIES = ("SPS", "SPPS", "MSPPS")
@@ -180,7 +180,7 @@ def seed_scores(rows: list[dict]) -> dict:
     more than one checkpoint: how far apart the seeds of one method land, beside the pooled score."""
     by_method: dict = defaultdict(dict)
     for method, scores in method_scores(rows).items():
-        seeds = sorted({seed for _, _, seed in scores}, key=repr)
+        seeds = training_seeds(scores)
         if len(seeds) < 2:
             continue
         for seed in seeds:
