@@ -72,6 +72,7 @@ FAULTS = [
     Fault("shift to reverse", "vehicle", "standin", "reverse"),
     Fault("second stop-request publisher", "vehicle", "spoof", "stop"),
     Fault("second speed-report publisher", "vehicle", "spoof", "speed"),
+    Fault("second heartbeat publisher", "vehicle", "spoof", "heartbeat"),
     Fault("NaN command", "vehicle", "command", "nan"),
     Fault("out-of-range command", "vehicle", "command", "huge"),
     Fault("obstacle too close to measure (-inf)", "vehicle", "obstacle", "-inf"),
@@ -147,7 +148,7 @@ class Harness:
         self.command = (0.02, 0.15)  # what this process publishes as the policy (vehicle graphs)
         self.obstacle_m = math.inf
         self.camera_mode = "ok"
-        self.spoof_wanted = ""  # "stop" or "speed": a second publisher of that input
+        self.spoof_wanted = ""  # "stop", "speed" or "heartbeat": a second publisher of that topic
         self.spoof = None  # (publisher, message(stamp)) while spoof_wanted
         self.status = {}
         self.sent = []
@@ -264,12 +265,18 @@ class Harness:
             publisher.publish(message(stamp))
 
     def _spoof(self, what: str):
-        """A second publisher of `what` ("stop" or "speed") and the message it repeats: (publisher, message(stamp))."""
+        """A second publisher of `what` ("stop", "speed" or "heartbeat", as a replayed bag would
+        bring) and the message it repeats: (publisher, message(stamp))."""
         if what == "stop":
             from diagnostic_msgs.msg import DiagnosticArray
 
             return (self.node.create_publisher(DiagnosticArray, topics.SAFETY_STOP, msgs.qos("control")),
                     lambda stamp: msgs.stop_request_message(stamp, "safety_monitor", False))
+        if what == "heartbeat":
+            from sensor_msgs.msg import JointState
+
+            return (self.node.create_publisher(JointState, topics.ACTUATION, msgs.qos("control")),
+                    lambda stamp: msgs.to_ros(msgs.command_fields(0.0, 0.0, stamp)))
         from pacmod3_msgs.msg import VehicleSpeedRpt
 
         return (self.node.create_publisher(VehicleSpeedRpt, topics.PACMOD_SPEED_RPT, msgs.qos("driver")),
