@@ -287,11 +287,13 @@ def _markdown_table(header: list[str], table: list[list[str]], reports: dict) ->
     return lines
 
 
-def write_tables(rows: list[dict], out: Path, command: str) -> None:
-    """OUT/table1.{csv,md}, table2.{csv,md}, details.md and accuracy_vs_rate.png from `rows`."""
+def write_tables(rows: list[dict], out: Path, command: str, revision: str | None = None) -> None:
+    """OUT/table1.{csv,md}, table2.{csv,md}, details.md and accuracy_vs_rate.png from `rows`;
+    `revision`: the source revision they record (default: the checkout's now)."""
     summary = summarize(rows)
     if not summary:
         return
+    revision = revision or source_revision()
     reports = method_reports(rows)
     labels = {s.name: s.label for s in SCENARIOS}
     settings = sorted({(r["profile"], r["episode_s"], r["width"], r["height"]) for r in rows})
@@ -310,7 +312,7 @@ def write_tables(rows: list[dict], out: Path, command: str) -> None:
             " (closed loop, normalized success duration)",
             "",
             f"Command: `{command}`  ",
-            f"Git revision: {source_revision()}  ",
+            f"Git revision: {revision}  ",
             "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
             f"Layouts (episode seeds, shared by all scenarios and methods): {layouts}  ",
             "Not yet run: " + (", ".join(missing) if missing else "none") + "  ",
@@ -445,7 +447,8 @@ def run(args) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    revision = source_revision()  # before writing: an output folder inside the checkout would count as a change
     (out / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    write_tables(rows, out, command)
+    write_tables(rows, out, command, revision)
     print(f"{len(rows)} episodes: tables and details in {out}")
     return 0
