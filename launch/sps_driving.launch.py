@@ -21,7 +21,7 @@ lives.
 
 import os
 
-from launch.actions import IncludeLaunchDescription, RegisterEventHandler, Shutdown
+from launch.actions import IncludeLaunchDescription, LogInfo, RegisterEventHandler, Shutdown
 from launch.conditions import IfCondition
 from launch.event_handlers import OnProcessExit
 from launch.launch_description_sources import AnyLaunchDescriptionSource
@@ -31,6 +31,8 @@ from launch import LaunchDescription
 
 # The nodes that can stop the car on their own; the driver lives while one of them does.
 CAR_STOPPERS = frozenset({"/vehicle_interface", "/failsafe"})
+STOPPING_THE_DRIVER = ("the vehicle interface and the failsafe have both exited: shutting down the launch and the PACMod "
+                       "driver with it; the PACMod's command timeout hands the car to the safety driver")
 
 
 def is_car_stopper(action) -> bool:
@@ -47,7 +49,8 @@ def generate_launch_description():
     def shut_down_when_none_is_left(event, _context):
         exited.add(event.action.node_name)
         if exited >= CAR_STOPPERS:
-            return [Shutdown(reason="the vehicle interface and the failsafe exited")]
+            # Launch's own line names only the last process to exit, as if it alone had caused this.
+            return [LogInfo(msg=STOPPING_THE_DRIVER), Shutdown(reason=STOPPING_THE_DRIVER)]
         return None
 
     tie = RegisterEventHandler(

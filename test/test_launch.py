@@ -106,7 +106,7 @@ def car_launch_exit_handler(monkeypatch):
         def __init__(self, *args, **kwargs):
             self.args, self.kwargs = args, kwargs
 
-    names = {"launch": ["LaunchDescription"], "launch.actions": ["IncludeLaunchDescription", "RegisterEventHandler", "Shutdown"],
+    names = {"launch": ["LaunchDescription"], "launch.actions": ["IncludeLaunchDescription", "LogInfo", "RegisterEventHandler", "Shutdown"],
              "launch.conditions": ["IfCondition"], "launch.event_handlers": ["OnProcessExit"],
              "launch.launch_description_sources": ["AnyLaunchDescriptionSource"], "launch.substitutions": ["LaunchConfiguration"]}
     for module_name, classes in names.items():
@@ -134,8 +134,8 @@ def test_with_the_driver_the_car_launch_shuts_down_once_neither_node_that_stops_
     exit_of = lambda name: type("ProcessExited", (), {"action": node(name)})()  # noqa: E731
     assert on_exit(exit_of(order[0]), None) is None
     assert on_exit(exit_of(order[0]), None) is None  # the same node twice is still one of two
-    shutdown, = on_exit(exit_of(order[1]), None)
-    assert type(shutdown).__name__ == "Shutdown"
+    log, shutdown = on_exit(exit_of(order[1]), None)
+    assert type(shutdown).__name__ == "Shutdown" and "both exited" in log.kwargs["msg"]
 
 
 def test_every_parameter_set_is_declared_and_allowed(launch):
