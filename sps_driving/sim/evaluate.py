@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sps_driving.distributed import Processes, file_digest, start_processes
+from sps_driving.resources import source_revision
 from sps_driving.sim.config import PROFILES, load_sim_config, widen_view
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
@@ -247,6 +248,7 @@ def _run(args, config: dict, settings: EvalSettings, procs: Processes) -> int:
               f"{settings.width}x{settings.height} px"
               + (f" (view {args.view_width_scale:g} times as wide)" if args.view_width_scale != 1.0 else "")
               + f", {len(args.scenarios)} scenario(s), {how}")
+    revision = source_revision()  # before the results are written: an output folder inside the checkout would count as a change
     if args.graph:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:
@@ -262,7 +264,8 @@ def _run(args, config: dict, settings: EvalSettings, procs: Processes) -> int:
     same = (settings.episode_s, settings.width, settings.height)
     rows = [r for r in read_results(out / RESULTS_FILE)
             if (r["episode_s"], r["width"], r["height"]) == same and r["seed"] in settings.seeds]
-    write_tables(rows, out, "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "sps-driving eval ...")
+    write_tables(rows, out, "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else "sps-driving eval ...",
+                 revision)
     for name in ("table1.md", "table2.md"):
         if (out / name).is_file():
             print((out / name).read_text())
