@@ -248,6 +248,18 @@ def test_a_silent_input_latches_a_controlled_stop_within_one_period(silenced, re
     assert not car.run(2.0, 2.1)[-1].enable
 
 
+def test_a_latched_stop_ends_with_its_engagement_even_without_a_tick_between():
+    logic, car = engaged()
+    assert car.run(0.1, 0.6, command=False)[-1].stopping  # command_timeout latched
+    car.run(0.6, 1.0)  # the command is back; the stop holds
+    assert logic.tick(1.0).stopping
+    # Disengage and engage again within one control period, as two quick service calls can.
+    assert logic.request_disengage() == (True, "disengaged")
+    assert logic.request_engage(1.0) == (True, "engaging")
+    cmds = car.run(1.0, 1.0 + 3 * DT)
+    assert logic.state is EngageState.ENGAGED and not cmds[-1].stopping and cmds[-1].reasons == ()
+
+
 def test_without_latching_a_replay_sees_the_stack_resume():
     logic, car = engaged(latch_stops=False)
     car.run(0.1, 0.3, command=False)

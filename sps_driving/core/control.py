@@ -475,7 +475,6 @@ class VehicleLogic:
         self._last_tick_s = now_s
         reasons = self._stop_reasons(now_s)
         if self.state is not EngageState.ENGAGED:
-            self._latched = ()
             if self._measured_steering is not None:
                 self._steering = self._measured_steering
             engaging = self.state is EngageState.ENGAGING
@@ -518,6 +517,9 @@ class VehicleLogic:
             self._count(event, +1)
             if now_s is not None:
                 self._disengaged_s = now_s
+        # A latched stop ends with its engagement, here and not at the next tick: an engage request
+        # within the same control period must start clean.
+        self._latched = ()
         self._set(EngageState.DISENGAGED, event)
 
     def _count(self, event: Event, change: int) -> None:

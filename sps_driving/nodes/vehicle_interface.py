@@ -325,10 +325,10 @@ class VehicleInterface(LifecycleNode):
     def _tick(self) -> None:
         if not self.active:
             return
-        now_s = time.monotonic()
         if self._ticks % PUBLISHER_CHECK_PERIODS == 0:
             self._check_publishers()
         self._ticks += 1
+        now_s = time.monotonic()  # read beside the ROS clock: time between the two would read as a step
         if self.logic.on_clock(now_ns(self), now_s):
             self.get_logger().error("the ROS clock stepped against the steady clock: stopping")
         self.backend.report(self.logic, now_s)
