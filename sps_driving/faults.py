@@ -119,6 +119,13 @@ def measure(sends, fault_s: float, end_s: float, limits, steering_ratio: float) 
     return row
 
 
+def stage_summary(stages: dict, now_s: float) -> str:
+    """When each perception stage last reported a frame or a drop ({stage: (steady s, what)}),
+    which names the stage that went quiet when the graph stops sending commands."""
+    return ", ".join(f"{stage} never" if stage not in stages else f"{stage} {now_s - stages[stage][0]:.1f} s ago ({stages[stage][1]})"
+                     for stage in ("selection", "extractor", "policy"))
+
+
 class Harness:
     """This process's side of a faults run: the inputs the graph is not given by its own nodes, the
     clock, the operator's services and the record of what reached the car."""
@@ -151,6 +158,7 @@ class Harness:
         self.spoof_wanted = ""  # "stop", "speed" or "heartbeat": a second publisher of that topic
         self.spoof = None  # (publisher, message(stamp)) while spoof_wanted
         self.status = {}
+        self.stages = {}  # perception stage -> (steady s, "frame" or "dropped: why") of its last report
         self.sent = []
         self.lock = threading.Lock()  # self.sent and self.status are written by the spinning thread
         self._frames = self._demo_frames() if graph_kind == "perception" else None
@@ -229,6 +237,8 @@ class Harness:
             self.image_pub = node.create_publisher(Image, topics.IMAGE, msgs.qos("image"))
             self.info_pub = node.create_publisher(CameraInfo, topics.CAMERA_INFO, msgs.qos("sensor_out"))
         node.create_subscription(DiagnosticArray, topics.DIAGNOSTICS, self._on_diagnostics, msgs.qos("status"))
+        if self.kind == "perception":
+            node.create_subscription(DiagnosticArray, topics.STAGE_TIMING, self._on_stage_timing, msgs.qos("status"))
         node.create_subscription(JointState, STANDIN_SENT, self._on_sent, msgs.qos("status"))
         steady = Clock(clock_type=ClockType.STEADY_TIME)
         node.create_timer(1 / 30, self._publish_inputs, clock=steady)
@@ -300,6 +310,16 @@ class Harness:
         with self.lock:
             for name, level, message, values in msgs.diagnostic_values(msg):
                 self.status[name] = (level, message, values)
+
+    def _on_stage_timing(self, msg) -> None:
+        now_s = time.monotonic()
+        with self.lock:
+            for report in msgs.stage_reports(msg):
+                self.stages[report.stage] = (now_s, f"dropped: {report.reason}" if report.dropped else "frame")
+
+    def _stage_summary(self) -> str:
+        with self.lock:
+            return stage_summary(dict(self.stages), time.monotonic())
 
     def _on_sent(self, msg) -> None:
         sent = msgs.sent_from_message(msg, time.monotonic())
@@ -448,7 +468,8 @@ class Harness:
             refused = "stopped again before the fault: " + self._vehicle_interface()
         if refused:
             return {"fault": fault.name, "graph": self.kind, "stopped": False, "time_to_stop_s": None, "held": False,
-                    "unsafe_commands": 0, "error": f"could not drive before the fault: {refused}"}
+                    "unsafe_commands": 0, "error": f"could not drive before the fault: {refused}"
+                    + (f"; last stage reports: {self._stage_summary()}" if self.kind == "perception" else "")}
         fault_s = time.monotonic()
         self.inject(fault)
         time.sleep(self.hold_s)
