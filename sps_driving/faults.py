@@ -42,6 +42,11 @@ from pathlib import Path
 from sps_driving import msgs, topics
 
 HOLD_S = 2.0  # s watched after each fault
+# s from a kill -9 to its successor's start: after the killed node's DDS participant has expired in
+# every process (lease 2 s, config/fastdds.xml), twice over. A successor started sooner can take the
+# dead participant's ports while its peers still hold it, and then large messages (images,
+# descriptors) may never reach it, as in Fast DDS issue 5469 (docs/vehicle.md).
+RESTART_AFTER_KILL_S = 4.0
 STANDIN_SENT = "/pacmod3_standin/sent"  # the stand-in's frame to the car of every period
 READY_TIMEOUT_S = 60.0  # s to get back to driving between faults (a killed node's DDS endpoints must expire)
 SHORT = ("kill -9 vehicle_interface", "SIGTERM vehicle_interface", "override", "NaN command", "second stop-request publisher",
@@ -157,6 +162,7 @@ class Harness:
         self.camera_mode = "ok"
         self.spoof_wanted = ""  # "stop", "speed" or "heartbeat": a second publisher of that topic
         self.spoof = None  # (publisher, message(stamp)) while spoof_wanted
+        self.injected_s = 0.0  # steady s of the last fault
         self.status = {}
         self.stages = {}  # perception stage -> (steady s, "frame" or "dropped: why") of its last report
         self.sent = []
@@ -406,6 +412,7 @@ class Harness:
 
     def inject(self, fault: Fault) -> None:
         kind, target = fault.inject, fault.target
+        self.injected_s = time.monotonic()
         if kind == "kill":
             self.graph.kill(target, signal.SIGKILL)
         elif kind == "sigterm":
@@ -444,6 +451,8 @@ class Harness:
             self.graph.processes[target].send_signal(signal.SIGCONT)
         elif kind in ("kill", "sigterm", "sigint", "deactivate"):
             self.graph.stop([target])
+            if kind == "kill":
+                time.sleep(max(0.0, self.injected_s + RESTART_AFTER_KILL_S - time.monotonic()))
             self.graph.start(target)
             wait_for_nodes(self.node, [target], 120.0, self.graph)
         elif kind == "standin":
