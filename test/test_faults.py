@@ -47,13 +47,13 @@ def test_selecting_faults():
         faults.select(False, ["kill -9 nobody"])
 
 
-@pytest.mark.ros
 def test_stage_summary_names_the_stage_that_went_quiet():
     stages = {"selection": (9.5, "frame"), "extractor": (0.0, "dropped: no selection")}
     assert faults.stage_summary(stages, 10.0) == (
         "selection 0.5 s ago (frame), extractor 10.0 s ago (dropped: no selection), policy never")
 
 
+@pytest.mark.ros
 def test_short_fault_matrix_ends_every_fault_in_a_held_stop(tmp_path):
     rows = faults.run_matrix(faults.select(True, None), hold_s=1.5, log_dir=tmp_path, progress=lambda _line: None)
     assert sorted(r["fault"] for r in rows) == sorted(faults.SHORT)
