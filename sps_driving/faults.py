@@ -162,7 +162,6 @@ class Harness:
         self.camera_mode = "ok"
         self.spoof_wanted = ""  # "stop", "speed" or "heartbeat": a second publisher of that topic
         self.spoof = None  # (publisher, message(stamp)) while spoof_wanted
-        self.injected_s = 0.0  # steady s of the last fault
         self.status = {}
         self.stages = {}  # perception stage -> (steady s, "frame" or "dropped: why") of its last report
         self.sent = []
@@ -412,7 +411,6 @@ class Harness:
 
     def inject(self, fault: Fault) -> None:
         kind, target = fault.inject, fault.target
-        self.injected_s = time.monotonic()
         if kind == "kill":
             self.graph.kill(target, signal.SIGKILL)
         elif kind == "sigterm":
@@ -443,7 +441,8 @@ class Harness:
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
 
-    def restore(self, fault: Fault) -> None:
+    def restore(self, fault: Fault, fault_s: float) -> None:
+        """Undo `fault`, injected at steady time `fault_s`."""
         from sps_driving.graph import wait_for_nodes
 
         kind, target = fault.inject, fault.target
@@ -452,7 +451,7 @@ class Harness:
         elif kind in ("kill", "sigterm", "sigint", "deactivate"):
             self.graph.stop([target])
             if kind == "kill":
-                time.sleep(max(0.0, self.injected_s + RESTART_AFTER_KILL_S - time.monotonic()))
+                time.sleep(max(0.0, fault_s + RESTART_AFTER_KILL_S - time.monotonic()))
             self.graph.start(target)
             wait_for_nodes(self.node, [target], 120.0, self.graph)
         elif kind == "standin":
@@ -485,7 +484,7 @@ class Harness:
         end_s = time.monotonic()
         row = {"fault": fault.name, "graph": self.kind, **measure(self.sends(), fault_s, end_s, self.limits, self.steering_ratio),
                "vehicle_interface": self._vehicle_interface()}
-        self.restore(fault)
+        self.restore(fault, fault_s)
         return row
 
     def _vehicle_interface(self) -> str:
