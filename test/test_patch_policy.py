@@ -20,7 +20,7 @@ from sps_driving.core.history import (
     policy_selector,
     window_coverage,
 )
-from sps_driving.core.patch_policy import PatchPolicy, StreamingPolicy, block_causal_mask, token_frames, window_tensors
+from sps_driving.core.patch_policy import PatchPolicy, StreamingPolicy, window_tensors
 from sps_driving.core.policy import DrivingPolicy, PolicyArchitecture, build_policy, load_policy, save_policy
 from sps_driving.core.selection import PatchSelector, SelectionConfig, kept_count
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
@@ -64,6 +64,17 @@ def readouts(policy: DrivingPolicy, window) -> torch.Tensor:
 # ---- the mask -----------------------------------------------------------------------------------
 
 
+def token_frames(block_sizes) -> torch.Tensor:
+    """int64 [S]: the frame index of every token when frame f brings block_sizes[f] tokens."""
+    return torch.repeat_interleave(torch.arange(len(block_sizes)), torch.as_tensor(block_sizes))
+
+
+def block_causal_mask(frames: torch.Tensor) -> torch.Tensor:
+    """The mask written out: float [S, S], M[q, k] = 0 where frame(k) <= frame(q), else -inf."""
+    allowed = frames.unsqueeze(0) <= frames.unsqueeze(1)
+    return torch.zeros(allowed.shape).masked_fill(~allowed, INF)
+
+
 def test_the_mask_is_block_causal_for_frames_of_different_kept_counts():
     # Three frames keeping 2, 0 and 1 patches: blocks of 3, 1 and 2 tokens (readout first).
     frames = token_frames([3, 1, 2])
@@ -81,6 +92,35 @@ def test_the_mask_is_block_causal_for_frames_of_different_kept_counts():
     assert torch.equal(block_causal_mask(frames), expected)
     two = block_causal_mask(token_frames([2, 4]))
     assert torch.equal(two, torch.tensor([[o, o, INF, INF, INF, INF]] * 2 + [[o] * 6] * 4))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_encoder_equals_pytorchs_encoder_under_that_mask(training):
+    """The policy runs one attention per frame over a prefix of the keys. PyTorch's own encoder,
+    given the same layers, the written-out mask and the filler as key padding, must give the same
+    tokens and the same gradients: windows of three blocks, filler slots in the first frame of one
+    window and an absent last frame in another (dropout off, so that neither draws)."""
+    policy = make_policy(depth=2, dropout=0.0).module.train(training)
+    block, frames = 4, 3
+    torch.manual_seed(5)
+    tokens = torch.randn(2, frames * block, TINY["width"])
+    filler = torch.zeros(2, frames * block, dtype=torch.bool)
+    filler[0, 2:4] = True          # window 0: two filler slots in frame 0
+    filler[1, 2 * block:] = True   # window 1: its third frame is absent
+    mask = block_causal_mask(token_frames([block] * frames))
+    padding = torch.zeros(filler.shape).masked_fill(filler, INF)
+    ours_in, theirs_in = tokens.clone().requires_grad_(), tokens.clone().requires_grad_()
+    ours = policy.encode(ours_in, block, filler)
+    theirs = policy.encoder(theirs_in, mask=mask, src_key_padding_mask=padding)
+    present = ~filler[1, ::block].repeat_interleave(block)  # an absent frame's own rows mean nothing
+    assert torch.allclose(ours[0], theirs[0], atol=1e-5, rtol=0)
+    assert torch.allclose(ours[1, present], theirs[1, present], atol=1e-5, rtol=0)
+    weights = torch.randn(tokens.shape)
+    weights[1, ~present] = 0.0
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    assert torch.allclose(ours_in.grad, theirs_in.grad, atol=1e-5, rtol=0)
+    assert (ours[0] - policy.encode(tokens, block, torch.zeros_like(filler))[0]).abs().max() > 1e-4, "filler must count"
 
 
 # ---- causality ----------------------------------------------------------------------------------

@@ -17,8 +17,12 @@ Tokens, per frame of the window (oldest first, frame index f = 0 .. T - 1):
 - one readout token: a learned vector plus the frame index embedding, plus, for a policy with state
   inputs, a linear embedding of that frame's standardized state (speed, cruise target speed).
 
-A frame's block is [readout, kept patches]; the mask (`block_causal_mask`) lets a token of frame f
-attend to every token of frames 0 .. f. Frame f's command is read from its readout token: the
+A frame's block is [readout, kept patches]; a token of frame f attends to every token of frames
+0 .. f (the block-causal mask M[q, k] = 0 where frame(k) <= frame(q), -inf elsewhere). Blocks are of
+equal length (padded), so the keys frame f may read are a prefix of the window: the encoder runs
+one attention per frame over that prefix (`_block_causal_layer`) instead of one masked attention
+over the window, which gives the same result without building an [S, S] mask (a window of four
+frames at rate 0.5: 580 tokens) and without the products with later frames' keys. Frame f's command is read from its readout token: the
 final LayerNorm, the frame's standardized state appended, two MLP layers (width, width / 2) and
 the bounded head shared by every policy. The readout of frame f depends on frames 0 .. f and their
 embeddings 0 .. f only, exactly as the newest readout of a window of f + 1 frames: so training puts
@@ -39,6 +43,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.history import COUNTER_PREFIX, FrameHistory, HistorySettings, history_settings
@@ -55,17 +60,25 @@ from sps_driving.core.policy import (
 from sps_driving.core.state import state_vector
 
 
-def token_frames(block_sizes: Sequence[int]) -> torch.Tensor:
-    """int64 [S]: the frame index of every token when frame f brings block_sizes[f] tokens, in order."""
-    sizes = torch.as_tensor(list(block_sizes), dtype=torch.int64)
-    return torch.repeat_interleave(torch.arange(len(sizes)), sizes)
-
-
-def block_causal_mask(frames: torch.Tensor) -> torch.Tensor:
-    """float [S, S] additive attention mask of tokens in frames `frames` [S]: M[q, k] = 0 where
-    frame(k) <= frame(q), -inf elsewhere (full attention within a frame, causal across frames)."""
-    allowed = frames.unsqueeze(0) <= frames.unsqueeze(1)
-    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+def _block_causal_layer(layer: nn.TransformerEncoderLayer, x: torch.Tensor, block: int,
+                        filler: torch.Tensor) -> torch.Tensor:
+    """One pre-norm encoder layer (its own weights, dropouts and activation, as its forward would
+    apply them) over windows x [B, F * block, W] of F frame blocks, under the block-causal mask:
+    frame f's queries attend to the keys of frames 0 .. f, a prefix of the window. filler [B, S]
+    is True at keys no query may read (filler slots and absent frames)."""
+    attention = layer.self_attn
+    batch, tokens, width = x.shape
+    heads = attention.num_heads
+    q, k, v = (t.reshape(batch, tokens, heads, width // heads).transpose(1, 2)
+               for t in F.linear(layer.norm1(x), attention.in_proj_weight, attention.in_proj_bias).chunk(3, dim=-1))
+    readable = None if not bool(filler.any()) else ~filler[:, None, None, :]
+    attended = torch.cat([
+        F.scaled_dot_product_attention(q[:, :, start:start + block], k[:, :, :start + block], v[:, :, :start + block],
+                                       attn_mask=None if readable is None else readable[..., :start + block])
+        for start in range(0, tokens, block)
+    ], dim=2)
+    x = x + layer.dropout1(attention.out_proj(attended.transpose(1, 2).reshape(batch, tokens, width)))
+    return x + layer.dropout2(layer.linear2(layer.dropout(layer.activation(layer.linear1(layer.norm2(x))))))
 
 
 class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
@@ -91,8 +104,8 @@ class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
         layer = nn.TransformerEncoderLayer(
             width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
         )
-        layer.self_attn.dropout = 0.0  # as the positional transformer: PyTorch's fused CPU attention takes none
-        # No nested-tensor fast path: padded batches and single windows must take the same arithmetic.
+        layer.self_attn.dropout = 0.0  # as the positional transformer: no dropout on attention weights
+        # The layers' weights; `_block_causal_layer` runs them (nn.TransformerEncoder's forward would need the mask).
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
         self.mlp = nn.Sequential(*_readout_mlp(width + state_dim, width, dropout))
@@ -120,13 +133,18 @@ class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
         tokens_per_window = frames * (1 + length)
         absent = padding.all(dim=2, keepdim=True)
         filler = torch.cat([absent, padding], dim=2).reshape(batch, tokens_per_window)
-        key_padding = torch.zeros(filler.shape, dtype=blocks.dtype, device=blocks.device).masked_fill(filler, float("-inf"))
-        mask = block_causal_mask(token_frames([1 + length] * frames)).to(blocks.device, blocks.dtype)
-        encoded = self.encoder(blocks.reshape(batch, tokens_per_window, width), mask=mask, src_key_padding_mask=key_padding)
+        encoded = self.encode(blocks.reshape(batch, tokens_per_window, width), 1 + length, filler)
         readouts = self.norm(encoded.reshape(batch, frames, 1 + length, width)[:, :, 0]).reshape(batch * frames, width)
         if self.state is not None:
             readouts = torch.cat([readouts, standardized], dim=1)
         return self.head(self.mlp(readouts)).reshape(batch, frames, 2)
+
+    def encode(self, tokens: torch.Tensor, block: int, filler: torch.Tensor) -> torch.Tensor:
+        """The encoder layers over windows tokens [B, F * block, W] of F frame blocks of `block`
+        tokens under the block-causal mask; filler [B, F * block] True at keys no query reads."""
+        for layer in self.encoder.layers:
+            tokens = _block_causal_layer(layer, tokens, block, filler)
+        return tokens
 
     def forward(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor | None = None,
                 state: torch.Tensor | None = None) -> torch.Tensor:
