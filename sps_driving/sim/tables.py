@@ -26,6 +26,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ TABLE2_METHODS = ("DA",) + tuple(f"{family}-{rate}" for family in SELECTION_FAMI
 CLAIM_LAYOUTS = 20
 CLAIM_SEEDS = 3
 MARK = "‡"
+# method_name's patch-policy columns: PP-50-T4, PP-50-T4-shared.
+PATCH_POLICY_NAME = re.compile(r"PP-(?P<rate>\d+)(?P<window>-T\d+(?:-shared)?)")
 
 
 def method_name(policy_config: dict) -> str:
@@ -385,17 +388,24 @@ def write_tables(rows: list[dict], out: Path, command: str, revision: str | None
 
 
 def rate_curves(summary: dict) -> dict:
-    """{family: [(keep rate, OOD average, ID score)]} for SPS, SPPS and MSPPS, each ending at DA (rate 1)."""
+    """{curve: [(keep rate, OOD average, ID score)]}: SPS, SPPS and MSPPS, each ending at DA (rate 1),
+    and the patch policies by window (PP-T4 from PP-50-T4, PP-30-T4, ...; no DA end: DA reads one
+    frame), each in ascending rate."""
+    def point(rate: float, method: str):
+        ood = ood_average(summary[method]) if method in summary else None
+        return None if ood is None else (rate, ood, summary[method].get(ID_SCENARIO.name, {}).get("mean", math.nan))
+
     curves = {}
     for family in SELECTION_FAMILIES:
-        points = []
-        for rate, method in [(r / 100, f"{family}-{r}") for r in RATES_PERCENT] + [(1.0, "DA")]:
-            ood = ood_average(summary[method]) if method in summary else None
-            if ood is not None:
-                points.append((rate, ood, summary[method].get(ID_SCENARIO.name, {}).get("mean", math.nan)))
-        if any(rate < 1.0 for rate, _, _ in points):
-            curves[family] = sorted(points)
-    return curves
+        points = [p for p in (point(r / 100, f"{family}-{r}") for r in RATES_PERCENT) if p is not None]
+        if points:
+            curves[family] = sorted(points + [p for p in [point(1.0, "DA")] if p is not None])
+    for method in summary:
+        match = PATCH_POLICY_NAME.fullmatch(method)
+        found = point(int(match["rate"]) / 100, method) if match else None
+        if found is not None:
+            curves.setdefault(f"PP{match['window']}", []).append(found)
+    return {name: sorted(points) for name, points in curves.items()}
 
 
 def plot_rate_curves(curves: dict, path: Path) -> None:
@@ -406,10 +416,10 @@ def plot_rate_curves(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
-    for (family, points), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green")):
+    for index, (curve, points) in enumerate(curves.items()):
         rates, ood, in_dist = zip(*points)
-        ax.plot(rates, ood, "o-", color=color, label=f"{family}: OOD average")
-        ax.plot(rates, in_dist, "s--", color=color, alpha=0.5, label=f"{family}: ID")
+        ax.plot(rates, ood, "o-", color=f"C{index}", label=f"{curve}: OOD average")
+        ax.plot(rates, in_dist, "s--", color=f"C{index}", alpha=0.5, label=f"{curve}: ID")
     ax.set_xlabel("keep rate (1.0 = DA, dense)")
     ax.set_ylabel("normalized success duration")
     ax.set_ylim(0.0, 1.02)
