@@ -153,7 +153,7 @@ def test_table1_layout_average_over_ood_and_gain_over_da():
 
 def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_path):
     scores = {"No-FM": 0.3, "DA": 0.6, "SPS-50": 0.7, "SPS-30": 0.65, "SPPS-30": 0.5, "PP-50-T4": 0.75, "PP-30-T4": 0.55,
-              "PP-50-T4-shared": 0.45, "expert": 1.0}
+              "PP-50-T4-shared": 0.45, "SPS-50-PT": 0.8, "expert": 1.0}
     rows = [_row(m, s, score) for m, score in scores.items() for s in SCENARIO_NAMES]
     write_tables(rows, tmp_path, "sps-driving eval ...")
     with (tmp_path / "table1.csv").open() as f:
@@ -161,9 +161,9 @@ def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_pa
     with (tmp_path / "table2.csv").open() as f:
         table2 = list(csv.reader(f))
     assert table1[0] == ["scenario", "No-FM", "DA", "SPS-50", "PP-30-T4", "PP-50-T4", "PP-50-T4-shared", "expert"]
-    assert table2[0] == ["scenario", "DA", "SPS-50", "SPS-30", "SPPS-30"]
+    assert table2[0] == ["scenario", "DA", "SPS-50", "SPS-50-PT", "SPS-30", "SPPS-30"], "a suffixed variant beside its column"
     assert [r[0] for r in table2[1:17]] == list(SCENARIO_NAMES) + ["average"]
-    assert {r[0]: r[1:] for r in table2}["gain_over_DA_points"] == ["+0.0", "+10.0", "+5.0", "-10.0"]
+    assert {r[0]: r[1:] for r in table2}["gain_over_DA_points"] == ["+0.0", "+10.0", "+20.0", "+5.0", "-10.0"]
     assert "Not yet run: I-ViT" in (tmp_path / "table1.md").read_text()
     assert "Not yet run: SPS-70, SPPS-70, SPPS-50, MSPPS-70, MSPPS-50, MSPPS-30" in (tmp_path / "table2.md").read_text()
     curves = rate_curves(summarize(rows))

@@ -193,11 +193,20 @@ def seed_scores(rows: list[dict]) -> dict:
     return dict(by_method)
 
 
+def table2_column(name: str) -> str | None:
+    """The Table 2 column a method belongs beside: itself, or the column it is a variant of, named
+    with a suffix (SPS-50-PT: SPS-50 with another architecture); None for other methods."""
+    if name in TABLE2_METHODS:
+        return name
+    return next((column for column in TABLE2_METHODS if name.startswith(column + "-")), None)
+
+
 def _method_sort_key(name: str) -> tuple:
     if name in TABLE1_METHODS:
         return (0, TABLE1_METHODS.index(name), name)
-    if name in TABLE2_METHODS:
-        return (1, TABLE2_METHODS.index(name), name)
+    column = table2_column(name)
+    if column is not None:
+        return (1, TABLE2_METHODS.index(column), name)
     return (3 if name == EXPERT else 2, 0, name)
 
 
@@ -242,10 +251,11 @@ def ood_average(by_scenario: dict) -> float | None:
 
 def table_methods(summary: dict) -> dict:
     """{table name: methods present}: Table 1 holds the method families (and any other named
-    method, and the expert as a reference), Table 2 DA and the selection variants by rate."""
+    method, and the expert as a reference), Table 2 DA and the selection variants by rate, each
+    with its suffixed variants beside it (SPS-50-PT after SPS-50)."""
     tables = {
-        "table1": [m for m in summary if m not in TABLE2_METHODS or m in TABLE1_METHODS],
-        "table2": [m for m in summary if m in TABLE2_METHODS],
+        "table1": [m for m in summary if table2_column(m) is None or m in TABLE1_METHODS],
+        "table2": [m for m in summary if table2_column(m) is not None],
     }
     return {name: methods for name, methods in tables.items() if methods}
 
