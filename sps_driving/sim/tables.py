@@ -202,10 +202,10 @@ def table2_column(name: str) -> str | None:
 
 
 def _method_sort_key(name: str) -> tuple:
-    if name in TABLE1_METHODS:
-        return (0, TABLE1_METHODS.index(name), name)
-    column = table2_column(name)
-    if column is not None:
+    column = table2_column(name) or name  # a suffixed variant right after its column
+    if column in TABLE1_METHODS:
+        return (0, TABLE1_METHODS.index(column), name)
+    if column in TABLE2_METHODS:
         return (1, TABLE2_METHODS.index(column), name)
     return (3 if name == EXPERT else 2, 0, name)
 
