@@ -170,7 +170,8 @@ def test_tables_split_methods_and_variants_and_plot_accuracy_against_rate(tmp_pa
     assert curves["SPS"] == [pytest.approx((0.3, 0.65, 0.65)), pytest.approx((0.5, 0.7, 0.7)), pytest.approx((1.0, 0.6, 0.6))]
     assert curves["PP-T4"] == [pytest.approx((0.3, 0.55, 0.55)), pytest.approx((0.5, 0.75, 0.75))], "no DA end"
     assert curves["PP-T4-shared"] == [pytest.approx((0.5, 0.45, 0.45))]
-    assert set(curves) == {"SPS", "SPPS", "PP-T4", "PP-T4-shared"}
+    assert curves["SPS-PT"] == [pytest.approx((0.5, 0.8, 0.8))], "a suffixed variant on its own, no DA end"
+    assert set(curves) == {"SPS", "SPPS", "PP-T4", "PP-T4-shared", "SPS-PT"}
     assert (tmp_path / "accuracy_vs_rate.png").stat().st_size > 1000
     details = (tmp_path / "details.md").read_text()
     assert "| SPS-50 | +10.0 | [+10.0, +10.0] | [+10.0, +10.0] | 14 | 1 | 1 / 1 | 14 | 0 |" in details

@@ -50,8 +50,9 @@ TABLE2_METHODS = ("DA",) + tuple(f"{family}-{rate}" for family in SELECTION_FAMI
 CLAIM_LAYOUTS = 20
 CLAIM_SEEDS = 3
 MARK = "‡"
-# method_name's patch-policy columns: PP-50-T4, PP-50-T4-shared.
-PATCH_POLICY_NAME = re.compile(r"PP-(?P<rate>\d+)(?P<window>-T\d+(?:-shared)?)")
+# Methods on the accuracy-against-rate plot: a selection family or the patch policy at a rate, and
+# any suffix (SPS-50, SPS-50-PT, PP-50-T4-shared).
+RATE_CURVE_NAME = re.compile(r"(?P<family>SPS|SPPS|MSPPS|PP)-(?P<rate>\d+)(?P<suffix>(?:-\S+)?)")
 
 
 def method_name(policy_config: dict) -> str:
@@ -398,23 +399,21 @@ def write_tables(rows: list[dict], out: Path, command: str, revision: str | None
 
 
 def rate_curves(summary: dict) -> dict:
-    """{curve: [(keep rate, OOD average, ID score)]}: SPS, SPPS and MSPPS, each ending at DA (rate 1),
-    and the patch policies by window (PP-T4 from PP-50-T4, PP-30-T4, ...; no DA end: DA reads one
-    frame), each in ascending rate."""
-    def point(rate: float, method: str):
-        ood = ood_average(summary[method]) if method in summary else None
-        return None if ood is None else (rate, ood, summary[method].get(ID_SCENARIO.name, {}).get("mean", math.nan))
-
+    """{curve: [(keep rate, OOD average, ID score)]} in ascending rate: SPS, SPPS and MSPPS, each
+    ending at DA (rate 1); a suffixed variant of theirs on its own (SPS-PT from SPS-50-PT), as the
+    patch policies by window (PP-T4 from PP-50-T4, PP-30-T4, ...), without the DA end: DA is
+    neither their architecture nor their window."""
     curves = {}
+    for method, by_scenario in summary.items():
+        match = RATE_CURVE_NAME.fullmatch(method)
+        ood = ood_average(by_scenario) if match else None
+        if ood is not None:
+            point = (int(match["rate"]) / 100, ood, by_scenario.get(ID_SCENARIO.name, {}).get("mean", math.nan))
+            curves.setdefault(match["family"] + match["suffix"], []).append(point)
+    dense = summary.get("DA")
     for family in SELECTION_FAMILIES:
-        points = [p for p in (point(r / 100, f"{family}-{r}") for r in RATES_PERCENT) if p is not None]
-        if points:
-            curves[family] = sorted(points + [p for p in [point(1.0, "DA")] if p is not None])
-    for method in summary:
-        match = PATCH_POLICY_NAME.fullmatch(method)
-        found = point(int(match["rate"]) / 100, method) if match else None
-        if found is not None:
-            curves.setdefault(f"PP{match['window']}", []).append(found)
+        if family in curves and dense is not None and ood_average(dense) is not None:
+            curves[family].append((1.0, ood_average(dense), dense.get(ID_SCENARIO.name, {}).get("mean", math.nan)))
     return {name: sorted(points) for name, points in curves.items()}
 
 
