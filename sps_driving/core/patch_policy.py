@@ -22,13 +22,15 @@ A frame's block is [readout, kept patches]; a token of frame f attends to every 
 equal length (padded), so the keys frame f may read are a prefix of the window: the encoder runs
 one attention per frame over that prefix (`_block_causal_layer`) instead of one masked attention
 over the window, which gives the same result without building an [S, S] mask (a window of four
-frames at rate 0.5: 580 tokens) and without the products with later frames' keys. Frame f's command is read from its readout token: the
-final LayerNorm, the frame's standardized state appended, two MLP layers (width, width / 2) and
-the bounded head shared by every policy. The readout of frame f depends on frames 0 .. f and their
-embeddings 0 .. f only, exactly as the newest readout of a window of f + 1 frames: so training puts
-a loss on every readout, and a window shorter than T (after a start or a reset of the history)
-needs nothing but fewer frames. Windows of several lengths in one batch are padded at the end
-(absent frames and filler patch slots are masked out as keys).
+frames at rate 0.5: 580 tokens) and without the products with later frames' keys.
+
+Frame f's command is read from its readout token: the final LayerNorm, the frame's standardized
+state appended, two MLP layers (width, width / 2) and the bounded head shared by every policy.
+The readout of frame f depends on frames 0 .. f and their embeddings 0 .. f only, exactly as the
+newest readout of a window of f + 1 frames: so training puts a loss on every readout, and a window
+shorter than T (after a start or a reset of the history) needs nothing but fewer frames. Windows
+of several lengths in one batch are padded at the end (absent frames and filler patch slots are
+masked out as keys).
 
 The window itself (stride, tolerance, resets) is `sps_driving.core.history`'s; `StreamingPolicy`
 steps a loaded policy one camera frame at a time through a `FrameHistory`, the one way the policy
