@@ -106,8 +106,8 @@ class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
         layer = nn.TransformerEncoderLayer(
             width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
         )
-        layer.self_attn.dropout = 0.0  # as the positional transformer: no dropout on attention weights
-        # The layers' weights; `_block_causal_layer` runs them (nn.TransformerEncoder's forward would need the mask).
+        # The layers' weights; `_block_causal_layer` runs them (nn.TransformerEncoder's forward would need the
+        # mask), with no dropout on the attention weights, as the positional transformer.
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
         self.mlp = nn.Sequential(*_readout_mlp(width + state_dim, width, dropout))

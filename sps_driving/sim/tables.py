@@ -403,17 +403,20 @@ def rate_curves(summary: dict) -> dict:
     ending at DA (rate 1); a suffixed variant of theirs on its own (SPS-PT from SPS-50-PT), as the
     patch policies by window (PP-T4 from PP-50-T4, PP-30-T4, ...), without the DA end: DA is
     neither their architecture nor their window."""
+    def point(rate: float, by_scenario: dict) -> tuple | None:
+        ood = ood_average(by_scenario)
+        return None if ood is None else (rate, ood, by_scenario.get(ID_SCENARIO.name, {}).get("mean", math.nan))
+
     curves = {}
     for method, by_scenario in summary.items():
         match = RATE_CURVE_NAME.fullmatch(method)
-        ood = ood_average(by_scenario) if match else None
-        if ood is not None:
-            point = (int(match["rate"]) / 100, ood, by_scenario.get(ID_SCENARIO.name, {}).get("mean", math.nan))
-            curves.setdefault(match["family"] + match["suffix"], []).append(point)
-    dense = summary.get("DA")
+        found = point(int(match["rate"]) / 100, by_scenario) if match else None
+        if found is not None:
+            curves.setdefault(match["family"] + match["suffix"], []).append(found)
+    dense = point(1.0, summary["DA"]) if "DA" in summary else None
     for family in SELECTION_FAMILIES:
-        if family in curves and dense is not None and ood_average(dense) is not None:
-            curves[family].append((1.0, ood_average(dense), dense.get(ID_SCENARIO.name, {}).get("mean", math.nan)))
+        if family in curves and dense is not None:
+            curves[family].append(dense)
     return {name: sorted(points) for name, points in curves.items()}
 
 
