@@ -52,7 +52,7 @@ CLAIM_SEEDS = 3
 MARK = "‡"
 # Methods on the accuracy-against-rate plot: a selection family or the patch policy at a rate, and
 # any suffix (SPS-50, SPS-50-PT, PP-50-T4-shared).
-RATE_CURVE_NAME = re.compile(r"(?P<family>SPS|SPPS|MSPPS|PP)-(?P<rate>\d+)(?P<suffix>(?:-\S+)?)")
+RATE_CURVE_NAME = re.compile(rf"(?P<family>{'|'.join((*SELECTION_FAMILIES, 'PP'))})-(?P<rate>\d+)(?P<suffix>(?:-\S+)?)")
 
 
 def method_name(policy_config: dict) -> str:
