@@ -11,6 +11,7 @@ from sensor_msgs.msg import CameraInfo, Image
 
 from sps_driving import msgs, topics
 from sps_driving.graph import Graph, wait_for_nodes
+from sps_driving.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 
@@ -85,5 +86,5 @@ def test_gstreamer_pipeline_without_gstreamer_is_a_clear_error(tmp_path):
     params = {"source": "aravissrc ! videoconvert ! appsink"}
     graph = Graph(["camera_driver"], parameters={"camera_driver": params}, log_dir=tmp_path)
     with graph:
-        assert graph.returncode("camera_driver", wait_s=30) == 1
+        assert graph.returncode("camera_driver", wait_s=30) == CANNOT_START
         assert "needs an OpenCV built with GStreamer" in graph.log("camera_driver")

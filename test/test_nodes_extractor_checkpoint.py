@@ -20,6 +20,7 @@ from sps_driving.core.backbones import load_extractor
 from sps_driving.core.policy import read_policy_config
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
+from sps_driving.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 SIZE = [112, 112]  # px: an 8x8 grid
@@ -97,6 +98,6 @@ def test_a_setting_that_contradicts_the_checkpoint_stops_the_node(tmp_path):
     graph = Graph(["extractor"], log_dir=tmp_path / "logs", parameters={
         "extractor": {"checkpoint": str(ckpt), "backbone_config": str(tmp_path / "hard.yaml")}})
     with graph:
-        assert graph.returncode("extractor", wait_s=120) == 1
+        assert graph.returncode("extractor", wait_s=120) == CANNOT_START
     log = graph.log("extractor")
     assert "cannot start" in log and "gives 'hard', but the policy was trained with 'none'" in log

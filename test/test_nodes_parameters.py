@@ -10,6 +10,7 @@ from ros_helpers import Probe
 
 from sps_driving.graph import Graph, wait_for_nodes
 from sps_driving.nodes.common import Param
+from sps_driving.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 
@@ -66,7 +67,7 @@ def test_an_int_for_a_number_and_for_a_string_start_the_node_and_every_parameter
 ])
 def test_a_value_not_allowed_stops_the_node_with_one_line(tmp_path, node, overrides, line):
     with Graph([node], parameters={node: overrides}, log_dir=tmp_path) as graph:
-        assert graph.returncode(node, wait_s=30) == 1, graph.log(node)
+        assert graph.returncode(node, wait_s=30) == CANNOT_START, graph.log(node)
     log = graph.log(node)
     assert line in log.splitlines() and "Traceback" not in log, log
 

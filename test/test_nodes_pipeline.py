@@ -18,6 +18,7 @@ from sps_driving import msgs, topics
 from sps_driving.core.policy import load_policy
 from sps_driving.core.selection import PatchSelector
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_subscribers
+from sps_driving.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 
@@ -163,5 +164,5 @@ def test_killing_the_policy_stops_the_car_within_the_command_age(rig):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     graph = Graph(["policy"], parameters={"policy": {"checkpoint": str(tmp_path / "nowhere")}}, log_dir=tmp_path)
     with graph:
-        assert graph.returncode("policy", wait_s=60) == 1
+        assert graph.returncode("policy", wait_s=60) == CANNOT_START
         assert "no policy config at" in graph.log("policy") and "nowhere" in graph.log("policy")

@@ -17,6 +17,7 @@ from std_srvs.srv import SetBool, Trigger
 
 from sps_driving import msgs, topics
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
+from sps_driving.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 
@@ -250,5 +251,5 @@ def test_lane_failure_and_an_obstacle_too_close_to_measure_stop(rig):
 def test_bad_configuration_is_a_clear_startup_error(tmp_path, params, message):
     graph = Graph(["vehicle_interface"], parameters={"vehicle_interface": params}, log_dir=tmp_path)
     with graph:
-        assert graph.returncode("vehicle_interface", wait_s=30) == 1
+        assert graph.returncode("vehicle_interface", wait_s=30) == CANNOT_START
         assert message in graph.log("vehicle_interface")

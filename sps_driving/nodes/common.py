@@ -26,6 +26,7 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from sps_driving import msgs
+from sps_driving.process import CANNOT_START, stop_with_parent
 
 _TYPE_WORDS = {
     Parameter.Type.BOOL: "a boolean (true or false)",
@@ -143,7 +144,7 @@ def specs(parameters: dict) -> dict[str, Param]:
 def declare(node: Node, parameters: dict) -> dict:
     """Declare every parameter of the table, read-only with its descriptor, and return their
     values as the table's types. A value that is not allowed is a ValueError of one line naming
-    the node, the parameter, the value and what is allowed (`run` prints it and exits 1)."""
+    the node, the parameter, the value and what is allowed (`run` prints it and exits with CANNOT_START)."""
     values = {}
     for name, spec in specs(parameters).items():
         # Declared untyped first: a value of another type is then ours to convert or refuse
@@ -186,18 +187,18 @@ class StageTimer:
 
 def run(node_class, args=None) -> int:
     """Init, spin until Ctrl-C or shutdown, clean up. A node that cannot start (bad parameter,
-    missing checkpoint) prints one clear error and exits with status 1.
+    missing checkpoint) prints one clear error and exits with status CANNOT_START (78).
 
     A node with a `fail_safe_exit(why)` method (the vehicle interface) gets it called on every exit
     this process can catch, while its publishers still work: SIGINT, SIGTERM, SIGHUP (rclpy's own
     handlers, which would shut the context down first, are not installed) and an exception raised
     by a callback (then the exit status is 1). Every node also gets SIGTERM when the process that
-    started it dies (`_stop_with_parent`)."""
+    started it dies (`stop_with_parent`)."""
     # Idle OpenMP threads (torch's) sleep instead of busy-waiting for 100s of ms after each op:
     # on a few cores a spinning policy node takes the CPU the extractor needs (measured: 20 ms of
     # CPU per frame for 2 ms of work). Read when torch loads, which no node module does on import.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    _stop_with_parent()
+    stop_with_parent()
     fail_safe = hasattr(node_class, "fail_safe_exit")
     if fail_safe:
         from rclpy.signals import SignalHandlerOptions
@@ -213,7 +214,7 @@ def run(node_class, args=None) -> int:
             node = node_class()
         except (ValueError, FileNotFoundError, OSError) as exc:
             print(f"[{name}] cannot start: {exc}", file=sys.stderr, flush=True)
-            return 1
+            return CANNOT_START
         if fail_safe:
             status = _spin_fail_safe(node)
         else:
@@ -225,23 +226,6 @@ def run(node_class, args=None) -> int:
             node.destroy_node()
         rclpy.try_shutdown()
     return status
-
-
-def _stop_with_parent() -> None:
-    """Have Linux send this process SIGTERM when the process that started it dies. A launch ended
-    with SIGTERM or SIGKILL, or a crashed supervisor, otherwise leaves its nodes running, the car
-    driven with nobody to stop it from the launch; with this each node exits as on SIGTERM, the
-    vehicle interface through its fail-safe exit (brake, then disable)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-    parent = os.getppid()
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
-        print(f"warning: cannot ask to be stopped with the parent process: errno {ctypes.get_errno()}", file=sys.stderr)
-    elif os.getppid() != parent:  # it died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _spin(node) -> None:
