@@ -39,6 +39,6 @@ setup(
     python_requires=">=3.10",
     entry_points={
         "console_scripts": [f"{name} = {package_name}.nodes.{name}:main" for name in NODES]
-        + ["sps-driving = sps_driving.cli:main"],
+        + ["sps-driving = sps_driving.cli:main", "respawn = sps_driving.respawn:main"],
     },
 )

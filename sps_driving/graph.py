@@ -25,6 +25,9 @@ from sps_driving.nodes import NODES
 from sps_driving.resources import config_path
 
 PACKAGE = "sps_driving"
+# The nodes that stop the car: never started again by a supervisor (sps_driving.respawn); that the
+# car drives again after one of them died is the safety driver's decision.
+NEVER_RESPAWNED = ("vehicle_interface", "failsafe")
 # The vehicle interface in a graph without the car (replays, the simulator, tests): standard
 # messages, engaged as soon as the inputs are ready, no failsafe (it guards the PACMod driver), no
 # speed report needed, and stops that do not latch (a replay reports whether the stack resumes).
@@ -102,11 +105,15 @@ class Graph:
         remaps: dict | None = None,
         params_file: str | Path | None = None,
         log_dir: str | Path | None = None,
+        respawn=(),
     ):
-        unknown = set(nodes) - set(NODES)
+        unknown = (set(nodes) | set(respawn)) - set(NODES)
         if unknown:
             raise ValueError(f"unknown nodes {sorted(unknown)}; expected some of {NODES}")
+        if set(respawn) & set(NEVER_RESPAWNED):
+            raise ValueError(f"{sorted(set(respawn) & set(NEVER_RESPAWNED))} stop the car and are never started again by a supervisor")
         self.nodes = tuple(nodes)
+        self.respawn = frozenset(respawn)  # nodes run under sps_driving.respawn, as on the car
         self.parameters = parameters or {}  # {node: {name: value}} over the params file
         self.remaps = remaps or {}  # {from: to}, applied to every node
         self.params_file = Path(params_file) if params_file else default_params_file()
@@ -131,6 +138,8 @@ class Graph:
         cmd = [sys.executable, "-m", f"{PACKAGE}.nodes.{name}", "--ros-args", "--params-file", str(params_file)]
         for source, target in self.remaps.items():
             cmd += ["-r", f"{source}:={target}"]
+        if name in self.respawn:
+            cmd = [sys.executable, "-m", f"{PACKAGE}.respawn", "--name", name, "--", *cmd]
         return cmd
 
     def start(self, name: str | None = None) -> Graph:
@@ -160,7 +169,31 @@ class Graph:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def node_pid(self, name: str) -> int | None:
+        """The process id of the node itself (under a supervisor: its child); None when not running."""
+        process = self.processes.get(name)
+        if process is None or process.poll() is not None:
+            return None
+        if name not in self.respawn:
+            return process.pid
+        try:
+            children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None  # none while the supervisor waits to start it again
+
+    def signal_node(self, name: str, sig: int) -> None:
+        """Send `sig` to the node process (not to its supervisor, which starts it again if it dies)."""
+        pid = self.node_pid(name)
+        if pid is None:
+            raise ProcessLookupError(f"node {name} is not running")
+        os.kill(pid, sig)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal the node and, for a node without a supervisor, wait for it to exit."""
+        if name in self.respawn:
+            self.signal_node(name, sig)
+            return
         process = self.processes[name]
         if process.poll() is None:
             process.send_signal(sig)

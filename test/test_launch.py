@@ -42,8 +42,9 @@ def test_setup_builds_an_executable_for_every_node_and_the_tools_start_only_thos
 
     node_modules = {m.name for m in pkgutil.iter_modules([str(ROOT / "sps_driving" / "nodes")]) if m.name != "common"}
     assert set(NODES) == node_modules
-    assert {k: v for k, v in setup_entry_points().items() if k != "sps-driving"} == {
+    assert {k: v for k, v in setup_entry_points().items() if k not in ("sps-driving", "respawn")} == {
         name: f"sps_driving.nodes.{name}:main" for name in NODES}
+    assert setup_entry_points()["respawn"] == "sps_driving.respawn:main"
     assert set(REPLAY_NODES) <= set(NODES) and set(SIM_NODES) <= set(NODES)
 
 
@@ -87,6 +88,21 @@ def test_nodes_are_entry_points_with_main(launch):
         # Humble and Jazzy launch: every launch argument was ignored).
         assert node.get("name") == node.get("exec")
         assert node.get("namespace") == "/"
+
+
+def test_the_perception_nodes_run_under_the_supervisor_and_the_nodes_that_stop_the_car_do_not(launch):
+    from sps_driving.graph import NEVER_RESPAWNED
+
+    arguments = {a.get("name"): a.get("default") for a in launch.iter("arg")}
+    respawn = next(let.get("value") for let in launch.iter("let") if let.get("name") == "respawn")
+    assert respawn == "$(find-pkg-prefix sps_driving)/lib/sps_driving/respawn --enabled $(var respawn_perception)"
+    assert arguments["respawn_perception"] == "true"
+    for node in launch.findall("node"):
+        name = node.get("name")
+        if name in NEVER_RESPAWNED:
+            assert node.get("launch-prefix") is None, name
+        else:
+            assert node.get("launch-prefix") == f"$(var respawn) --name {name} --", name
 
 
 def test_the_driver_starts_before_our_nodes(launch):
@@ -182,8 +198,9 @@ def test_operator_arguments_typed_by_launch_reach_the_node_as_declared():
 
 def test_arguments_are_declared_and_cover_the_operator_choices(launch):
     declared = {a.get("name") for a in launch.findall("arg")}
+    set_here = {let.get("name") for let in launch.findall("let")}
     used = set(re.findall(r"\$\(var ([a-z_]+)\)", LAUNCH.read_text()))
-    assert used <= declared and declared <= used | {"params_file"}
+    assert used <= declared | set_here and declared | set_here <= used | {"params_file"}
     for needed in ("backbone", "checkpoint", "selection_variant", "selection_rate", "camera_source", "vehicle_backend"):
         assert needed in declared
     assert all(a.get("description") for a in launch.findall("arg"))
