@@ -39,3 +39,64 @@ def describe_exit(status: int) -> str:
         return f"exit status {status} (cannot start)"
     return f"exit status {status}"
 
+
+def parse_cpus(text: str) -> set[int]:
+    """CPUs from "2", "2,3" or "0-1,3"; the empty string is every CPU this process may use."""
+    if not text.strip():
+        return set(os.sched_getaffinity(0))
+    cpus = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ValueError(f"cpu_affinity {text!r}: expected CPU numbers such as '3', '2,3' or '0-1'")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def _threads() -> list[int]:
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
+
+
+def apply_scheduling(cpus: str, realtime_priority: int, nice: int) -> str:
+    """Pin every thread of this process to `cpus` (parse_cpus) and run them under SCHED_FIFO at
+    `realtime_priority` (1-99), or with the `nice` value under normal scheduling (0: unchanged).
+    Threads started later inherit it from the thread that starts them. Returns what was applied,
+    in words; raises ValueError naming what it needs when the process may not have it."""
+    chosen = parse_cpus(cpus)
+    available = set(range(os.cpu_count() or 1))
+    if not chosen <= available:
+        raise ValueError(f"cpu_affinity {cpus!r} names CPUs this machine does not have (it has {min(available)}-{max(available)})")
+    applied = []
+    if cpus.strip():
+        for tid in _threads():
+            os.sched_setaffinity(tid, chosen)
+        applied.append(f"CPUs {sorted(chosen)}")
+    if realtime_priority:
+        try:
+            for tid in _threads():
+                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(realtime_priority))
+        except PermissionError:
+            raise ValueError(
+                f"realtime_priority {realtime_priority} needs CAP_SYS_NICE or a real-time priority limit of at least "
+                f"{realtime_priority} (`ulimit -r {realtime_priority}`, or `<user> - rtprio {realtime_priority}` in "
+                f"/etc/security/limits.conf; under systemd LimitRTPRIO={realtime_priority}); this process's limit is "
+                f"{_limit('RLIMIT_RTPRIO')}") from None
+        applied.append(f"SCHED_FIFO priority {realtime_priority}")
+    elif nice:
+        try:
+            for tid in _threads():
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except PermissionError:
+            raise ValueError(
+                f"nice {nice} needs CAP_SYS_NICE or a nice limit of at least {20 - nice} (`ulimit -e {20 - nice}`, or "
+                f"`<user> - nice {nice}` in /etc/security/limits.conf; under systemd LimitNICE={20 - nice}); this process's "
+                f"limit is {_limit('RLIMIT_NICE')}") from None
+        applied.append(f"nice {nice}")
+    return ", ".join(applied) or "default scheduling"
+
+
+def _limit(name: str) -> str:
+    import resource
+
+    soft, _hard = resource.getrlimit(getattr(resource, name))
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)

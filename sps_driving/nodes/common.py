@@ -26,7 +26,7 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from sps_driving import msgs
-from sps_driving.process import CANNOT_START, stop_with_parent
+from sps_driving.process import CANNOT_START, apply_scheduling, stop_with_parent
 
 _TYPE_WORDS = {
     Parameter.Type.BOOL: "a boolean (true or false)",
@@ -158,6 +158,25 @@ def declare(node: Node, parameters: dict) -> dict:
         node.set_descriptor(name, spec.descriptor(name), Parameter(name, value=value).get_parameter_value())
         values[name] = value
     return values
+
+
+# Where and how the nodes that stop the car run (the vehicle interface and the failsafe): under CPU
+# load their watchdogs must still run on time (docs/vehicle.md, "Under CPU load").
+SCHEDULING_PARAMETERS = {
+    "cpu_affinity": Param("", "CPUs every thread of this node runs on, as '3', '2,3' or '0-1'; '' = any. "
+                          "Keep them off the cores the extractor and the policy use"),
+    "realtime_priority": Param(0, "SCHED_FIFO priority of every thread, 1 to 99; 0 = normal scheduling. Needs "
+                               "CAP_SYS_NICE or a real-time priority limit (ulimit -r)", min=0, max=99),
+    "nice": Param(0, "nice value under normal scheduling, -20 (most CPU) to 19; below 0 needs CAP_SYS_NICE or a "
+                  "nice limit (ulimit -e)", min=-20, max=19),
+}
+
+
+def schedule(node: Node, p: dict) -> None:
+    """Apply SCHEDULING_PARAMETERS to every thread of this process; a node that cannot have them
+    does not start (ValueError, saying what it needs)."""
+    applied = apply_scheduling(p["cpu_affinity"], p["realtime_priority"], p["nice"])
+    node.get_logger().info(f"scheduling: {applied}")
 
 
 def now_ns(node: Node) -> int:

@@ -20,7 +20,7 @@ from sensor_msgs.msg import JointState
 from sps_driving import msgs, topics
 from sps_driving.core.control import STEERING_RATIO, ControlLimits, PacmodCommand
 from sps_driving.core.failsafe import Failsafe
-from sps_driving.nodes.common import Param, declare, now_ns, run
+from sps_driving.nodes.common import SCHEDULING_PARAMETERS, Param, declare, now_ns, run, schedule
 
 DEFAULT_LIMITS = ControlLimits()
 PARAMETERS = {
@@ -29,6 +29,7 @@ PARAMETERS = {
     "steering_ratio": Param(STEERING_RATIO, "steering-wheel angle / road-wheel angle", "ratio", above=0.0),
     "control_rate_hz": Param(DEFAULT_LIMITS.control_rate_hz, "command output while it has taken over", "Hz", above=0.0),
     "status_rate_hz": Param(10.0, "status (the vehicle interface requires it) and /diagnostics", "Hz", above=0.0),
+    **SCHEDULING_PARAMETERS,
 }
 
 
@@ -38,6 +39,7 @@ class FailsafeNode(Node):
     def __init__(self):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
+        schedule(self, p)
         try:
             from pacmod3_msgs.msg import GlobalRpt, SteeringCmd, SystemCmdFloat, SystemCmdInt, SystemRptFloat
         except ImportError as exc:

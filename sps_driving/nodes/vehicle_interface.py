@@ -42,7 +42,7 @@ from sps_driving.core.control import (
     VehicleLogic,
     to_pacmod,
 )
-from sps_driving.nodes.common import Param, declare, now_ns, run
+from sps_driving.nodes.common import SCHEDULING_PARAMETERS, Param, declare, now_ns, run, schedule
 
 BACKENDS = ("topics", "pacmod3")
 
@@ -66,6 +66,7 @@ PARAMETERS = {
     "status_rate_hz": Param(5.0, "/diagnostics rate (also on every change of state or stop reasons)", "Hz", above=0.0),
     "steering_ratio": Param(STEERING_RATIO, "steering-wheel angle / road-wheel angle", "ratio", above=0.0),
     **{name: _limit_param(name) for name in ControlLimits.names()},
+    **SCHEDULING_PARAMETERS,
 }
 PUBLISHER_CHECK_PERIODS = 6  # count the publishers of inputs and outputs every 6 periods (0.2 s)
 SAFETY_SOURCE, FAILSAFE_SOURCE = "safety_monitor", "failsafe"
@@ -167,6 +168,7 @@ class VehicleInterface(LifecycleNode):
     def __init__(self):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
+        schedule(self, p)
         if p["backend"] == "pacmod3":
             try:
                 import pacmod3_msgs.msg  # noqa: F401
