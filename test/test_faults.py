@@ -53,15 +53,33 @@ def test_stage_summary_names_the_stage_that_went_quiet():
         "selection 0.5 s ago (frame), extractor 10.0 s ago (dropped: no selection), policy never")
 
 
+def test_a_run_passes_only_if_it_stopped_held_drove_again_and_the_failsafe_took_over_only_when_it_had_to():
+    good = {"fault": "override", "graph": "vehicle", "stopped": True, "held": True, "unsafe_commands": 0, "recovered": True, "failsafe_trips": 0}
+    assert faults.passed(good)
+    assert not faults.passed({**good, "recovered": False})
+    assert not faults.passed({**good, "failsafe_trips": 1})  # a false takeover
+    assert faults.passed({**good, "fault": "kill -9 vehicle_interface", "failsafe_trips": 1})
+    rows = [{**good, "time_to_stop_s": 0.1, "time_to_drive_again_s": 5.0},
+            {**good, "time_to_stop_s": 0.3, "time_to_drive_again_s": 7.0, "recovered": False}]
+    summary, = faults.summarize(rows)
+    assert summary["runs"] == 2 and summary["passed"] == 1 and summary["recovered"] == 1
+    assert summary["time_to_stop_s"] == {"median": 0.2, "worst": 0.3}
+
+
 @pytest.mark.ros
-def test_short_fault_matrix_ends_every_fault_in_a_held_stop(tmp_path):
+def test_short_fault_matrix_ends_every_fault_in_a_held_stop_and_drives_again(tmp_path):
     rows = faults.run_matrix(faults.select(True, None), hold_s=1.5, log_dir=tmp_path, progress=lambda _line: None)
     assert sorted(r["fault"] for r in rows) == sorted(faults.SHORT)
     for row in rows:
         assert row["stopped"] and row["held"] and row["unsafe_commands"] == 0, row
-        assert row["time_to_stop_s"] < 0.5, row
+        assert row["time_to_stop_s"] <= row["stop_deadline_s"] <= 0.5 + faults.STOP_MARGIN_S, row
+        assert row["recovered"] and row["time_to_drive_again_s"] < faults.RECOVERY_TIMEOUT_S, row
+        assert faults.passed(row), row
     by_name = {r["fault"]: r for r in rows}
     assert by_name["kill -9 vehicle_interface"]["end_state"] == "brake held"  # the failsafe took over
+    assert by_name["kill -9 vehicle_interface"]["failsafe_trips"] == 1
+    # Its supervisor started the safety monitor again (4 s after the kill), not the harness.
+    assert "safety_monitor exited (killed by SIGKILL); starting it again" in (tmp_path / "vehicle" / "safety_monitor.log").read_text()
     assert "failsafe stopping" in by_name["kill -9 vehicle_interface"]["vehicle_interface"]
     assert by_name["override"]["end_state"] == "manual (disabled)"
     assert "duplicate_publisher" in by_name["second stop-request publisher"]["vehicle_interface"]
