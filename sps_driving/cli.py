@@ -8,6 +8,8 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = ("End-to-end driving for ROS 2 with Stochastic Patch Selection: run the graph on the car, replay and "
+               "check recordings, train, evaluate and analyse policies. `sps-driving COMMAND --help` for each command.")
 COMMANDS = {
     "demo": ("sps_driving.demo", "the README's main job: replay the bundled drive through the live graph"),
     "extract": ("sps_driving.train.extract", "image folders or rosbag2 files -> descriptor feature cache"),
@@ -30,11 +32,12 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="sps-driving", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="sps-driving", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     for name, (module_name, help_text) in COMMANDS.items():
-        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
+        # argparse %-formats a help string (not a description): a literal % must be %%.
+        cmd_parser = sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(cmd_parser)
