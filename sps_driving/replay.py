@@ -1,4 +1,5 @@
-"""`sps-driving replay BAG`: play a rosbag2 through the live graph and report.
+"""`sps-driving replay BAG`: play a bag (a rosbag2 folder, or a bare .mcap or .db3 file:
+sps_driving.bagio) through the live graph and report.
 
 The graph (selection, extractor, policy, vehicle_interface with the `topics` backend,
 safety_monitor) runs as separate node processes over DDS on loopback (sps_driving.graph). The
@@ -476,7 +477,8 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bag", type=Path, help="rosbag2 folder (sqlite3 or mcap) with camera frames on " + topics.IMAGE)
+    parser.add_argument("bag", type=Path, help="a rosbag2 folder (sqlite3 or mcap), a .mcap file or a .db3 file with camera "
+                                               f"frames on {topics.IMAGE}")
     parser.add_argument(
         "--out", type=Path,
         help="output bag of everything the graph published (default: out/replay/<bag name>_<time> under the current folder)",
@@ -571,14 +573,15 @@ def replay_bag(
     report (`build_report` plus mode, output_bag, unreadable_messages). `topic_map` renames bag
     topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
     with the vendor camera driver). Raises ReplayError."""
-    from sps_driving.bagio import BagWriter, topic_types
+    from sps_driving.bagio import BagError, BagWriter, topic_types
     from sps_driving.graph import Graph, default_params_file, isolate_ros, wait_for_nodes, wait_for_topics
 
     bag, out = Path(bag), Path(out)
-    if not bag.exists():
-        raise ReplayError(f"no bag at {bag}")
     topic_map = dict(topic_map or {})
-    bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
+    try:
+        bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
+    except BagError as exc:
+        raise ReplayError(str(exc)) from None
     if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
         raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
     params_file = Path(params_file) if params_file else default_params_file()
@@ -675,7 +678,9 @@ def car_reference(bag: Path, reference_topic: str, params_file: Path):
 def default_output(bag: Path) -> Path:
     """out/replay/<bag name>_<time> under the current folder: never inside the bag's own tree (the
     bundled bags live in the package)."""
-    return Path("out") / "replay" / f"{Path(bag).resolve().name}_{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    from sps_driving.bagio import bag_name
+
+    return Path("out") / "replay" / f"{bag_name(bag)}_{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def run(args: argparse.Namespace) -> int:

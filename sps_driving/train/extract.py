@@ -1,8 +1,9 @@
 """`sps-driving extract --out CACHE INPUT...`: recorded drives -> a feature cache for training.
 
 Each INPUT is either
-- a rosbag2 directory (it has metadata.yaml): camera frames (sensor_msgs/Image) on the camera
-  topic, labelled from one of two sources (`label_source`; auto: the first the bag has):
+- a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.bagio): camera frames
+  (sensor_msgs/Image) on the camera topic, labelled from one of two sources (`label_source`;
+  auto: the first the bag has):
   - "command": the reference command (sensor_msgs/JointState "steering", "throttle") whose header
     stamp is nearest to the frame's, if within the configured tolerance (the world's bags);
   - "pacmod3": what the safety driver did, from the car's PACMod 3 reports interpolated to the
@@ -113,11 +114,13 @@ class ExtractSettings:
 
 
 def input_kind(path: Path) -> str:
-    if (path / "metadata.yaml").is_file():
+    from sps_driving.bagio import BagError, is_bag, not_a_bag
+
+    if is_bag(path):
         return "rosbag2"
     if (path / LABELS_FILE).is_file():
         return "image_folder"
-    raise ValueError(f"{path} is neither a rosbag2 directory (metadata.yaml) nor an image folder ({LABELS_FILE})")
+    raise BagError(not_a_bag(path, f"an image folder with {LABELS_FILE}"))
 
 
 def _command_values(msg) -> tuple[float, float] | None:
@@ -157,13 +160,6 @@ def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]
         if missing:
             raise ValueError(f"bag {path} has no topic {', '.join(missing)}; its topics: {', '.join(sorted(present))}")
     return kinds
-
-
-def bag_frame_count(path: Path, topic: str) -> int | None:
-    from rosbags.rosbag2 import Reader
-
-    with Reader(path) as reader:
-        return sum(conn.msgcount for conn in reader.connections if conn.topic == topic)
 
 
 def bag_states(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -310,10 +306,13 @@ def folder_frames(path: Path, settings: ExtractSettings, counts: Counter, first:
 
 
 def source_names(inputs: Sequence[Path]) -> list[str]:
-    """The input folders' names, made unique (episode names drive the validation split)."""
+    """The inputs' names (a bare bag file's without its suffix), made unique (episode names drive
+    the validation split)."""
+    from sps_driving.bagio import bag_name
+
     names, seen = [], Counter()
     for path in inputs:
-        base = path.resolve().name
+        base = bag_name(path)
         seen[base] += 1
         names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
     return names
@@ -333,13 +332,14 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
     `processes` (torchrun) each takes an equal contiguous block of units, and the cache is the same
     as one process writes. A cut-short run resumes with the units not finished (UnitCacheWriter).
     """
+    from sps_driving.bagio import message_count
     from sps_driving.graph import car_facts
 
     procs = processes or Processes()
     inputs = [Path(p) for p in inputs]
     kinds = check_inputs(inputs, settings)
     sources = source_names(inputs)
-    totals = [bag_frame_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
+    totals = [message_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
               for path, kind in zip(inputs, kinds)]
     steering_ratio = float(car_facts(params_file)["steering_ratio"])
     meta = {
@@ -507,7 +507,8 @@ def extraction_settings_from_args(args):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="rosbag2 directories and/or image folders with labels.csv")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="bags (rosbag2 folders, .mcap or .db3 files) and/or image folders with labels.csv")
     parser.add_argument("--out", required=True, help="feature cache directory to create")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing cache at --out")
     parser.add_argument("--config", default=str(TRAIN_CONFIG), help="YAML with an `extract:` section (topics, tolerance)")
