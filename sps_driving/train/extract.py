@@ -59,7 +59,7 @@ from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
 from sps_driving.distributed import Processes, shares, start_processes
 from sps_driving.resources import config_path
 from sps_driving.train.cache import META_FILE, UnitCacheWriter, UnitShards
-from sps_driving.train.car_labels import CarLabelRules, has_reports, missing_reports, read_car_labels
+from sps_driving.train.car_labels import HANDOVERS, CarLabelRules, has_reports, missing_reports, read_car_labels
 
 LABELS_FILE = "labels.csv"
 TRAIN_CONFIG = config_path("train.yaml")
@@ -90,6 +90,7 @@ class ExtractSettings:
     exclude_reverse: bool = True
     label_stack_driving: bool = False
     intervention_window_s: float = 3.0
+    handover_guard_s: float = 0.1
     image_folder_frame_rate_hz: float = 30.0
     shard_size: int = 512
 
@@ -110,7 +111,7 @@ class ExtractSettings:
 
     def car_label_rules(self) -> CarLabelRules:
         return CarLabelRules(self.max_report_gap_s, self.min_speed_mps, self.exclude_reverse, self.label_stack_driving,
-                             self.intervention_window_s)
+                             self.intervention_window_s, self.handover_guard_s)
 
 
 def input_kind(path: Path) -> str:
@@ -576,6 +577,11 @@ def run(args) -> int:
               + (f", of them without state {unknown}" if unknown else ""))
         print(f"    labels from {labels[source]['from']}" + (f" (the bag also has {labels[source]['also_in_bag']})"
                                                              if "also_in_bag" in labels[source] else ""))
+        if "handovers" in labels[source]:
+            guard = labels[source]["rules"]["handover_guard_s"]
+            print("    handovers: " + ", ".join(f"{kind} {n}" for kind, n in labels[source]["handovers"].items())
+                  + "; dropped " + ", ".join(f"near_{kind} {counts.get(f'near_{kind}', 0)}" for kind in HANDOVERS)
+                  + f" (within {guard:g} s), across_handover {counts.get('across_handover', 0)}")
         if "interventions" in labels[source]:
             print(f"    safety-driver interventions: {len(labels[source]['interventions'])}, "
                   f"{counts.get('written_intervention', 0)} frames written from the "
