@@ -12,11 +12,11 @@ DESCRIPTION = ("End-to-end driving for ROS 2 with Stochastic Patch Selection: ru
                "check recordings, train, evaluate and analyse policies. `sps-driving COMMAND --help` for each command.")
 COMMANDS = {
     "demo": ("sps_driving.demo", "the README's main job: replay the bundled drive through the live graph"),
-    "extract": ("sps_driving.train.extract", "image folders or rosbag2 files -> descriptor feature cache"),
+    "extract": ("sps_driving.train.extract", "bags (rosbag2 folders, .mcap, .db3) or image folders -> descriptor feature cache"),
     "train": ("sps_driving.train.trainer", "train a policy on a feature cache (torchrun-ready)"),
     "finetune": ("sps_driving.train.finetune_text", "fine-tune a policy with language-guided latent augmentation"),
     "bench": ("sps_driving.bench", "per-frame extraction timing at several selection rates"),
-    "replay": ("sps_driving.replay", "play a rosbag2 through the live ROS 2 graph and report"),
+    "replay": ("sps_driving.replay", "play a bag through the live ROS 2 graph and report"),
     "interventions": ("sps_driving.interventions", "count safety-driver interventions in a field-test bag"),
     "record": ("sps_driving.record", "record a data drive or field test on the car (ros2 bag record, mcap)"),
     "faults": ("sps_driving.faults", "fault-injection matrix of the drive-by-wire path against the live graph"),
