@@ -431,11 +431,11 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
          played=PLAYED, supplied: dict | None = None) -> float:
     """Publish the bag's camera and `played` topics (renamed by `topic_map`) and, before each new
     frame's image, the supplied state ({topic: value}, `state_plan`) with its stamp; returns the
-    playback wall time in s. In lockstep a frame's command is awaited when the next frame begins, so every
-    message recorded before that (the frame's speed among them) is in the graph first. A camera
-    message waits for the messages recorded at its own log time (a recorder writes the frame
-    first, then the speed of that instant), so a frame's state is out before its image: on busy
-    cores the frame could otherwise reach the policy before the state it was recorded with."""
+    playback wall time in s. In lockstep a frame's command is awaited when the next frame begins,
+    so every message recorded before that (the frame's speed among them) is in the graph first. A
+    camera message waits for the messages recorded at its own log time (a recorder writes the
+    frame first, then the speed of that instant), so a frame's state is out before its image: on
+    busy cores the frame could otherwise reach the policy before the state it was recorded with."""
     from tqdm import tqdm
 
     from sps_driving.bagio import read_messages, to_bag
@@ -476,8 +476,8 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
         if not lockstep:
             first_log = item.log_time_ns if first_log is None else first_log
             player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
-        if topic == topics.IMAGE and msgs.stamp_ns(item.msg.header) not in player.frames:
-            for state_topic, value in (supplied or {}).items():
+        if topic == topics.IMAGE and supplied and msgs.stamp_ns(item.msg.header) not in player.frames:
+            for state_topic, value in supplied.items():  # out before the image, as the car's reports would be
                 player.publish(state_topic, to_bag(msgs.twist_fields(value, msgs.stamp_ns(item.msg.header))))
         published = player.publish(topic, item.msg)
         if topic == topics.IMAGE:
@@ -768,6 +768,8 @@ def default_output(bag: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sps_driving.bagio import BagError
+
     out = args.out or default_output(args.bag)
     try:
         report = replay_bag(
@@ -776,7 +778,7 @@ def run(args: argparse.Namespace) -> int:
             log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic), overlay=args.overlay,
             supplied_state={name: getattr(args, name) for name in SUPPLY_OPTIONS if getattr(args, name) is not None},
         )
-    except ReplayError as exc:
+    except (ReplayError, BagError) as exc:  # BagError: a bag damaged part-way through the playback
         print(f"error: {exc}")
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report) + f"\noutput bag: {out}")

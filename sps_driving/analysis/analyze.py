@@ -188,18 +188,21 @@ def bag_images(path: Path, stride: int, image_topic: str | None) -> tuple[int, I
 
     def frames() -> Iterator[np.ndarray]:
         dropped = 0
-        for index, message in enumerate(bagio.read_messages(path, [topic])):
-            if index % stride:
-                continue
-            msg = message.msg
-            try:
-                rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
-            except ImageError as error:
-                dropped += 1
-                print(f"warning: {path}: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)",
-                      file=sys.stderr)
-                continue
-            yield rgb
+        try:
+            for index, message in enumerate(bagio.read_messages(path, [topic])):
+                if index % stride:
+                    continue
+                msg = message.msg
+                try:
+                    rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
+                except ImageError as error:
+                    dropped += 1
+                    print(f"warning: {path}: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)",
+                          file=sys.stderr)
+                    continue
+                yield rgb
+        except bagio.BagError as error:  # damaged part-way: the frames before it are analysed
+            print(f"warning: {error}; its frames from there on are left out", file=sys.stderr)
 
     return len(range(0, count, stride)), frames()
 
