@@ -1,5 +1,10 @@
 """rosbag2 reading and writing without a ROS installation, through `rosbags`.
 
+What a bag input is, for every command that reads one (`is_bag`, `open_bag`): a rosbag2 folder
+(metadata.yaml and its sqlite3 or mcap storage files), or one storage file alone, a .mcap file
+(what MCAP writers, Foxglove and `ros2 bag record -s mcap` copies hand out) or a .db3 file.
+Anything else, or a bag rosbags cannot read, is a BagError that says which.
+
 Bags recorded on the car (Humble or newer) and bags written by the simulator use the same
 topics (sps_driving.topics) and are read by the same code. A bag's own stored message definitions
 decide how its messages decode, so a bag recorded with another layout of a type decodes as
@@ -15,6 +20,7 @@ the live graph's rclpy messages are made of): `to_bag` makes the rosbags message
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +54,54 @@ def _make_typestore():
 
 TYPESTORE = _make_typestore()
 STORAGES = {"sqlite3": StoragePlugin.SQLITE3, "mcap": StoragePlugin.MCAP}
+STORAGE_FILES = {".mcap": "mcap", ".db3": "sqlite3"}  # a bag's storage file suffix -> its storage
+METADATA = "metadata.yaml"
+BAG_INPUTS = f"a rosbag2 folder (with {METADATA}), a .mcap file or a .db3 file"
+
+
+class BagError(ValueError):
+    """An input that is no bag, or a bag that cannot be read."""
+
+
+def is_bag(path: str | Path) -> bool:
+    """Whether `path` is a bag input: a rosbag2 folder or a bare .mcap / .db3 storage file."""
+    path = Path(path)
+    return (path.is_dir() and (path / METADATA).is_file()) or (path.is_file() and path.suffix in STORAGE_FILES)
+
+
+def not_a_bag(path: str | Path, other: str | None = None) -> str:
+    """Why `path` is no bag input, for a command that also takes `other` (e.g. "a feature cache")."""
+    path = Path(path)
+    if not path.exists():
+        return f"no bag{f' or {other}' if other else ''} at {path}"
+    stored = sorted(p.name for p in path.iterdir() if p.suffix in STORAGE_FILES) if path.is_dir() else []
+    if stored:  # rosbag2 writes metadata.yaml when a recording ends: one stopped hard has none
+        return (f"{path} is a bag folder without {METADATA} (a recording stopped before it was written): "
+                f"`ros2 bag reindex {path}` writes it, or give its storage file ({', '.join(stored)})")
+    return f"{path} is not a bag: expected {BAG_INPUTS}" + (f", or {other}" if other else "")
+
+
+def bag_name(path: str | Path) -> str:
+    """A bag's name: its folder's, or its storage file's without the suffix."""
+    path = Path(path).resolve()
+    return path.stem if path.suffix in STORAGE_FILES and path.is_file() else path.name
+
+
+@contextmanager
+def open_bag(path: str | Path) -> Iterator[Reader]:
+    """An open rosbags Reader of a bag input; BagError when it is none or cannot be read."""
+    path = Path(path)
+    if not is_bag(path):
+        raise BagError(not_a_bag(path))
+    reader = Reader(path)
+    try:
+        reader.open()
+    except Exception as exc:  # rosbags raises errors of many kinds on damaged bytes
+        raise BagError(f"cannot read the bag {path}: {exc}") from exc
+    try:
+        yield reader
+    finally:
+        reader.close()
 
 
 @dataclass(frozen=True)
@@ -72,25 +126,35 @@ def bag_typestore(connections):
 
 
 def topic_types(path: str | Path) -> dict[str, str]:
-    with Reader(Path(path)) as reader:
+    with open_bag(path) as reader:
         return {conn.topic: conn.msgtype for conn in reader.connections}
+
+
+def message_count(path: str | Path, topic: str) -> int:
+    """How many messages the bag holds on `topic`."""
+    with open_bag(path) as reader:
+        return sum(conn.msgcount for conn in reader.connections if conn.topic == topic)
 
 
 def read_messages(path: str | Path, topics: Iterable[str] | None = None, first: int = 0,
                   stop: int | None = None) -> Iterator[BagMessage]:
     """Deserialized messages in log-time order; `topics` limits which are read, `first` and `stop`
     to those at positions first..stop-1 of that order (the ones before are not deserialized)."""
-    with Reader(Path(path)) as reader:
+    with open_bag(path) as reader:
         wanted = set(topics) if topics is not None else None
         connections = [c for c in reader.connections if wanted is None or c.topic in wanted]
         if not connections:  # none of the topics is in the bag (rosbags reads every connection for an empty list)
             return
         store = bag_typestore(connections)
-        for position, (conn, log_time, raw) in enumerate(reader.messages(connections=connections)):
-            if stop is not None and position >= stop:
-                return
-            if position >= first:
-                yield BagMessage(conn.topic, conn.msgtype, log_time, store.deserialize_cdr(raw, conn.msgtype))
+        position = 0
+        try:
+            for position, (conn, log_time, raw) in enumerate(reader.messages(connections=connections)):
+                if stop is not None and position >= stop:
+                    return
+                if position >= first:
+                    yield BagMessage(conn.topic, conn.msgtype, log_time, store.deserialize_cdr(raw, conn.msgtype))
+        except Exception as exc:  # damaged bytes past the index (rosbags raises errors of many kinds)
+            raise BagError(f"cannot read the bag {path} after message {position}: {exc}") from exc
 
 
 class BagWriter:

@@ -8,13 +8,15 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = ("End-to-end driving for ROS 2 with Stochastic Patch Selection: run the graph on the car, replay and "
+               "check recordings, train, evaluate and analyse policies. `sps-driving COMMAND --help` for each command.")
 COMMANDS = {
     "demo": ("sps_driving.demo", "the README's main job: replay the bundled drive through the live graph"),
-    "extract": ("sps_driving.train.extract", "image folders or rosbag2 files -> descriptor feature cache"),
+    "extract": ("sps_driving.train.extract", "bags (rosbag2 folders, .mcap, .db3) or image folders -> descriptor feature cache"),
     "train": ("sps_driving.train.trainer", "train a policy on a feature cache (torchrun-ready)"),
     "finetune": ("sps_driving.train.finetune_text", "fine-tune a policy with language-guided latent augmentation"),
     "bench": ("sps_driving.bench", "per-frame extraction timing at several selection rates"),
-    "replay": ("sps_driving.replay", "play a rosbag2 through the live ROS 2 graph and report"),
+    "replay": ("sps_driving.replay", "play a bag through the live ROS 2 graph and report"),
     "interventions": ("sps_driving.interventions", "count safety-driver interventions in a field-test bag"),
     "record": ("sps_driving.record", "record a data drive or field test on the car (ros2 bag record, mcap)"),
     "faults": ("sps_driving.faults", "fault-injection matrix of the drive-by-wire path against the live graph"),
@@ -30,11 +32,12 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="sps-driving", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="sps-driving", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     for name, (module_name, help_text) in COMMANDS.items():
-        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
+        # argparse %-formats a help string (not a description): a literal % must be %%.
+        cmd_parser = sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(cmd_parser)

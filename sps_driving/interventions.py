@@ -1,16 +1,16 @@
 """`sps-driving interventions BAG`: safety-driver interventions in a recorded field test.
 
-Reads the drive-by-wire state from a rosbag2 (sqlite3 or mcap) without ROS: PACMod 3 reports in the
-ROS 2 `pacmod3_msgs` layout (`GlobalRpt`, every `SystemRptFloat` / `SystemRptInt` report, the
-`std_msgs/Bool` on /pacmod/enabled) or, on cars run with the `topics` backend, the vehicle
-interface's status (its `vehicle_interface` status on /diagnostics, or /vehicle_interface/status in
-older bags). Only a safety-driver override (pedal or wheel) is an intervention; the other ends of
-autonomy are disengagements by cause: a fault, a timeout, or a disable (the operator's button or
-the stack) with none of those (core.monitor.AutonomyLog decides, from the reports within
-CAUSE_WINDOW_S of each). Prints every engagement and disengagement with its time, cause and the
-report fields that show it, the time and distance in autonomy, and interventions per hour and per
-km (distance from /vehicle/twist or the PACMod vehicle speed report, when recorded). Times are the
-bag's log times.
+Reads the drive-by-wire state from a bag (a rosbag2 folder, sqlite3 or mcap, or a bare .mcap or
+.db3 file: sps_driving.bagio) without ROS: PACMod 3 reports in the ROS 2 `pacmod3_msgs` layout
+(`GlobalRpt`, every `SystemRptFloat` / `SystemRptInt` report, the `std_msgs/Bool` on
+/pacmod/enabled) or, on cars run with the `topics` backend, the vehicle interface's status (its
+`vehicle_interface` status on /diagnostics, or /vehicle_interface/status in older bags). Only a
+safety-driver override (pedal or wheel) is an intervention; the other ends of autonomy are
+disengagements by cause: a fault, a timeout, or a disable (the operator's button or the stack) with
+none of those (core.monitor.AutonomyLog decides, from the reports within CAUSE_WINDOW_S of each).
+Prints every engagement and disengagement with its time, cause and the report fields that show it,
+the time and distance in autonomy, and interventions per hour and per km (distance from
+/vehicle/twist or the PACMod vehicle speed report, when recorded). Times are the bag's log times.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ OLD_VEHICLE_STATUS = "/vehicle_interface/status"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bag", type=Path, help="rosbag2 folder (sqlite3 or mcap)")
+    parser.add_argument("bag", type=Path, help="a rosbag2 folder (sqlite3 or mcap), a .mcap file or a .db3 file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -176,12 +176,9 @@ def format_summary(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.bag.exists():
-        print(f"no bag at {args.bag}")
-        return 2
     try:
         summary = analyze(args.bag)
-    except ValueError as exc:
+    except ValueError as exc:  # no bag (bagio.BagError), or one without engagement reports
         print(f"error: {exc}")
         return 2
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))

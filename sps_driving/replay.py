@@ -1,4 +1,5 @@
-"""`sps-driving replay BAG`: play a rosbag2 through the live graph and report.
+"""`sps-driving replay BAG`: play a bag (a rosbag2 folder, or a bare .mcap or .db3 file:
+sps_driving.bagio) through the live graph and report.
 
 The graph (selection, extractor, policy, vehicle_interface with the `topics` backend,
 safety_monitor) runs as separate node processes over DDS on loopback (sps_driving.graph). The
@@ -22,6 +23,13 @@ The reference commands are the ones that drove the car: /vehicle/command in the 
 a car's bag, what the safety driver did, from its PACMod 3 reports (sps_driving.train.car_labels,
 with the rules `sps-driving extract` labels by: only the frames the human drove, moving forward),
 so a field recording validates a policy as a world recording does. The report says which.
+
+A policy with state inputs reads them as on the car: from the bag's topics, and a frame without
+a speed is dropped. For a bag that records none (a camera-only recording), --speed-mps and
+--target-speed-mps supply constant values (`state_plan`): this process publishes them with each
+frame's stamp, just before its image, on the topics the policy node reads, so the node and the
+car's path stay as they are. Never by default, never over a recorded value; the report says where
+each state input came from.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import numpy as np
 
 from sps_driving import msgs, topics
 from sps_driving.core.history import COUNTER_PREFIX
-from sps_driving.core.state import recorded_vehicle_backend
+from sps_driving.core.state import STATE_INPUTS, live_source, recorded_vehicle_backend
 from sps_driving.extractors import FACT_KEYS
 from sps_driving.graph import VEHICLE_WITHOUT_CAR
 
@@ -64,6 +72,8 @@ VEHICLE_INTERFACE, SAFETY_MONITOR = "vehicle_interface", "safety_monitor"  # the
 REPEATED_STAMP = "repeated stamp"  # drop reason: an image whose stamp was already played
 NO_OUTCOME = "no outcome"  # drop reason: neither a command nor a stage's drop report came
 IDLE_WAIT_S = 0.25  # s, the longest a lockstep wait sleeps without a message (see Player.wait_for)
+# State inputs a replay may supply for a bag that records none: state input -> its option.
+SUPPLY_OPTIONS = {"speed_mps": "--speed-mps", "target_speed_mps": "--target-speed-mps"}
 
 
 @dataclass(frozen=True)
@@ -249,6 +259,8 @@ def format_report(r: dict) -> str:
     ]
     for reason, count in sorted(r["drops"].items()):
         lines.append(f"  dropped, {reason}: {count}")
+    for name, state_source in r.get("state", {}).items():
+        lines.append(f"state {name}: {describe_state_source(state_source)}")
     source = f" (from {r['reference_source']})" if r.get("reference_source") else ""
     lines.append(f"reference commands matched: {r['reference_commands']}{source}")
     if r.get("reference_unavailable"):
@@ -284,6 +296,19 @@ def format_report(r: dict) -> str:
     for stage, stats in r["compute_ms"].items():
         lines.append(f"  {stage:44s} {num(stats['p50'], '8.1f')} {num(stats['p99'], '8.1f')} {stats['count']:6d}")
     return "\n".join(lines)
+
+
+def describe_state_source(source: dict) -> str:
+    """One line on where a state input's values came from (`state_plan`)."""
+    if source["from"] == "bag":
+        played = f" (played as {source['played_as']})" if "played_as" in source else ""
+        return f"from the bag's {source['topic']}{played}"
+    if source["from"] == "option":
+        return f"{source['value']:g} m/s on every frame, supplied by {source['option']} (not recorded)"
+    if source["from"] == "parameter":
+        value = f"{source['value']:g} m/s, " if source.get("value") is not None else ""
+        return f"{value}the {source['parameter']} parameter (not recorded)"
+    return "none: neither recorded nor supplied (frames that need it are dropped)"
 
 
 def human_reference(car, frame_log_times: dict) -> tuple[dict, dict]:
@@ -403,13 +428,14 @@ class Player:
 
 
 def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool, topic_map: dict,
-         played=PLAYED) -> float:
-    """Publish the bag's camera and `played` topics (renamed by `topic_map`); returns the playback
-    wall time in s. In lockstep a frame's command is awaited when the next frame begins, so every
-    message recorded before that (the frame's speed among them) is in the graph first. A camera
-    message waits for the messages recorded at its own log time (a recorder writes the frame
-    first, then the speed of that instant), so a frame's state is out before its image: on busy
-    cores the frame could otherwise reach the policy before the state it was recorded with."""
+         played=PLAYED, supplied: dict | None = None) -> float:
+    """Publish the bag's camera and `played` topics (renamed by `topic_map`) and, before each new
+    frame's image, the supplied state ({topic: value}, `state_plan`) with its stamp; returns the
+    playback wall time in s. In lockstep a frame's command is awaited when the next frame begins,
+    so every message recorded before that (the frame's speed among them) is in the graph first. A
+    camera message waits for the messages recorded at its own log time (a recorder writes the
+    frame first, then the speed of that instant), so a frame's state is out before its image: on
+    busy cores the frame could otherwise reach the policy before the state it was recorded with."""
     from tqdm import tqdm
 
     from sps_driving.bagio import read_messages, to_bag
@@ -450,6 +476,9 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
         if not lockstep:
             first_log = item.log_time_ns if first_log is None else first_log
             player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
+        if topic == topics.IMAGE and supplied and msgs.stamp_ns(item.msg.header) not in player.frames:
+            for state_topic, value in supplied.items():  # out before the image, as the car's reports would be
+                player.publish(state_topic, to_bag(msgs.twist_fields(value, msgs.stamp_ns(item.msg.header))))
         published = player.publish(topic, item.msg)
         if topic == topics.IMAGE:
             bar.update(1)
@@ -476,7 +505,8 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bag", type=Path, help="rosbag2 folder (sqlite3 or mcap) with camera frames on " + topics.IMAGE)
+    parser.add_argument("bag", type=Path, help="a rosbag2 folder (sqlite3 or mcap), a .mcap file or a .db3 file with camera "
+                                               f"frames on {topics.IMAGE}")
     parser.add_argument(
         "--out", type=Path,
         help="output bag of everything the graph published (default: out/replay/<bag name>_<time> under the current folder)",
@@ -492,6 +522,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlay", action="store_true",
                         help=f"the policy node publishes what it sees on {topics.POLICY_OVERLAY} (its publish_overlay), "
                              "recorded in the output bag")
+    for name, option in SUPPLY_OPTIONS.items():
+        topic, msgtype = live_source(name, "topics")
+        parser.add_argument(option, type=float, dest=name, metavar=STATE_INPUTS[name].unit.upper().replace("/", "_"),
+                            help=f"for a bag that records no {name} (a camera-only recording): this value, "
+                                 f"{STATE_INPUTS[name].unit}, on every frame, published with the frame's stamp; the report says "
+                                 f"so (from another {msgtype} topic of the bag instead: --topic BAG_TOPIC:={topic})")
     parser.add_argument("--frame-timeout", type=float, default=60.0, help="s to wait for one frame's command in lockstep")
     parser.add_argument("--startup-timeout", type=float, default=180.0, help="s to wait for the nodes to come up")
     parser.add_argument("--log-dir", type=Path, help="keep the node logs here")
@@ -509,6 +545,51 @@ def parse_topic_map(items) -> dict:
             raise ReplayError(f"--topic takes /bag/topic:=/graph/topic, got {item!r}")
         topic_map[source] = target
     return topic_map
+
+
+def state_plan(policy_config: dict, bag_topics: dict, supplied: dict, params_file: Path,
+               topic_map: dict | None = None) -> tuple[dict, dict]:
+    """({topic: value} this process publishes with each frame's stamp, {state input: where its
+    values come from}) for the state inputs of a policy replayed on a bag with topics `bag_topics`
+    (renamed by `topic_map`). Each comes from the bag when it records it (as `played_topics`
+    plays it), else from `supplied` ({state input: value}, the SUPPLY_OPTIONS), published on the
+    topic the policy node reads, else from the policy node's fallback parameter (the cruise
+    target's, in the params file) or from nowhere. ReplayError for a supplied value that is not a
+    speed, that a recorded one exists for, or that the policy does not read."""
+    import yaml
+
+    from sps_driving.core.policy import state_inputs_of
+    from sps_driving.core.state import recorded_source
+
+    reads = state_inputs_of(policy_config)
+    bag_names = {graph_topic: bag_topic for bag_topic, graph_topic in (topic_map or {}).items()}
+    for name, value in supplied.items():
+        option, recorded = SUPPLY_OPTIONS[name], recorded_source(name, bag_topics)
+        if name not in reads:
+            raise ReplayError(f"{option}: the policy reads no {name} (its state inputs: {', '.join(reads) or 'none'})")
+        if not (math.isfinite(value) and (value > 0 if name == "target_speed_mps" else value >= 0)):
+            raise ReplayError(f"{option} takes a speed in m/s ({'> 0' if name == 'target_speed_mps' else '>= 0'}), got {value}")
+        if recorded is not None:
+            raise ReplayError(f"{option}: the bag records {name} on {bag_names.get(recorded[0], recorded[0])}; "
+                              "replay it as recorded")
+    publish, sources = {}, {}
+    for name in reads:
+        recorded = recorded_source(name, bag_topics)
+        if recorded is not None:
+            topic = recorded[0]
+            sources[name] = {"from": "bag", "topic": bag_names.get(topic, topic),
+                             **({"played_as": topic} if topic in bag_names else {})}
+        elif name in supplied:
+            topic = live_source(name, recorded_vehicle_backend(bag_topics))[0]
+            publish[topic] = supplied[name]
+            sources[name] = {"from": "option", "option": SUPPLY_OPTIONS[name], "value": supplied[name], "topic": topic}
+        elif name == "target_speed_mps":  # the policy node's fallback until a target arrives (nodes/policy.py)
+            policy_params = (yaml.safe_load(Path(params_file).read_text()) or {}).get("policy", {}).get("ros__parameters", {})
+            sources[name] = {"from": "parameter", "parameter": "policy target_speed_mps",
+                             "value": policy_params.get("target_speed_mps")}
+        else:
+            sources[name] = {"from": "none"}
+    return publish, sources
 
 
 def played_topics(policy_config: dict, bag_topics: dict) -> tuple[str, ...]:
@@ -566,19 +647,22 @@ def replay_bag(
     storage: str = "sqlite3",
     topic_map: dict | None = None,
     overlay: bool = False,
+    supplied_state: dict | None = None,
 ) -> dict:
     """Play `bag` through a freshly started graph, write what it published to `out`, return the
-    report (`build_report` plus mode, output_bag, unreadable_messages). `topic_map` renames bag
-    topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
-    with the vendor camera driver). Raises ReplayError."""
-    from sps_driving.bagio import BagWriter, topic_types
+    report (`build_report` plus mode, output_bag, unreadable_messages, state). `topic_map` renames
+    bag topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
+    with the vendor camera driver); `supplied_state` ({state input: value}) supplies state inputs
+    the bag does not record (`state_plan`). Raises ReplayError."""
+    from sps_driving.bagio import BagError, BagWriter, topic_types
     from sps_driving.graph import Graph, default_params_file, isolate_ros, wait_for_nodes, wait_for_topics
 
     bag, out = Path(bag), Path(out)
-    if not bag.exists():
-        raise ReplayError(f"no bag at {bag}")
     topic_map = dict(topic_map or {})
-    bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
+    try:
+        bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
+    except BagError as exc:
+        raise ReplayError(str(exc)) from None
     if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
         raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
     params_file = Path(params_file) if params_file else default_params_file()
@@ -600,7 +684,9 @@ def replay_bag(
     has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
     from sps_driving.core.policy import read_policy_config
 
-    played = played_topics(read_policy_config(checkpoint), bag_topics)
+    policy_config = read_policy_config(checkpoint)
+    played = played_topics(policy_config, bag_topics)
+    supplied, state_sources = state_plan(policy_config, bag_topics, supplied_state or {}, params_file, topic_map)
     reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
     try:
         car, unavailable = car_reference(bag, reference_topic, params_file), None
@@ -608,6 +694,7 @@ def replay_bag(
         car, unavailable = None, str(exc)
     input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
     input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
+    input_types.update({topic: "geometry_msgs/msg/TwistStamped" for topic in supplied})  # msgs.twist_fields
 
     import rclpy
     from rclpy.node import Node
@@ -631,7 +718,7 @@ def replay_bag(
                 wait_for_topics(node, readers, startup_timeout_s, graph)
             except (TimeoutError, RuntimeError) as exc:
                 raise ReplayError(f"the graph did not start: {exc}") from exc
-            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played)
+            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played, supplied)
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
@@ -646,7 +733,7 @@ def replay_bag(
         reference, excluded = human_reference(car, player.frame_log_times)
         reference_source = "pacmod3 reports: the safety driver's driving"
     report = build_report(player.frames, player.records, reference, wall_s, player.repeated_stamps)
-    report.update(reference_source=reference_source, reference_excluded=excluded)
+    report.update(reference_source=reference_source, reference_excluded=excluded, state=state_sources)
     if unavailable:
         report["reference_unavailable"] = unavailable
     report["mode"] = "lockstep" if lockstep else "realtime"
@@ -675,18 +762,23 @@ def car_reference(bag: Path, reference_topic: str, params_file: Path):
 def default_output(bag: Path) -> Path:
     """out/replay/<bag name>_<time> under the current folder: never inside the bag's own tree (the
     bundled bags live in the package)."""
-    return Path("out") / "replay" / f"{Path(bag).resolve().name}_{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    from sps_driving.bagio import bag_name
+
+    return Path("out") / "replay" / f"{bag_name(bag)}_{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def run(args: argparse.Namespace) -> int:
+    from sps_driving.bagio import BagError
+
     out = args.out or default_output(args.bag)
     try:
         report = replay_bag(
             args.bag, out, lockstep=args.lockstep, checkpoint=args.checkpoint, backbone_config=args.backbone_config,
             params_file=args.params, frame_timeout_s=args.frame_timeout, startup_timeout_s=args.startup_timeout,
             log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic), overlay=args.overlay,
+            supplied_state={name: getattr(args, name) for name in SUPPLY_OPTIONS if getattr(args, name) is not None},
         )
-    except ReplayError as exc:
+    except (ReplayError, BagError) as exc:  # BagError: a bag damaged part-way through the playback
         print(f"error: {exc}")
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report) + f"\noutput bag: {out}")

@@ -92,27 +92,30 @@ def within(tick, span):
     return span[0] <= tick < span[1]
 
 
-def write_car_bag(path, storage="sqlite3", ticks=TICKS, engaged=ENGAGED, command=False):
+def write_car_bag(path, storage="sqlite3", ticks=TICKS, engaged=ENGAGED, command=False, override=OVERRIDE,
+                  stack_wheel=None):
     """A drive on the car: camera frames and the PACMod 3 reports (see the constants above), each
     written at its stamp (frames FRAME_LOG_DELAY_NS later); with `command`, the world's reference
-    command on every frame too."""
+    command on every frame too. `stack_wheel(t)`: the steering wheel's angle while the stack drives
+    (enabled, no override), where the human's is `steering_wheel`."""
     with bagio.BagWriter(path, storage) as bag:
         for k in range(ticks):
             t = k / 30
             enabled = any(within(k, span) for span in engaged)
-            overridden = within(k, OVERRIDE)
+            overridden = within(k, override)
             fault = within(k, FAULT)
+            wheel = stack_wheel if stack_wheel is not None and enabled and not overridden else steering_wheel
 
             def write(topic, fields):
                 bag.write(topic, fields, report_time(k, topic))
 
             at = {topic: report_time(k, topic) for topic in PHASE_MS}
             write(topics.PACMOD_GLOBAL_RPT, global_rpt(at[topics.PACMOD_GLOBAL_RPT], enabled,
-                                                       override_active=overridden and k > OVERRIDE[0], pacmod_sys_fault_active=fault))
+                                                       override_active=overridden and k > override[0], pacmod_sys_fault_active=fault))
             write(topics.PACMOD_ENABLED, Fields("std_msgs/msg/Bool", {"data": enabled}))
             if not within(k, GAP):
                 write(topics.PACMOD_STEERING_RPT, system_rpt(at[topics.PACMOD_STEERING_RPT], enabled=enabled, vehicle_fault=fault,
-                                                             output=steering_wheel(k / 30 + PHASE_MS[topics.PACMOD_STEERING_RPT] / 1e3)))
+                                                             output=wheel(k / 30 + PHASE_MS[topics.PACMOD_STEERING_RPT] / 1e3)))
             pedal = throttle(t + PHASE_MS[topics.PACMOD_ACCEL_RPT] / 1e3)
             write(topics.PACMOD_ACCEL_RPT, system_rpt(at[topics.PACMOD_ACCEL_RPT], enabled=enabled, output=max(pedal, 0.0)))
             pedal = throttle(t + PHASE_MS[topics.PACMOD_BRAKE_RPT] / 1e3)
@@ -143,12 +146,27 @@ def s(tick, topic=topics.PACMOD_GLOBAL_RPT):
     return (report_time(tick, topic) - T0) / S
 
 
+GUARD_S = 0.1  # config/train.yaml handover_guard_s
+# The drive's handovers (s, kind): each engagement seen on the global report, the override on the
+# brake report first, the fault's and the operator's disengagements on the global report.
+HANDOVERS = ((s(120), "engage"), (s(OVERRIDE[0], topics.PACMOD_BRAKE_RPT), "override"), (s(240), "engage"),
+             (s(FAULT[0] + 2), "disengage"), (s(300), "engage"), (s(324), "disengage"))
+
+
+def near_handover(log, handovers=HANDOVERS, guard_s=GUARD_S):
+    """"near_<kind>" of the handover nearest to log time `log` (s) when within the guard, else None."""
+    at, kind = min(handovers, key=lambda handover: abs(handover[0] - log))
+    return f"near_{kind}" if abs(at - log) < guard_s else None
+
+
 def expected_drop(t):
     """Why the frame at t s has no label, from the drive's timeline; None: a label."""
     log = t + FRAME_LOG_DELAY_NS / S
     brake_override, fault_disable = s(OVERRIDE[0], topics.PACMOD_BRAKE_RPT), s(FAULT[0] + 2)
     if s(120) <= log < brake_override or s(240) <= log < fault_disable or s(300) <= log < s(324):
         return "stack_driving"
+    if near_handover(log):
+        return near_handover(log)
     if s(GAP[0] - 1, topics.PACMOD_STEERING_RPT) < t < s(GAP[1], topics.PACMOD_STEERING_RPT):
         return "report_gap"
     if t < s(0, topics.PACMOD_SPEED_RPT):  # before the first speed report
@@ -188,9 +206,11 @@ def test_the_human_frames_get_the_known_traces_interpolated_to_their_stamps(car_
     kept = [stamp for stamp, t in zip(stamps, times) if expected_drop(t) is None]
     reasons = [expected_drop(t) for t in times]
     expected_counts = {reason: reasons.count(reason) for reason in set(reasons) if reason}
-    assert set(expected_counts) == {"stack_driving", "report_gap", "speed_invalid", "reverse", "standstill"}
+    assert set(expected_counts) == {"stack_driving", "near_engage", "near_override", "near_disengage", "report_gap",
+                                    "speed_invalid", "reverse", "standstill"}
+    # The 1 s after the override: 10 frames, the first within the guard.
     assert report["car_drive"] == {"written": len(kept), **expected_counts, "written_without_target_speed_mps": len(kept),
-                                   "written_intervention": 10}
+                                   "written_intervention": 9}
     np.testing.assert_array_equal(cache.stamps, kept)
     t = (cache.stamps - T0) / S
     ratio = float(car_facts()["steering_ratio"])
@@ -218,7 +238,7 @@ def test_an_override_marks_the_following_frames_a_fault_or_a_disable_does_not(ca
     assert labels["from"] == "pacmod3 reports" and "also_in_bag" not in labels
     assert labels["steering_ratio"] == float(car_facts()["steering_ratio"])
     assert labels["rules"] == {"max_report_gap_s": 0.1, "min_speed_mps": 0.5, "exclude_reverse": True,
-                               "label_stack_driving": False, "intervention_window_s": WINDOW_S}
+                               "label_stack_driving": False, "intervention_window_s": WINDOW_S, "handover_guard_s": GUARD_S}
     assert labels["reverse_from"] == [topics.PACMOD_SHIFT_RPT, "negative speed"]
 
 
@@ -227,8 +247,65 @@ def test_rules_are_settings(car_bag, pixels, tmp_path):
     settings = ExtractSettings(label_stack_driving=True, min_speed_mps=0.0, exclude_reverse=False)
     report = extract([car_bag], tmp_path / "all", pixels, settings=settings)["car_drive"]
     _, times = frame_times()
-    gaps = sum(expected_drop(t) in ("report_gap", "speed_invalid") for t in times)
-    assert report["written"] == len(times) - gaps and "stack_driving" not in report and "reverse" not in report
+    near = {t for t in times if near_handover(t + FRAME_LOG_DELAY_NS / S)}  # now on both sides of each
+    gaps = sum(expected_drop(t) in ("report_gap", "speed_invalid") for t in times if t not in near)
+    assert report["written"] == len(times) - len(near) - gaps and "stack_driving" not in report and "reverse" not in report
+
+
+# A drive whose steering jumps at every handover (the stack steers 3 rad of wheel off the human's
+# trace), each handover falling between a frame and the reports after it: the stack engages at
+# tick 61, the safety driver brakes at 124 (brake report first, enable off from 127), the stack
+# engages again at 181 and the operator disengages at 241.
+HANDOVER_ENGAGED, HANDOVER_OVERRIDE, HANDOVER_TICKS = ((61, 127), (181, 241)), (124, 130), 300
+CHANGES = ((s(61), "engage"), (s(124, topics.PACMOD_BRAKE_RPT), "override"), (s(181), "engage"), (s(241), "disengage"))
+
+
+def stack_wheel(t):
+    return steering_wheel(t) + 3.0
+
+
+@pytest.fixture(scope="module")
+def handover_bag(tmp_path_factory):
+    return write_car_bag(tmp_path_factory.mktemp("handover") / "handover", "mcap", ticks=HANDOVER_TICKS,
+                         engaged=HANDOVER_ENGAGED, override=HANDOVER_OVERRIDE, stack_wheel=stack_wheel)
+
+
+def test_no_label_mixes_the_human_with_the_stack_and_frames_near_a_handover_are_dropped(handover_bag, tmp_path, capsys):
+    """With the shipped guard (config/train.yaml), from the command line: every frame within the guard
+    of a handover is dropped and counted by its kind, every label is the human's; with no guard, the
+    frames whose reports straddle a handover are dropped, and every label is still the human's."""
+    (tmp_path / "pixels.yaml").write_text("backbone: pixels\ninput_size: [28, 28]\n")
+    assert main(["extract", "--out", str(tmp_path / "cache"), "--extractor-config", str(tmp_path / "pixels.yaml"),
+                 str(handover_bag)]) == 0
+    printed = capsys.readouterr().out
+    cache = FeatureCache(tmp_path / "cache")
+    ratio = float(car_facts()["steering_ratio"])
+    _, times = frame_times(HANDOVER_TICKS)
+    logs = [t + FRAME_LOG_DELAY_NS / S for t in times]
+    reasons = [near_handover(log, CHANGES) for log in logs]
+    stack = [s(61) <= log < s(124, topics.PACMOD_BRAKE_RPT) or s(181) <= log < s(241) for log in logs]
+    expected = {kind: sum(r == kind and not on for r, on in zip(reasons, stack)) for kind in ("near_engage", "near_override",
+                                                                                                 "near_disengage")}
+    assert all(expected.values()), expected  # the drive has human frames within the guard of each kind
+    counts = cache.meta["counts"]["handover"]
+    assert {kind: counts.get(kind, 0) for kind in expected} == expected
+    assert "handovers: engage 2, disengage 1, override 1; dropped " in printed
+    assert all(f"{kind} {count}" in printed for kind, count in expected.items()), printed
+    assert cache.meta["labels"]["handover"]["rules"]["handover_guard_s"] == GUARD_S
+
+    def assert_only_human_labels(cache):
+        t = (cache.stamps - T0) / S
+        np.testing.assert_allclose(cache.targets[:, 0], [steering_wheel(x) / ratio for x in t],
+                                   atol=(1 / 30) ** 2 / 8 * 2.0 * math.pi**2 / ratio)
+
+    labelled_logs = (cache.stamps - T0 + FRAME_LOG_DELAY_NS) / S
+    assert min(abs(log - at) for log in labelled_logs for at, _ in CHANGES) >= GUARD_S
+    assert_only_human_labels(cache)
+
+    report = extract([handover_bag], tmp_path / "unguarded", load_extractor({"backbone": "pixels", "input_size": [28, 28]}),
+                     settings=ExtractSettings(handover_guard_s=0.0))["handover"]
+    assert not any(kind in report for kind in expected) and report["across_handover"] >= 2
+    assert_only_human_labels(FeatureCache(tmp_path / "unguarded"))
 
 
 def test_a_bag_with_both_sources_says_which_it_used(tmp_path, pixels):

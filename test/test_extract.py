@@ -99,7 +99,7 @@ def test_image_folder_with_labels(tmp_path, extractor, folder):
 
 def test_unknown_inputs_and_missing_topics_are_refused_before_extraction(tmp_path, extractor, bag):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="neither a rosbag2"):
+    with pytest.raises(ValueError, match="is not a bag: expected a rosbag2 folder .*, or an image folder with labels.csv"):
         extract([bag, tmp_path / "empty"], tmp_path / "cache", extractor)
     with pytest.raises(ValueError, match="no topic /driver/cmd; its topics: /camera/image_raw, /vehicle/command"):
         extract([bag], tmp_path / "cache", extractor, settings=ExtractSettings(command_topic="/driver/cmd"))

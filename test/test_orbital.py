@@ -263,7 +263,7 @@ def test_analyze_orbital_command_on_a_rosbag2_with_the_embedded_dinov2(tmp_path,
     assert "masked: 48 anchors" in capsys.readouterr().out
     # a feature cache holds no frames to shift
     assert main(["analyze", str(tmp_path), "--orbital", "--out", str(out)]) == 2
-    assert "give rosbag2 inputs" in capsys.readouterr().err
+    assert "give bags (a rosbag2 folder" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the appearance shift

@@ -265,3 +265,108 @@ def test_replay_refuses_bad_inputs_with_clear_errors(tmp_path, capsys):
     assert "--topic takes" in capsys.readouterr().out
     assert cli.main(["replay", str(tmp_path / "drive"), "--topic", "/camera/image_raw:=/other"]) == 2
     assert "no sensor_msgs/Image frames" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- state supplied for camera-only bags
+
+CAMERA_ONLY = {topics.IMAGE: "sensor_msgs/msg/Image"}
+BOTH = {"state_inputs": ["speed_mps", "target_speed_mps"]}
+
+
+def test_state_comes_from_the_bag_from_options_or_the_policy_parameter_and_says_which(tmp_path):
+    from sps_driving.replay import ReplayError, state_plan
+
+    params = tmp_path / "graph.yaml"
+    params.write_text("policy:\n  ros__parameters:\n    target_speed_mps: 4.5\n")
+    # A camera-only bag, nothing supplied: no speed at all, the target from the policy node's parameter.
+    publish, sources = state_plan(BOTH, CAMERA_ONLY, {}, params)
+    assert publish == {}
+    assert sources == {"speed_mps": {"from": "none"},
+                       "target_speed_mps": {"from": "parameter", "parameter": "policy target_speed_mps", "value": 4.5}}
+    # Supplied by the options: published on the topics the policy node reads, with each frame's stamp.
+    publish, sources = state_plan(BOTH, CAMERA_ONLY, {"speed_mps": 5.0, "target_speed_mps": 7.0}, params)
+    assert publish == {topics.VEHICLE_TWIST: 5.0, topics.TARGET_SPEED: 7.0}
+    assert sources["speed_mps"] == {"from": "option", "option": "--speed-mps", "value": 5.0, "topic": topics.VEHICLE_TWIST}
+    assert sources["target_speed_mps"] == {"from": "option", "option": "--target-speed-mps", "value": 7.0,
+                                           "topic": topics.TARGET_SPEED}
+    # From the bag, under its own name or another topic played as the one the policy reads (--topic).
+    recorded = {**CAMERA_ONLY, topics.PACMOD_SPEED_RPT: "pacmod3_msgs/msg/VehicleSpeedRpt"}
+    _, sources = state_plan(BOTH, recorded, {"target_speed_mps": 7.0}, params)
+    assert sources["speed_mps"] == {"from": "bag", "topic": topics.PACMOD_SPEED_RPT}
+    _, sources = state_plan({"state_inputs": ["speed_mps"]}, {**CAMERA_ONLY, topics.VEHICLE_TWIST: "geometry_msgs/msg/TwistStamped"},
+                            {}, params, {"/gps/twist": topics.VEHICLE_TWIST})
+    assert sources == {"speed_mps": {"from": "bag", "topic": "/gps/twist", "played_as": topics.VEHICLE_TWIST}}
+    # Never over a recorded value, never for a state the policy does not read, only a real speed.
+    with pytest.raises(ReplayError, match="records speed_mps on /pacmod/vehicle_speed_rpt"):
+        state_plan(BOTH, recorded, {"speed_mps": 5.0}, params)
+    with pytest.raises(ReplayError, match="the policy reads no target_speed_mps"):
+        state_plan({"state_inputs": ["speed_mps"]}, CAMERA_ONLY, {"target_speed_mps": 7.0}, params)
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ReplayError, match="--speed-mps"):
+            state_plan(BOTH, CAMERA_ONLY, {"speed_mps": bad}, params)
+    with pytest.raises(ReplayError, match="--target-speed-mps"):
+        state_plan(BOTH, CAMERA_ONLY, {"target_speed_mps": 0.0}, params)
+
+
+def test_report_text_says_where_the_state_came_from():
+    r = build_report({5: 1}, [], {}, wall_s=0.0)
+    r["state"] = {"speed_mps": {"from": "option", "option": "--speed-mps", "value": 5.0, "topic": topics.VEHICLE_TWIST},
+                  "target_speed_mps": {"from": "parameter", "parameter": "policy target_speed_mps", "value": 4.0}}
+    text = format_report(r)
+    assert "state speed_mps: 5 m/s on every frame, supplied by --speed-mps (not recorded)" in text
+    assert "state target_speed_mps: 4 m/s, the policy target_speed_mps parameter (not recorded)" in text
+
+
+@pytest.mark.ros
+def test_a_camera_only_bag_replays_with_the_state_supplied_by_options(tmp_path, capsys):
+    """A bare .mcap with camera frames only (a dash camera) and a tiny policy that reads the speed
+    and the cruise target: without options every frame is dropped for want of a speed (the car's
+    rule); with --speed-mps and --target-speed-mps every frame gets the command the core computes
+    from those values, and the report says they were supplied."""
+    from samples import tiny_policy
+
+    from sps_driving import cli
+    from sps_driving.core.backbones import load_extractor
+    from sps_driving.core.policy import load_policy
+    from sps_driving.core.selection import PatchSelector
+    from sps_driving.core.state import STATE_NAMES
+
+    ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384, state_inputs=STATE_NAMES)
+    (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
+    rng = np.random.default_rng(2)
+    t0 = 1_700_000_000_000_000_000
+    images = {}
+    with BagWriter(tmp_path / "dashcam", "mcap") as bag:
+        for i in range(4):
+            t = t0 + i * 33_333_333
+            images[t] = rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)
+            bag.write(topics.IMAGE, image_fields(images[t], t, "camera"), t)
+    (file,) = (tmp_path / "dashcam").glob("*.mcap")
+    dashcam = file.rename(tmp_path / "dashcam.mcap")
+
+    def replay(*options):
+        out = tmp_path / f"out{len(options)}"
+        assert cli.main(["replay", str(dashcam), "--out", str(out), "--json", "--checkpoint", str(ckpt), "--backbone-config",
+                         str(tmp_path / "extraction.yaml"), "--log-dir", str(tmp_path / "logs"), *options]) == 0
+        return json.loads(capsys.readouterr().out), out
+
+    report, _ = replay()
+    assert (report["frames_in"], report["frames_out"]) == (4, 0)
+    assert report["drops"] == {"policy: no speed_mps received yet": 4}
+    assert report["state"]["speed_mps"] == {"from": "none"} and report["state"]["target_speed_mps"]["from"] == "parameter"
+
+    report, out = replay("--speed-mps", "5.0", "--target-speed-mps", "7.0")
+    assert (report["frames_in"], report["frames_out"]) == (4, 4), report["drops"]
+    assert report["state"] == {
+        "speed_mps": {"from": "option", "option": "--speed-mps", "value": 5.0, "topic": topics.VEHICLE_TWIST},
+        "target_speed_mps": {"from": "option", "option": "--target-speed-mps", "value": 7.0, "topic": topics.TARGET_SPEED}}
+    assert "state speed_mps: 5 m/s on every frame, supplied by --speed-mps (not recorded)" in format_report(report)
+    recorded = {msgs.stamp_ns(m.msg.header): msgs.command_from_message(m.msg) for m in read_messages(out, [topics.POLICY_COMMAND])}
+    extractor = load_extractor({"input_size": [112, 112], "backend": "torch"})
+    policy = load_policy(ckpt)
+    selector = PatchSelector(policy.selection, policy.grid)
+    for stamp, rgb in images.items():
+        indices = selector.select(stamp)
+        expected = policy.predict(extractor.descriptors(extractor.encode(rgb), indices), indices,
+                                  {"speed_mps": 5.0, "target_speed_mps": 7.0})
+        assert recorded[stamp] == pytest.approx(expected, abs=1e-4)

@@ -1,13 +1,13 @@
 """`sps-driving analyze INPUT... --out DIR`: redundancy analysis of patch descriptors.
 
 Each INPUT is a feature cache directory (descriptors of every patch, written by `sps-driving
-extract`) or a rosbag2 (a folder with metadata.yaml, or a .db3 / .mcap file), whose camera
-frames are run through a backbone here; several inputs of one backbone are analysed as one
+extract`) or a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.bagio), whose
+camera frames are run through a backbone here; several inputs of one backbone are analysed as one
 stream of frames. The output folder receives PNG figures (Figure 3a,
 3b, similarity overlays as in Figure 6, the lemma sweep) and summary.json.
 
-With --orbital, the patch state families of sps_driving.analysis.orbital instead (rosbag2
-inputs: their frames are shifted); with --orbital --appearance, the same layouts rendered by the
+With --orbital, the patch state families of sps_driving.analysis.orbital instead (bag inputs:
+their frames are shifted); with --orbital --appearance, the same layouts rendered by the
 world under other scenarios (sps_driving.analysis.appearance), without inputs.
 """
 
@@ -31,20 +31,16 @@ from sps_driving.train.extract import extraction_settings_from_args
 CONFIG_NAME = "analysis.yaml"
 
 
-def is_rosbag(path: Path) -> bool:
-    return (path.is_dir() and (path / "metadata.yaml").is_file()) or path.suffix in (".db3", ".mcap")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*", type=Path, metavar="INPUT",
-                        help="feature cache directories and/or rosbag2 (folder, .db3 or .mcap), analysed as one stream")
+                        help="feature cache directories and/or bags (rosbag2 folders, .mcap or .db3 files), analysed as one stream")
     parser.add_argument("--out", type=Path, required=True, help="output folder for the figures and summary.json")
     parser.add_argument("--config", type=Path, default=None, help=f"analysis settings (default: the shipped {CONFIG_NAME})")
-    parser.add_argument("--extractor-config", help="for rosbag2 inputs: YAML extractor config passed to the backbone loader")
-    parser.add_argument("--backbone", help="for rosbag2 inputs: backbone name (overrides the extractor config)")
-    parser.add_argument("--model-path", help="for rosbag2 inputs: local weights for the backbone (overrides the extractor config)")
-    parser.add_argument("--device", help="for rosbag2 inputs: cpu, cuda, ... (overrides the extractor config)")
-    parser.add_argument("--image-topic", default=None, help="camera topic of rosbag2 inputs (default: the standard one)")
+    parser.add_argument("--extractor-config", help="for bag inputs: YAML extractor config passed to the backbone loader")
+    parser.add_argument("--backbone", help="for bag inputs: backbone name (overrides the extractor config)")
+    parser.add_argument("--model-path", help="for bag inputs: local weights for the backbone (overrides the extractor config)")
+    parser.add_argument("--device", help="for bag inputs: cpu, cuda, ... (overrides the extractor config)")
+    parser.add_argument("--image-topic", default=None, help="camera topic of bag inputs (default: the standard one)")
     parser.add_argument("--max-frames", type=int, default=None, help="analyse at most this many frames in all")
     parser.add_argument("--stride", type=int, default=1, help="analyse every this-many-th frame of each input (default 1)")
     parser.add_argument("--rank", type=int, default=None,
@@ -53,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when the overlay frame comes from a feature cache: its camera image (bags carry their frames)")
     orbital = parser.add_argument_group("patch state families (PMTT; docs/analysis.md)")
     orbital.add_argument("--orbital", action="store_true",
-                         help="orbital views of every patch of rosbag2 frames: Center, Observed and Manifold coverage of "
+                         help="orbital views of every patch of bag frames: Center, Observed and Manifold coverage of "
                               "hidden states, effective rank, random / donor / shared controls (settings: the config's orbital:)")
     orbital.add_argument("--appearance", nargs="*", metavar="SCENARIO", default=None,
                          help="with --orbital and no INPUT: render the same layouts and poses under these scenarios "
@@ -150,21 +146,24 @@ def _run_orbital(args: argparse.Namespace) -> int:
 
 
 def open_sources(inputs: list[Path], stride: int, args: argparse.Namespace) -> list[Source]:
-    """A Source per input; rosbag2 inputs share one extractor, loaded on the first of them."""
-    extractor = None
-    sources = []
-    for path in inputs:
-        if not path.exists():
-            raise FileNotFoundError(f"{path} does not exist")
-        if is_rosbag(path):
-            if extractor is None:
-                from sps_driving.extractors import open_extractor
+    """A Source per input; bag inputs share one extractor, loaded once every input is known good."""
+    from sps_driving.bagio import BagError, is_bag, not_a_bag
+    from sps_driving.train.cache import META_FILE
 
-                extractor = open_extractor(extraction_settings_from_args(args)).extractor
-            sources.append(_bag_source(path, stride, extractor, args.image_topic))
+    bags, sources = {}, {}
+    for path in inputs:
+        if is_bag(path):
+            bags[path] = bag_images(path, stride, args.image_topic)
+        elif (path / META_FILE).is_file():
+            sources[path] = _cache_source(path, stride)
         else:
-            sources.append(_cache_source(path, stride))
-    return sources
+            raise BagError(not_a_bag(path, "a feature cache"))
+    if bags:
+        from sps_driving.extractors import open_extractor
+
+        extractor = open_extractor(extraction_settings_from_args(args)).extractor
+        sources.update({path: _bag_source(path, extractor, *images) for path, images in bags.items()})
+    return [sources[path] for path in inputs]
 
 
 def _cache_source(path: Path, stride: int) -> Source:
@@ -178,40 +177,39 @@ def _cache_source(path: Path, stride: int) -> Source:
 
 def bag_images(path: Path, stride: int, image_topic: str | None) -> tuple[int, Iterator[np.ndarray]]:
     """(how many frames it will give at most, its RGB frames): every `stride`-th camera frame of a
-    rosbag2; frames that cannot be decoded are dropped, counted and reported."""
-    from rosbags.rosbag2 import Reader
-
+    bag; frames that cannot be decoded are dropped, counted and reported."""
     from sps_driving import bagio, topics
     from sps_driving.core.image import ImageError, to_rgb
 
     topic = image_topic or topics.IMAGE
     if topic not in bagio.topic_types(path):
         raise ValueError(f"no topic {topic} in the bag {path} (use --image-topic)")
-    with Reader(path) as reader:
-        count = sum(c.msgcount for c in reader.connections if c.topic == topic)
+    count = bagio.message_count(path, topic)
 
     def frames() -> Iterator[np.ndarray]:
         dropped = 0
-        for index, message in enumerate(bagio.read_messages(path, [topic])):
-            if index % stride:
-                continue
-            msg = message.msg
-            try:
-                rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
-            except ImageError as error:
-                dropped += 1
-                print(f"warning: {path}: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)",
-                      file=sys.stderr)
-                continue
-            yield rgb
+        try:
+            for index, message in enumerate(bagio.read_messages(path, [topic])):
+                if index % stride:
+                    continue
+                msg = message.msg
+                try:
+                    rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
+                except ImageError as error:
+                    dropped += 1
+                    print(f"warning: {path}: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)",
+                          file=sys.stderr)
+                    continue
+                yield rgb
+        except bagio.BagError as error:  # damaged part-way: the frames before it are analysed
+            print(f"warning: {error}; its frames from there on are left out", file=sys.stderr)
 
     return len(range(0, count, stride)), frames()
 
 
-def _bag_source(path: Path, stride: int, extractor, image_topic: str | None) -> Source:
-    """Every `stride`-th camera frame of a rosbag2 with all its patch descriptors, computed here."""
+def _bag_source(path: Path, extractor, count: int, images: Iterator[np.ndarray]) -> Source:
+    """The camera frames of a bag (`bag_images`) with all their patch descriptors, computed here."""
     all_patches = np.arange(extractor.grid.n, dtype=np.int64)
-    count, images = bag_images(path, stride, image_topic)
     stream = ((extractor.descriptors(extractor.encode(rgb), all_patches), rgb) for rgb in images)
     return Source(path, extractor.name, extractor.grid, count, stream)
 

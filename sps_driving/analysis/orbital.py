@@ -341,23 +341,24 @@ def extractor_record(config: dict) -> dict:
 
 
 def run_orbital(args, settings: OrbitalSettings) -> int:
-    """The --orbital analysis over the camera frames of rosbag2 inputs."""
+    """The --orbital analysis over the camera frames of bag inputs."""
     from tqdm import tqdm
 
-    from sps_driving.analysis.analyze import bag_images, is_rosbag
+    from sps_driving.analysis.analyze import bag_images
+    from sps_driving.bagio import BAG_INPUTS, is_bag
     from sps_driving.core.orbital import OrbitalReader
 
-    not_bags = [str(p) for p in args.inputs if not is_rosbag(p)]
+    not_bags = [str(p) for p in args.inputs if not is_bag(p)]
     if not_bags:
         print(f"error: orbital views shift camera frames, and {', '.join(not_bags)} hold none (a feature cache "
-              f"stores descriptors only): give rosbag2 inputs", file=sys.stderr)
+              f"stores descriptors only): give bags ({BAG_INPUTS})", file=sys.stderr)
         return 2
     try:
+        sources = [bag_images(path, args.stride, args.image_topic) for path in args.inputs]
         extractor, config = torch_extractor(args)
         families = ("raw",) if extractor.unmasked else FAMILIES
         analysis = OrbitalAnalysis(settings, extractor.grid, extractor.input_size[0] // extractor.grid.rows, families)
         reader = OrbitalReader(extractor, analysis.offsets, families)
-        sources = [bag_images(path, args.stride, args.image_topic) for path in args.inputs]
     except (OSError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

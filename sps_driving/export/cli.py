@@ -41,7 +41,8 @@ def add_arguments(parser) -> None:
     parity.add_argument("--export-dir", help="export directory (onnxruntime, tensorrt); DINOv2 on onnxruntime: "
                         "default the export cache's, made on first use")
     parity.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime: the int8 backbone graph")
-    parity.add_argument("--bag", type=Path, help="compare on every camera frame of this rosbag2 (default: one random frame)")
+    parity.add_argument("--bag", type=Path,
+                        help="compare on every camera frame of this bag (rosbag2 folder, .mcap or .db3 file; default: one random frame)")
     parity.add_argument("--backend", choices=("onnxruntime", "tensorrt", "torch"), default="onnxruntime",
                         help="torch: the torch extractor itself at --device/--dtype (e.g. cuda float16)")
     parity.add_argument("--device", default="auto", help="device of the runtime under test (auto | cpu | cuda)")

@@ -8,6 +8,12 @@ signed throttle (core.control.from_pacmod: the vehicle interface's split read ba
 the vehicle speed (`vehicle_speed_rpt`, m/s) as the speed state input. Two reports of a topic
 around the stamp further apart than `max_report_gap_s` (or none on one side) give no label.
 
+A handover (an engagement, a disengagement or a safety-driver override) changes who drives. A
+label is never made of reports from both sides of one (the frame is dropped, `across_handover`),
+and a frame within `handover_guard_s` of one, by log time, is dropped as `near_engage`,
+`near_disengage` or `near_override`: around a handover, wheel and pedals are partly the human's
+and partly the stack's.
+
 Only the human's driving is the expert: a frame while the stack drove (PACMod enabled without
 an override) is left out unless `label_stack_driving`; so are frames in reverse (the shift
 report's gear, when recorded, or a negative speed) and at standstill (below `min_speed_mps`).
@@ -29,6 +35,7 @@ import numpy as np
 
 from sps_driving import topics
 from sps_driving.core.control import from_pacmod
+from sps_driving.core.state import nearest
 
 SYSTEM_RPT_FLOAT = "pacmod3_msgs/msg/SystemRptFloat"
 SYSTEM_RPT_INT = "pacmod3_msgs/msg/SystemRptInt"
@@ -43,8 +50,10 @@ REPORTS = {
 GEAR_REPORT = (topics.PACMOD_SHIFT_RPT, SYSTEM_RPT_INT)  # optional: the gear, for the reverse rule
 # Reports that say whether the stack drives (sps_driving.interventions reads them).
 ENGAGEMENT_REPORTS = ((topics.PACMOD_GLOBAL_RPT, "pacmod3_msgs/msg/GlobalRpt"), (topics.PACMOD_ENABLED, "std_msgs/msg/Bool"))
+HANDOVERS = ("engage", "disengage", "override")
 # Why a frame gets no label, in the order the rules are applied.
-DROP_REASONS = ("stack_driving", "report_gap", "speed_invalid", "reverse", "standstill")
+DROP_REASONS = ("stack_driving", *(f"near_{kind}" for kind in HANDOVERS), "report_gap", "across_handover", "speed_invalid",
+                "reverse", "standstill")
 
 
 @dataclass(frozen=True)
@@ -56,10 +65,12 @@ class CarLabelRules:
     exclude_reverse: bool = True
     label_stack_driving: bool = False  # true: frames while the stack drove are labels too
     intervention_window_s: float = 3.0  # s after each override whose frames are marked
+    handover_guard_s: float = 0.1  # s before and after each handover whose frames are dropped (0: none)
 
     def __post_init__(self) -> None:
-        if not (self.max_report_gap_s > 0 and self.min_speed_mps >= 0 and self.intervention_window_s >= 0):
-            raise ValueError("need max_report_gap_s > 0, min_speed_mps >= 0 and intervention_window_s >= 0")
+        if not (self.max_report_gap_s > 0 and self.min_speed_mps >= 0 and self.intervention_window_s >= 0
+                and self.handover_guard_s >= 0):
+            raise ValueError("need max_report_gap_s > 0, and min_speed_mps, intervention_window_s and handover_guard_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -106,30 +117,35 @@ def interpolate(values: np.ndarray, where: tuple[int, float]) -> float:
     return float(values[i]) if fraction == 0.0 else float(values[i] + fraction * (values[i + 1] - values[i]))
 
 
-def _series(stamps: list, values: list) -> tuple[np.ndarray, np.ndarray]:
+def _series(stamps: list, values: list, log_times: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A report series in stamp order: (stamps, values, log times)."""
     order = np.argsort(stamps, kind="stable")
-    return np.asarray(stamps, dtype=np.int64)[order], np.asarray(values, dtype=np.float64)[order]
+    return (np.asarray(stamps, dtype=np.int64)[order], np.asarray(values, dtype=np.float64)[order],
+            np.asarray(log_times, dtype=np.int64)[order])
 
 
 class CarLabels:
     """The human's commands of one recording, ready to label its frames (`label`)."""
 
-    def __init__(self, reports: dict, gear: tuple | None, autonomy: list, interventions: list, rules: CarLabelRules,
-                 steering_ratio: float, sources: dict):
-        """reports: {name of REPORTS: (stamps, values)}, speed NaN where invalid; gear: (stamps,
-        values) of the shift report or None; autonomy: [(start, end)] log times (ns) the stack
-        drove; interventions: core.monitor.Transition of each override; sources: {topic: role}
-        of the engagement history."""
+    def __init__(self, reports: dict, gear: tuple | None, transitions: list, rules: CarLabelRules, steering_ratio: float,
+                 sources: dict):
+        """reports: {name of REPORTS: (stamps, values, log times)}, speed NaN where invalid; gear:
+        (stamps, values) of the shift report or None; transitions: the engagement history
+        (core.monitor.Transition, by log time); sources: {topic: role} of that history."""
         if not (math.isfinite(steering_ratio) and steering_ratio > 0):
             raise ValueError(f"steering_ratio must be a positive number, got {steering_ratio!r}")
         self.reports, self.gear, self.rules, self.steering_ratio = reports, gear, rules, float(steering_ratio)
-        self.autonomy = sorted(autonomy)
+        self.autonomy = autonomy_spans(transitions)
         self._autonomy_starts = [start for start, _ in self.autonomy]
-        self.interventions = list(interventions)
+        self.interventions = [t for t in transitions if t.cause == "override"]
         self._override_times = sorted(t.time_ns for t in self.interventions)
+        # (log time ns, kind) of every handover, in time order
+        self.handovers = sorted((t.time_ns, handover_kind(t)) for t in transitions)
+        self._handover_times = np.asarray([time for time, _ in self.handovers], dtype=np.int64)
         self.sources = dict(sources)
         self.max_gap_ns = int(round(rules.max_report_gap_s * 1e9))
         self.window_ns = int(round(rules.intervention_window_s * 1e9))
+        self.guard_ns = int(round(rules.handover_guard_s * 1e9))
 
     def stack_driving(self, log_time_ns: int) -> bool:
         i = bisect.bisect_right(self._autonomy_starts, log_time_ns) - 1
@@ -138,6 +154,23 @@ class CarLabels:
     def after_override(self, log_time_ns: int) -> bool:
         i = bisect.bisect_right(self._override_times, log_time_ns) - 1
         return i >= 0 and log_time_ns - self._override_times[i] < self.window_ns
+
+    def near_handover(self, log_time_ns: int) -> str | None:
+        """The kind of the handover nearest to `log_time_ns` when it is within the guard."""
+        i = nearest(self._handover_times, log_time_ns)
+        if i is None or abs(int(self._handover_times[i]) - log_time_ns) >= self.guard_ns:
+            return None
+        return self.handovers[i][1]
+
+    def across_handover(self, where: dict) -> bool:
+        """Whether the reports a label is made of (`bracket` positions by report name) were
+        recorded on both sides of a handover."""
+        used = []
+        for name, (i, fraction) in where.items():
+            log_times = self.reports[name][2]
+            used += [log_times[i], log_times[i + 1]] if fraction > 0 else [log_times[i]]
+        # A report logged at a handover is the one that shows it: it is on the side after.
+        return bool(np.any((self._handover_times > min(used)) & (self._handover_times <= max(used))))
 
     def reverse_gear(self, stamp_ns: int) -> bool:
         """The latest shift report at or before the frame says reverse."""
@@ -154,10 +187,15 @@ class CarLabels:
 
         if not self.rules.label_stack_driving and self.stack_driving(log_time_ns):
             return dropped("stack_driving")
-        where = {name: bracket(stamps, stamp_ns, self.max_gap_ns) for name, (stamps, _) in self.reports.items()}
+        handover = self.near_handover(log_time_ns)
+        if handover:
+            return dropped(f"near_{handover}")
+        where = {name: bracket(stamps, stamp_ns, self.max_gap_ns) for name, (stamps, _, _) in self.reports.items()}
         if any(w is None for w in where.values()):
             return dropped("report_gap")
-        at = {name: interpolate(values, where[name]) for name, (_, values) in self.reports.items()}
+        if self.across_handover(where):
+            return dropped("across_handover")
+        at = {name: interpolate(values, where[name]) for name, (_, values, _) in self.reports.items()}
         if not math.isfinite(at["speed_mps"]):
             return dropped("speed_invalid")
         if self.rules.exclude_reverse and (self.reverse_gear(stamp_ns) or at["speed_mps"] < 0):
@@ -179,7 +217,29 @@ class CarLabels:
             "engagement_from": self.sources,
             "rules": asdict(self.rules),
             "interventions": [{"time_ns": t.time_ns, "fields": list(t.fields)} for t in self.interventions],
+            "handovers": {kind: sum(k == kind for _, k in self.handovers) for kind in HANDOVERS},
         }
+
+
+def handover_kind(transition) -> str:
+    """"engage", "override" (a safety driver's) or "disengage" (any other cause) of a Transition."""
+    if transition.event == "engaged":
+        return "engage"
+    return "override" if transition.cause == "override" else "disengage"
+
+
+def autonomy_spans(transitions: list) -> list[tuple[int, float]]:
+    """[(start, end)] log times (ns) the stack drove; the end of one still open at the end is inf."""
+    spans, start = [], None
+    for transition in transitions:
+        if transition.event == "engaged":
+            start = transition.time_ns
+        elif start is not None:
+            spans.append((start, transition.time_ns))
+            start = None
+    if start is not None:  # still engaged when the recording ended
+        spans.append((start, math.inf))
+    return spans
 
 
 def shift_reverse() -> int:
@@ -202,7 +262,7 @@ def read_car_labels(bag: Path, rules: CarLabelRules, steering_ratio: float) -> C
         raise ValueError(f"bag {bag} has no {', '.join(missing)}: no labels from the car's reports")
     by_topic = {topic: name for name, (topic, _) in REPORTS.items()}
     has_gear = present.get(GEAR_REPORT[0]) == GEAR_REPORT[1]
-    series: dict[str, tuple[list, list]] = {name: ([], []) for name in [*REPORTS, "gear"]}
+    series: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in [*REPORTS, "gear"]}
     for item in read_messages(bag, [*by_topic, *([GEAR_REPORT[0]] if has_gear else [])]):
         name = by_topic.get(item.topic, "gear")
         if name == "speed_mps":
@@ -212,17 +272,8 @@ def read_car_labels(bag: Path, rules: CarLabelRules, steering_ratio: float) -> C
             value = float(item.msg.output)
         series[name][0].append(stamp_ns(item.msg.header))
         series[name][1].append(value)
+        series[name][2].append(item.log_time_ns)
     reports = {name: _series(*series[name]) for name in REPORTS}
-    gear = _series(*series["gear"]) if has_gear else None
-
+    gear = _series(*series["gear"])[:2] if has_gear else None
     log, roles = autonomy_log(bag)
-    autonomy, start = [], None
-    for transition in log.transitions:
-        if transition.event == "engaged":
-            start = transition.time_ns
-        elif start is not None:
-            autonomy.append((start, transition.time_ns))
-            start = None
-    if start is not None:  # still engaged when the recording ended
-        autonomy.append((start, math.inf))
-    return CarLabels(reports, gear, autonomy, log.interventions, rules, steering_ratio, roles)
+    return CarLabels(reports, gear, log.transitions, rules, steering_ratio, roles)

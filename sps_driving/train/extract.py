@@ -1,8 +1,9 @@
 """`sps-driving extract --out CACHE INPUT...`: recorded drives -> a feature cache for training.
 
 Each INPUT is either
-- a rosbag2 directory (it has metadata.yaml): camera frames (sensor_msgs/Image) on the camera
-  topic, labelled from one of two sources (`label_source`; auto: the first the bag has):
+- a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.bagio): camera frames
+  (sensor_msgs/Image) on the camera topic, labelled from one of two sources (`label_source`;
+  auto: the first the bag has):
   - "command": the reference command (sensor_msgs/JointState "steering", "throttle") whose header
     stamp is nearest to the frame's, if within the configured tolerance (the world's bags);
   - "pacmod3": what the safety driver did, from the car's PACMod 3 reports interpolated to the
@@ -58,7 +59,7 @@ from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
 from sps_driving.distributed import Processes, shares, start_processes
 from sps_driving.resources import config_path
 from sps_driving.train.cache import META_FILE, UnitCacheWriter, UnitShards
-from sps_driving.train.car_labels import CarLabelRules, has_reports, missing_reports, read_car_labels
+from sps_driving.train.car_labels import HANDOVERS, CarLabelRules, has_reports, missing_reports, read_car_labels
 
 LABELS_FILE = "labels.csv"
 TRAIN_CONFIG = config_path("train.yaml")
@@ -89,6 +90,7 @@ class ExtractSettings:
     exclude_reverse: bool = True
     label_stack_driving: bool = False
     intervention_window_s: float = 3.0
+    handover_guard_s: float = 0.1
     image_folder_frame_rate_hz: float = 30.0
     shard_size: int = 512
 
@@ -109,15 +111,17 @@ class ExtractSettings:
 
     def car_label_rules(self) -> CarLabelRules:
         return CarLabelRules(self.max_report_gap_s, self.min_speed_mps, self.exclude_reverse, self.label_stack_driving,
-                             self.intervention_window_s)
+                             self.intervention_window_s, self.handover_guard_s)
 
 
 def input_kind(path: Path) -> str:
-    if (path / "metadata.yaml").is_file():
+    from sps_driving.bagio import BagError, is_bag, not_a_bag
+
+    if is_bag(path):
         return "rosbag2"
     if (path / LABELS_FILE).is_file():
         return "image_folder"
-    raise ValueError(f"{path} is neither a rosbag2 directory (metadata.yaml) nor an image folder ({LABELS_FILE})")
+    raise BagError(not_a_bag(path, f"an image folder with {LABELS_FILE}"))
 
 
 def _command_values(msg) -> tuple[float, float] | None:
@@ -157,13 +161,6 @@ def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]
         if missing:
             raise ValueError(f"bag {path} has no topic {', '.join(missing)}; its topics: {', '.join(sorted(present))}")
     return kinds
-
-
-def bag_frame_count(path: Path, topic: str) -> int | None:
-    from rosbags.rosbag2 import Reader
-
-    with Reader(path) as reader:
-        return sum(conn.msgcount for conn in reader.connections if conn.topic == topic)
 
 
 def bag_states(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -310,10 +307,13 @@ def folder_frames(path: Path, settings: ExtractSettings, counts: Counter, first:
 
 
 def source_names(inputs: Sequence[Path]) -> list[str]:
-    """The input folders' names, made unique (episode names drive the validation split)."""
+    """The inputs' names (a bare bag file's without its suffix), made unique (episode names drive
+    the validation split)."""
+    from sps_driving.bagio import bag_name
+
     names, seen = [], Counter()
     for path in inputs:
-        base = path.resolve().name
+        base = bag_name(path)
         seen[base] += 1
         names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
     return names
@@ -333,13 +333,14 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
     `processes` (torchrun) each takes an equal contiguous block of units, and the cache is the same
     as one process writes. A cut-short run resumes with the units not finished (UnitCacheWriter).
     """
+    from sps_driving.bagio import message_count
     from sps_driving.graph import car_facts
 
     procs = processes or Processes()
     inputs = [Path(p) for p in inputs]
     kinds = check_inputs(inputs, settings)
     sources = source_names(inputs)
-    totals = [bag_frame_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
+    totals = [message_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
               for path, kind in zip(inputs, kinds)]
     steering_ratio = float(car_facts(params_file)["steering_ratio"])
     meta = {
@@ -507,7 +508,8 @@ def extraction_settings_from_args(args):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="rosbag2 directories and/or image folders with labels.csv")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="bags (rosbag2 folders, .mcap or .db3 files) and/or image folders with labels.csv")
     parser.add_argument("--out", required=True, help="feature cache directory to create")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing cache at --out")
     parser.add_argument("--config", default=str(TRAIN_CONFIG), help="YAML with an `extract:` section (topics, tolerance)")
@@ -575,6 +577,11 @@ def run(args) -> int:
               + (f", of them without state {unknown}" if unknown else ""))
         print(f"    labels from {labels[source]['from']}" + (f" (the bag also has {labels[source]['also_in_bag']})"
                                                              if "also_in_bag" in labels[source] else ""))
+        if "handovers" in labels[source]:
+            guard = labels[source]["rules"]["handover_guard_s"]
+            print("    handovers: " + ", ".join(f"{kind} {n}" for kind, n in labels[source]["handovers"].items())
+                  + "; dropped " + ", ".join(f"near_{kind} {counts.get(f'near_{kind}', 0)}" for kind in HANDOVERS)
+                  + f" (within {guard:g} s), across_handover {counts.get('across_handover', 0)}")
         if "interventions" in labels[source]:
             print(f"    safety-driver interventions: {len(labels[source]['interventions'])}, "
                   f"{counts.get('written_intervention', 0)} frames written from the "
