@@ -1,6 +1,7 @@
 """The PACMod 3 CAN layout (sps_driving.sim.pacmod_can) against frames the real driver
 (astuff/pacmod3, ros2_master) put on its can_rx topic and the DBC's reading of them
-(test/data/pacmod3_driver_frames.json, docs/results/real_driver.md)."""
+(test/data/pacmod3_driver_frames.json, docs/results/real_driver.md), and the stand-in sending
+and reporting through it."""
 
 import json
 import math
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from sps_driving.sim import pacmod_can
+from sps_driving.sim.pacmod import TURN_NONE, PacmodStandIn
 
+DT = 1 / 30
 FRAMES = json.loads((Path(__file__).parent / "data" / "pacmod3_driver_frames.json").read_text())
 
 
@@ -47,6 +50,23 @@ def test_a_report_frame_is_the_dbc_encoding():
             values = {k: fields[k] for k in ("manual_input", "command", "output")}
             frame = pacmod_can.encode_report(system, **values, **{k: v for k, v in fields.items() if k not in values})
         assert frame == (case["can_id"], bytes.fromhex(case["data"])), case
+
+
+def test_standin_sends_turn_none_before_any_turn_command():
+    sent = PacmodStandIn().step(0.0, DT)
+    assert sent.command["turn"] == TURN_NONE and not sent.enable["turn"]
+
+
+def test_standin_sends_what_the_pacmod_reads_from_the_drivers_frames():
+    car = PacmodStandIn()
+    car.on_command("steering", True, False, False, -0.0123456 * 14.8, 4.44)
+    car.on_command("accel", True, False, False, 0.123456)
+    car.on_command("brake", True, False, False, -0.001)  # never sent by the stack: the driver's cast wraps it
+    sent = car.step(0.0, DT)
+    # 0.001 steps, truncated toward zero (a float32 times 1000 cast to 16 bits)
+    assert sent.command["steering"] == -0.182 and sent.command["accel"] == 0.123
+    assert sent.command["brake"] == 65.535
+    assert car.reports().systems["accel"].command == 0.123  # the PACMod echoes what it read
 
 
 def test_report_values_come_back_as_the_driver_parses_them():
