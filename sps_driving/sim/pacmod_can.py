@@ -33,7 +33,6 @@ VEHICLE_SPEED_RPT = 0x400
 COMMAND_IDS = {"accel": ACCEL_CMD, "brake": BRAKE_CMD, "shift": SHIFT_CMD, "steering": STEERING_CMD, "turn": TURN_CMD}
 REPORT_IDS = {"accel": ACCEL_RPT, "brake": BRAKE_RPT, "shift": SHIFT_RPT, "steering": STEERING_RPT, "turn": TURN_RPT}
 FLOAT_SYSTEMS = ("accel", "brake", "steering")  # 16-bit values x 0.001; turn and shift: one byte
-DRIVER_LENGTHS = {"accel": 3, "brake": 3, "shift": 2, "steering": 5, "turn": 2}  # bytes the driver sends
 # Flags of a command's byte 0 and of a system report's byte 0, in bit order.
 COMMAND_FLAGS = ("enable", "ignore_overrides", "clear_override", "clear_faults")
 REPORT_FLAGS = ("enabled", "override_active", "command_output_fault", "input_output_fault", "output_reported_fault",
@@ -79,11 +78,6 @@ def encode_command(system: str, enable: bool, ignore_overrides: bool, clear_over
     else:
         data = bytes([flags, int(command) & 0xFF])
     return COMMAND_IDS[system], data
-
-
-def with_enable(data: bytes, enable: bool) -> bytes:
-    """A command frame with its enable bit set or cleared (the driver's set_enable)."""
-    return bytes([(data[0] | 0x01) if enable else (data[0] & 0xFE)]) + bytes(data[1:])
 
 
 def decode_command(can_id: int, data: bytes) -> CommandFrame:
