@@ -7,8 +7,10 @@ enabled. Behaviour: sps_driving.sim.pacmod.
 Fault injection, each a std_srvs/SetBool service of this node: ~/override (the safety driver takes
 the wheel and pedals; false lets go), ~/fault (a PACMod system fault), ~/can_timeout (CAN timeout
 flags in the global report), ~/pause_reports (reports stop while true) and ~/reverse (the gear in
-reverse while true). What the driver re-sends to the car every period goes out on ~/sent
-(msgs.sent_message), so a test can see it.
+reverse while true). What the driver re-sends to the car every period, as the PACMod reads it
+from the driver's CAN frames (sps_driving.sim.pacmod_can), goes out on ~/sent (msgs.sent_message),
+so a test can see it; the reports are what the driver parses from the car's frames (values in
+steps of 0.001, the speed in steps of 0.01 m/s).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from std_srvs.srv import SetBool
 
 from sps_driving import msgs, topics
 from sps_driving.nodes.common import Param, declare, now_ns, run
-from sps_driving.sim.pacmod import SHIFT_FORWARD, SHIFT_REVERSE, PacmodStandIn, SystemReport
+from sps_driving.sim import pacmod_can
+from sps_driving.sim.pacmod import SHIFT_FORWARD, SHIFT_REVERSE, TURN_NONE, PacmodStandIn, SystemReport
 
 PARAMETERS = {
     "rate_hz": Param(30.0, "re-send and report rate (the driver re-sends every 33 ms)", "Hz", above=0.0),
@@ -109,33 +112,31 @@ class PacmodStandInNode(Node):
             self._publish(reports)
 
     def _publish(self, reports) -> None:
+        """Each report as the driver publishes it: the fields it parses from the car's CAN frame."""
         pacmod = self.pacmod
         header = msgs.to_ros(msgs.header_fields(now_ns(self), "pacmod"))
 
-        def flags(r):
-            return dict(
-                header=header, enabled=r.enabled, override_active=r.override_active, command_output_fault=False,
-                input_output_fault=False, output_reported_fault=False, pacmod_fault=r.pacmod_fault, vehicle_fault=False,
-                command_timeout=r.command_timeout,
-            )
+        def as_driver_reads(frame) -> dict:
+            return dict(header=header, **pacmod_can.decode_report(*frame))
+
+        def system_frame(system: str, r: SystemReport, manual_input: float, command: float, output: float):
+            return pacmod_can.encode_report(system, manual_input, command, output, enabled=r.enabled,
+                                            override_active=r.override_active, pacmod_fault=r.pacmod_fault)
 
         for system, publisher in self.report_pubs.items():
             r = reports.systems[system]
-            publisher.publish(pacmod.SystemRptFloat(manual_input=r.manual_input, command=r.command, output=r.output, **flags(r)))
+            publisher.publish(pacmod.SystemRptFloat(**as_driver_reads(system_frame(system, r, r.manual_input, r.command, r.output))))
         turn = reports.systems["turn"]
-        self.turn_pub.publish(pacmod.SystemRptInt(manual_input=0, command=int(turn.command), output=int(turn.output), **flags(turn)))
+        self.turn_pub.publish(pacmod.SystemRptInt(**as_driver_reads(system_frame("turn", turn, TURN_NONE, turn.command, turn.output))))
         gear = reports.gear  # the human's: the shift system is never enabled
-        self.shift_pub.publish(pacmod.SystemRptInt(manual_input=gear, command=gear, output=gear, **flags(SystemReport())))
+        self.shift_pub.publish(pacmod.SystemRptInt(**as_driver_reads(system_frame("shift", SystemReport(), gear, gear, gear))))
         t = reports.can_timeout
-        self.global_pub.publish(
-            pacmod.GlobalRpt(
-                header=header, enabled=reports.enabled, override_active=reports.override_active, user_can_timeout=t,
-                steering_can_timeout=t, brake_can_timeout=t, subsystem_can_timeout=t, vehicle_can_timeout=t,
-                pacmod_sys_fault_active=reports.pacmod_sys_fault_active, supervisory_enable_required=False,
-                config_fault_active=False, user_can_read_errors=0,
-            )
-        )
-        self.speed_pub.publish(pacmod.VehicleSpeedRpt(header=header, vehicle_speed=reports.vehicle_speed, vehicle_speed_valid=True))
+        self.global_pub.publish(pacmod.GlobalRpt(**as_driver_reads(pacmod_can.encode_global_report(
+            enabled=reports.enabled, override_active=reports.override_active, user_can_timeout=t, steering_can_timeout=t,
+            brake_can_timeout=t, subsystem_can_timeout=t, vehicle_can_timeout=t,
+            pacmod_sys_fault_active=reports.pacmod_sys_fault_active))))
+        self.speed_pub.publish(pacmod.VehicleSpeedRpt(**as_driver_reads(
+            pacmod_can.encode_speed_report(reports.vehicle_speed, reports.vehicle_speed_valid))))
         self.enabled_pub.publish(Bool(data=reports.enabled))
 
 

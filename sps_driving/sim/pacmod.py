@@ -1,13 +1,18 @@
 """A stand-in for the PACMod 3 driver and the car behind it, as the vehicle interface sees them.
 Pure logic, no ROS (the node is sps_driving.nodes.pacmod3_standin).
 
-What it copies from the real driver (astuff/pacmod3, ROS 2, `PACMod3Node`):
+What it copies from the real driver (astuff/pacmod3, ROS 2, `PACMod3Node`; the contract with file
+and line: docs/vehicle.md):
 - each command topic's latest message is latched and re-sent to the car every period (33 ms)
   from the driver's own loop, with no timeout: a silent sender leaves its last command in force;
+  before the first turn command the turn signal frame says TURN_NONE;
+- what reaches the car is what the PACMod reads from the driver's CAN frames
+  (sps_driving.sim.pacmod_can): values truncated to 0.001, an out-of-range value wrapped;
 - when the global report shows an override or a system fault, the driver clears the enable bit of
   every latched command (`set_enable(false)`); a later command with enable sets it again;
-- reports: per system enabled / override / fault flags / command timeout, the echoed command and
-  the measured output; the global report's `enabled` is true when any system is enabled.
+- reports: per system enabled / override / fault flags, the echoed command and the measured
+  output (the driver never sets command_timeout); the global report's `enabled` is true when any
+  system is enabled.
 What it copies from the PACMod firmware: a system is enabled while its latched command has
 enable set, its override flag is clear and no fault or CAN timeout is present; an override flag
 stays set after the driver lets go until a command arrives with clear_override.
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from sps_driving.sim import pacmod_can
 
 COMMANDED = ("steering", "accel", "brake", "turn")  # command topics the stand-in latches
 TURN_NONE = 1  # pacmod3_msgs/SystemCmdInt: turn signals off (the driver's stalk)
@@ -55,7 +62,6 @@ class SystemReport:
     enabled: bool = False
     override_active: bool = False
     pacmod_fault: bool = False
-    command_timeout: bool = False
     command: float = 0.0  # echoed command
     output: float = 0.0  # measured output
     manual_input: float = 0.0
@@ -76,6 +82,7 @@ class CarReports:
 class PacmodStandIn:
     def __init__(self, max_accel_mps2: float = 2.0, max_decel_mps2: float = 6.0, drag_per_s: float = 0.02):
         self.latched = {name: Latched() for name in COMMANDED}
+        self.latched["turn"].command = float(TURN_NONE)  # the driver's first turn frame
         self.override_flags = {name: False for name in COMMANDED}
         self.human = {name: False for name in COMMANDED}  # the safety driver is on this system now
         self.fault = False
@@ -111,6 +118,15 @@ class PacmodStandIn:
 
     # ------------------------------------------------------------ one period
 
+    def received(self) -> dict:
+        """{system: pacmod_can.CommandFrame}: what the PACMod reads from the driver's frame of each
+        latched command."""
+        return {
+            name: pacmod_can.decode_command(*pacmod_can.encode_command(
+                name, s.enable, s.ignore_overrides, s.clear_override, s.command, s.rotation_rate))
+            for name, s in self.latched.items()
+        }
+
     def step(self, now_s: float, dt_s: float) -> Sent:
         """The driver's re-send of every latched command, and the car's response to it."""
         for name, latched in self.latched.items():
@@ -119,15 +135,14 @@ class PacmodStandIn:
         if any(self.override_flags.values()) or self.fault:
             for latched in self.latched.values():  # the driver's set_enable(false)
                 latched.enable = False
-        sent = Sent(now_s, {n: s.enable for n, s in self.latched.items()}, {n: s.command for n, s in self.latched.items()})
-        steering = self.latched["steering"]
+        received = self.received()
+        sent = Sent(now_s, {n: r.enable for n, r in received.items()}, {n: r.command for n, r in received.items()})
+        steering = received["steering"]
         if self.enabled("steering"):
-            step = abs(steering.rotation_rate) * dt_s
+            step = steering.rotation_rate * dt_s
             self.steering_wheel_rad += max(-step, min(step, steering.command - self.steering_wheel_rad))
-        accel = self.latched["accel"].command if self.enabled("accel") else 0.0
-        brake = self.latched["brake"].command if self.enabled("brake") else 0.0
-        accel = accel if math.isfinite(accel) else 0.0
-        brake = brake if math.isfinite(brake) else 0.0
+        accel = received["accel"].command if self.enabled("accel") else 0.0
+        brake = received["brake"].command if self.enabled("brake") else 0.0
         # Signed speed, as PACMod reports it: the accelerator pushes the way the gear points; brake
         # and drag slow the car down to a standstill, never through it.
         direction = -1.0 if self.gear == SHIFT_REVERSE else 1.0
@@ -140,19 +155,19 @@ class PacmodStandIn:
         """The reports of this period; None while reports are paused."""
         if self.reports_paused:
             return None
+        received = self.received()
         outputs = {
             "steering": self.steering_wheel_rad,
-            "accel": self.latched["accel"].command if self.enabled("accel") else 0.0,
-            "brake": self.latched["brake"].command if self.enabled("brake") else 0.0,
-            "turn": self.latched["turn"].command if self.enabled("turn") else float(TURN_NONE),
+            "accel": received["accel"].command if self.enabled("accel") else 0.0,
+            "brake": received["brake"].command if self.enabled("brake") else 0.0,
+            "turn": received["turn"].command if self.enabled("turn") else float(TURN_NONE),
         }
         systems = {
             name: SystemReport(
                 enabled=self.enabled(name),
                 override_active=self.override_flags[name],
                 pacmod_fault=self.fault,
-                command_timeout=False,
-                command=self.latched[name].command,
+                command=received[name].command,
                 output=outputs[name],
             )
             for name in COMMANDED
