@@ -62,16 +62,48 @@ def car_facts(params_file: Path | None = None) -> dict:
     return dict((yaml.safe_load(path.read_text()) or {}).get("/**", {}).get("ros__parameters", {}))
 
 
-def private_domain_id(environ: Mapping[str, str], pid: int) -> int:
-    """The ROS domain of a tool's graph: DOMAIN_VARIABLE when set, else one picked by `pid`."""
+def private_domain_candidates(environ: Mapping[str, str], pid: int) -> list[int]:
+    """The domains a tool's graph may take, in the order it tries them: DOMAIN_VARIABLE alone when
+    set, else PRIVATE_DOMAINS starting at one picked by `pid`, without the shell's ROS_DOMAIN_ID."""
     chosen = environ.get(DOMAIN_VARIABLE, "").strip()
     if chosen:
         if not chosen.isdigit() or int(chosen) > MAX_DOMAIN_ID:
             raise ValueError(f"{DOMAIN_VARIABLE}={chosen!r}: expected a ROS domain id, an integer from 0 to {MAX_DOMAIN_ID}")
-        return int(chosen)
+        return [int(chosen)]
     shell = environ.get("ROS_DOMAIN_ID", "").strip()
     candidates = [domain for domain in PRIVATE_DOMAINS if str(domain) != shell]
-    return candidates[pid % len(candidates)]
+    start = pid % len(candidates)
+    return candidates[start:] + candidates[:start]
+
+
+def private_domain_id(environ: Mapping[str, str], pid: int) -> int:
+    """The ROS domain of a tool's graph: DOMAIN_VARIABLE when set, else one picked by `pid`."""
+    return private_domain_candidates(environ, pid)[0]
+
+
+_claimed_domain = None  # (domain, the open lock file that holds it) of this process
+
+
+def claim_domain(candidates: list[int]) -> int:
+    """The first of `candidates` that no other tool or test run on this machine holds, held for
+    the life of this process by a lock file in the temporary directory: runs started at once
+    would otherwise share a domain when their process ids pick the same one, and hear each
+    other's nodes. Falls back to the first candidate when every one is held."""
+    import fcntl
+
+    global _claimed_domain
+    folder = Path(tempfile.gettempdir()) / "sps_driving_ros_domains"
+    folder.mkdir(exist_ok=True)
+    for domain in candidates:
+        lock = open(folder / f"{domain}.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        _claimed_domain = (domain, lock)
+        return domain
+    return candidates[0]
 
 
 def isolate_ros() -> int:
@@ -81,7 +113,8 @@ def isolate_ros() -> int:
     inherit, so call it before rclpy.init; later calls keep the first call's domain. Discovery
     stays on this machine: ROS_AUTOMATIC_DISCOVERY_RANGE from Iron on, ROS_LOCALHOST_ONLY on Humble
     (Jazzy honours it too, with a deprecation warning)."""
-    domain = private_domain_id(os.environ, os.getpid())
+    candidates = private_domain_candidates(os.environ, os.getpid())
+    domain = candidates[0] if os.environ.get(DOMAIN_VARIABLE, "").strip() else claim_domain(candidates)
     os.environ.update(
         {
             DOMAIN_VARIABLE: str(domain),

@@ -40,6 +40,31 @@ def test_the_domain_is_the_users_choice_or_a_private_one_picked_by_process_id():
     assert private_domain_id({}, 1000) != private_domain_id({}, 1001)
 
 
+CLAIM = """
+import sys, time
+from sps_driving.graph import claim_domain
+print(claim_domain([int(d) for d in sys.argv[1:]]), flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_domain_held_by_another_run_on_this_machine_is_not_taken():
+    """Two runs whose process ids pick the same domain get two domains."""
+    candidates = ["201", "202", "203"]
+    first = subprocess.Popen([sys.executable, "-c", CLAIM, *candidates], stdout=subprocess.PIPE, text=True)
+    second = subprocess.Popen([sys.executable, "-c", CLAIM, *candidates], stdout=subprocess.PIPE, text=True)
+    try:
+        held = {int(first.stdout.readline()), int(second.stdout.readline())}
+    finally:
+        first.kill(), second.kill()
+        first.wait(), second.wait()
+    assert held == {201, 202}
+    # Once they are gone their domains are free again.
+    third = subprocess.run([sys.executable, "-c", CLAIM.replace("time.sleep(30)", ""), *candidates], capture_output=True,
+                           text=True, timeout=60)
+    assert third.stdout.strip() == "201"
+
+
 @pytest.mark.ros
 def test_a_tools_context_and_its_node_processes_share_one_private_domain_on_this_machine(tmp_path):
     shell_domain = os.environ["ROS_DOMAIN_ID"]
