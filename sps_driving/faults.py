@@ -593,11 +593,7 @@ class Load:
 def run_matrix(faults: list[Fault], hold_s: float = HOLD_S, log_dir: Path | None = None, progress=print,
                repeat: int = 1, safety_scheduling: dict | None = None) -> list[dict]:
     """Each graph started once; its faults run `repeat` times over in it, one after the other."""
-    from sps_driving.resources import config_path
-
     work = Path(tempfile.mkdtemp(prefix="sps_faults_"))
-    # A killed node's endpoints are forgotten after 2 s, as on the car (config/fastdds.xml).
-    os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(config_path("fastdds.xml")))
     rows = []
     for kind in ("vehicle", "clock", "perception"):
         chosen = [f for f in faults if f.graph == kind]

@@ -47,6 +47,7 @@ DOMAIN_VARIABLE = "SPS_DRIVING_ROS_DOMAIN_ID"
 # default, and robots and teams take low numbers.
 PRIVATE_DOMAINS = range(51, 102)
 MAX_DOMAIN_ID = 232  # the largest valid on Linux
+FAST_DDS = "rmw_fastrtps_cpp"  # the RMW whose participant profile (config/fastdds*.xml) the graph sets
 # Settings that would reach DDS participants on other machines.
 _REMOTE_DISCOVERY = ("ROS_STATIC_PEERS", "ROS_DISCOVERY_SERVER")
 
@@ -111,18 +112,21 @@ def isolate_ros() -> int:
 
     Sets the environment that this process's rclpy contexts read at init and its node processes
     inherit, so call it before rclpy.init; later calls keep the first call's domain. Discovery
-    stays on this machine: ROS_AUTOMATIC_DISCOVERY_RANGE from Iron on, ROS_LOCALHOST_ONLY on Humble
-    (Jazzy honours it too, with a deprecation warning)."""
+    and data stay on this machine through config/fastdds_loopback.xml: UDP on 127.0.0.1 only, with
+    no shared memory, whose transport left restarted nodes deaf (docs/vehicle.md). That profile
+    holds only where rmw_fastrtps does not impose its own transports: ROS_AUTOMATIC_DISCOVERY_RANGE
+    is SYSTEM_DEFAULT (Iron on) and ROS_LOCALHOST_ONLY 0 (Humble). Under another RMW the profile
+    does not apply, and the localhost discovery range keeps the graph here instead."""
+    from sps_driving.resources import config_path
+
     candidates = private_domain_candidates(os.environ, os.getpid())
     domain = candidates[0] if os.environ.get(DOMAIN_VARIABLE, "").strip() else claim_domain(candidates)
-    os.environ.update(
-        {
-            DOMAIN_VARIABLE: str(domain),
-            "ROS_DOMAIN_ID": str(domain),
-            "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
-            "ROS_LOCALHOST_ONLY": "1",
-        }
-    )
+    os.environ.update({DOMAIN_VARIABLE: str(domain), "ROS_DOMAIN_ID": str(domain)})
+    if os.environ.get("RMW_IMPLEMENTATION", FAST_DDS) == FAST_DDS:
+        os.environ.update({"FASTDDS_DEFAULT_PROFILES_FILE": str(config_path("fastdds_loopback.xml")),
+                           "ROS_AUTOMATIC_DISCOVERY_RANGE": "SYSTEM_DEFAULT", "ROS_LOCALHOST_ONLY": "0"})
+    else:
+        os.environ.update({"ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST", "ROS_LOCALHOST_ONLY": "1"})
     for name in _REMOTE_DISCOVERY:
         os.environ.pop(name, None)
     return domain

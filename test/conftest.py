@@ -2,18 +2,16 @@ import atexit
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
 
 from sps_driving.graph import isolate_ros
 
-# Node tests talk over DDS on this machine only, in a domain of the test run's own (picked by
-# process id, or SPS_DRIVING_ROS_DOMAIN_ID), like the tools: two runs on one machine never hear
-# each other, and the tools the tests call share the test run's domain.
+# Node tests talk over DDS on this machine only (UDP on 127.0.0.1, the car graph's settings
+# otherwise: config/fastdds_loopback.xml), in a domain of the test run's own (or
+# SPS_DRIVING_ROS_DOMAIN_ID), like the tools: two runs on one machine never hear each other, and
+# the tools the tests call share the test run's domain.
 isolate_ros()
-# A killed node's endpoints are forgotten after 2 s, as on the car (config/fastdds.xml).
-os.environ.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", str(Path(__file__).resolve().parent.parent / "config" / "fastdds.xml"))
 # Node processes and the test process share two cores: busy-waiting OpenMP threads would make
 # every torch process several times slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -12,7 +12,7 @@ from sps_driving.graph import DOMAIN_VARIABLE, PRIVATE_DOMAINS, private_domain_i
 
 # What a tool does (sps_driving.replay.replay_bag): isolate, its own context, then the graph.
 TOOL = """
-import json, sys
+import json, os, sys
 from sps_driving.graph import Graph, isolate_ros, wait_for_nodes
 domain = isolate_ros()
 import rclpy
@@ -22,9 +22,18 @@ rclpy.init(context=context)
 node = Node("tool", context=context)
 with Graph(["selection"], log_dir=sys.argv[1]) as graph:
     wait_for_nodes(node, ["selection"], 30, graph)
-    with open(f"/proc/{graph.processes['selection'].pid}/environ") as f:
+    pid = graph.processes['selection'].pid
+    with open(f"/proc/{pid}/environ") as f:
         child = dict(item.split("=", 1) for item in f.read().split("\\0") if "=" in item)
-print(json.dumps({"domain": domain, "context": context.get_domain_id(), "child": child}))
+    # The local address of every UDP socket the node process holds (/proc/net/udp: hex, little-endian IPv4).
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")}
+    with open("/proc/net/udp") as f:
+        rows = [line.split() for line in f.read().splitlines()[1:]]
+    addresses = sorted({".".join(str(int(r[1][i:i + 2], 16)) for i in (6, 4, 2, 0)) for r in rows if r[9] in inodes})
+    shared_memory = sum("fastdds_" in line and "/dev/shm" in line for line in open(f"/proc/{pid}/maps"))
+print(json.dumps({"domain": domain, "context": context.get_domain_id(), "child": child, "udp": addresses,
+                  "shared_memory": shared_memory}))
 node.destroy_node()
 rclpy.shutdown(context=context)
 """
@@ -76,5 +85,9 @@ def test_a_tools_context_and_its_node_processes_share_one_private_domain_on_this
     child = seen["child"]
     assert seen["domain"] == seen["context"] == int(child["ROS_DOMAIN_ID"]) != int(shell_domain)
     assert seen["domain"] in PRIVATE_DOMAINS
-    assert child["ROS_AUTOMATIC_DISCOVERY_RANGE"] == "LOCALHOST" and child["ROS_LOCALHOST_ONLY"] == "1"
     assert "ROS_STATIC_PEERS" not in child
+    # UDP on this machine only, no shared memory (config/fastdds_loopback.xml; docs/vehicle.md).
+    assert child["FASTDDS_DEFAULT_PROFILES_FILE"].endswith("config/fastdds_loopback.xml")
+    assert child["ROS_AUTOMATIC_DISCOVERY_RANGE"] == "SYSTEM_DEFAULT" and child["ROS_LOCALHOST_ONLY"] == "0"
+    assert seen["udp"] == ["127.0.0.1"], seen["udp"]
+    assert seen["shared_memory"] == 0
