@@ -21,7 +21,8 @@ Three graphs:
 - "perception": this process is the camera (the bundled drive's frames); selection, extractor and
   policy (the shipped policy) drive, with the same vehicle path.
 
-What is measured, from the frames the driver sends to the car after the fault (t = 0):
+What is measured, from the frames the driver sends to the car after the fault (t = 0), each at the
+time the stand-in sent it:
 - stopped / time_to_stop_s: the first frame in the stop set: no accelerator, and either the brake
   enabled at stop_brake or more, or steering, accelerator and brake all disabled (the car handed
   to the safety driver);
@@ -370,7 +371,10 @@ class Harness:
             return stage_summary(dict(self.stages), time.monotonic())
 
     def _on_sent(self, msg) -> None:
-        sent = msgs.sent_from_message(msg, time.monotonic())
+        # When the stand-in sent it (its stamp, on this machine's system clock), on this process's
+        # steady clock: a frame this busy process takes in late still counts when it went out.
+        sent_s = time.monotonic() - (time.time_ns() - msgs.stamp_ns(msg.header)) / 1e9
+        sent = msgs.sent_from_message(msg, sent_s)
         with self.lock:
             self.sent.append(sent)
 
