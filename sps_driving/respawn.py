@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[respawn] cannot start: {exc}", file=sys.stderr)
         return CANNOT_START
     stop_with_parent()
-    supervisor = Supervisor(command, back_off, args.name or Path(command[0]).name, log=lambda line: print(line, flush=True))
+    # On stderr: launch shows a node's stderr on the screen, its stdout only in the log file.
+    supervisor = Supervisor(command, back_off, args.name or Path(command[0]).name,
+                            log=lambda line: print(line, file=sys.stderr, flush=True))
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, _frame: supervisor.stop(signum))
     return supervisor.run()
