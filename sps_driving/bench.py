@@ -61,7 +61,7 @@ import torch
 from tqdm import tqdm
 
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
-from sps_driving.resources import portable_path, shipped_policy
+from sps_driving.resources import portable_path, shipped_policy, source_revision
 
 DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
 COMPONENTS = ("backbone", "per_patch", "projection", "policy")
@@ -130,7 +130,8 @@ def run(args) -> int:
     args.rates = args.rates or list(DEFAULT_RATES)
     dims = args.blip2 or ("tiny" if args.quick else "real")
     result = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": repeats,
-              "policy_architecture": timed_architecture(args.policy), "load_average": list(os.getloadavg())}
+              "policy_architecture": timed_architecture(args.policy), "revision": source_revision(),
+              "load_average": list(os.getloadavg())}
     shape = None
     if args.dinov2 != "none":
         extractors, shape = dinov2_extractors(args)
@@ -458,7 +459,8 @@ def format_tables(result: dict) -> str:
     if "blip2" in result:
         bench = result["blip2"]
         title = f"{bench['name']} ({bench.get('dims', 'embedded')}), grid {bench['grid'][0]}x{bench['grid'][1]}, D={bench['dim']}"
-        title += ", mask " + ", ".join(f"{k} {v}" for k, v in bench["mask"].items())
+        if "mask" in bench:
+            title += ", mask " + ", ".join(f"{k} {v}" for k, v in bench["mask"].items())
         lines += ["", title,
                   f"{'model':<12}{'k':>5}{'backbone':>11}{'per-patch':>11}{'proj+norm':>11}{'policy':>9}{'total':>11}"
                   f"{'pp GFLOP':>10}{'pp GFLOP/s':>12}{'pp % peak':>11}{'pp peak MiB':>13}"]
@@ -741,7 +743,7 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
     return {"bag": str(bag), "frames": len(frames), "checkpoint": str(checkpoint),
             "policy_architecture": read_policy_config(checkpoint).get("architecture"),
             "backbone_config": str(backbone_config) if backbone_config else None, "repeats": repeats, "peak": peak,
-            "configurations": results, "load_average": list(os.getloadavg())}
+            "configurations": results, "revision": source_revision(), "load_average": list(os.getloadavg())}
 
 
 def _vit_shape(opened):

@@ -11,7 +11,7 @@ import torch
 from samples import tiny_dinov2_policy
 from torch.utils.flop_counter import FlopCounterMode
 
-from sps_driving import bench, cli
+from sps_driving import bench, bench_report, cli
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
 
 
@@ -147,6 +147,7 @@ def test_dinov2_paths_side_by_side_with_flops_from_the_shapes_and_efficiency(cap
     assert bench.stage_precisions(rows[("onnxruntime-kept-int8", 0.5)])["descriptors"] == "int8"
     text = bench.format_tables(result)
     assert "onnxruntime-kept-int8 50%" in text and "% peak enc/desc/extr" in text
+    assert "| onnxruntime-kept-int8 | 0.5 | 144 |" in bench_report.render(result, None, None)
 
 
 def test_speedups_are_ratios_of_the_per_patch_medians():
@@ -221,3 +222,4 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
     text = bench.format_graph(result)
     assert "graph / standalone" in text and "camera->command p99" in text and "a timing copy" in text
     assert "FLOPs per frame: extractor" in text and "% of the fp32 peak" in text
+    assert "| 0.5 | kept | fp32 |" in bench_report.render(None, result, None)

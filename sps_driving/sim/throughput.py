@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sps_driving.resources import source_revision
+
 # name: (workers, threads per worker, precision, tokens)
 CONFIGURATIONS = {
     "default": (2, 1, "fp32", None),  # what `eval` runs: 2 workers of 1 thread, the policy's own descriptors
@@ -139,7 +141,8 @@ def bench_eval(config: dict, policy_dir: Path, tasks: list[tuple[str, int]], nam
             workers, threads, precision, tokens = CONFIGURATIONS[name]
             results[name]["split"] = stage_split(config, policies[name], tasks[0], threads, precision)
     out = {"policy": str(policy_dir), "tasks": [list(task) for task in tasks], "episode_s": float(config["episode_s"]),
-           "repeats": repeats, "cores": len(os.sched_getaffinity(0)), "load_average": list(os.getloadavg()),
+           "repeats": repeats, "cores": len(os.sched_getaffinity(0)), "revision": source_revision(),
+           "load_average": list(os.getloadavg()),
            "configurations": []}
     reference = results["default"]
     for name in names:
