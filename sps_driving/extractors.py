@@ -12,7 +12,8 @@ Every extraction setting (the keys of config/extraction.yaml) comes from the fir
 
 A checkpoint wins every descriptor key it records: a node parameter or file that gives another
 value is an error (ExtractionConflict), since the policy would get descriptors it was not trained
-on. For every other key a higher source wins over a lower one that gives another value, and the
+on (a policy trained on dense descriptors, tokens all, refuses token-dropped ones, tokens kept, and
+the other way round). For every other key a higher source wins over a lower one that gives another value, and the
 settings carry a warning naming both values. A checkpoint's runtime keys (backend, device, ...)
 say how its feature cache was computed, not what this machine should run: they are not read.
 
@@ -32,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from sps_driving.core.backbones import (
+    ALL_TOKENS,
     AUTO,
     DESCRIPTOR_KEYS,
     WEIGHTS_KEYS,
@@ -80,10 +82,13 @@ class OpenedExtractor:
 def policy_extraction(policy_config: Mapping) -> dict:
     """The extraction settings a policy was trained with, from its config.json: the descriptor and
     weights keys of its recorded extractor (a policy without that record: its backbone only), and
-    its roi, null (the whole frame) when it records none: every policy before the key was."""
+    its roi, null (the whole frame) when it records none, and for DINOv2 its tokens, all (dense)
+    when it records none: every policy before those keys was."""
     recorded = dict(policy_config.get("extractor") or {})
     recorded.setdefault("backbone", policy_config.get("backbone"))
     given = {key: value for key, value in recorded.items() if key in DESCRIPTOR_KEYS + WEIGHTS_KEYS and value is not None}
+    if recorded["backbone"] == "dinov2_vits14":
+        given.setdefault("tokens", ALL_TOKENS)
     return {**given, "roi": recorded.get("roi")}
 
 

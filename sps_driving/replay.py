@@ -518,6 +518,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--checkpoint", type=Path, help="policy folder (default: the policy checkpoint of config/graph.yaml)")
     parser.add_argument("--backbone-config", type=Path, help="extraction settings YAML (default: config/extraction.yaml)")
+    parser.add_argument("--precision", choices=("fp32", "int8"),
+                        help="the extractor node's precision (its parameter; default the settings'): int8 runs onnxruntime's "
+                             "int8 graph")
     parser.add_argument("--params", type=Path, help="graph parameters file (default: config/graph.yaml)")
     parser.add_argument("--overlay", action="store_true",
                         help=f"the policy node publishes what it sees on {topics.POLICY_OVERLAY} (its publish_overlay), "
@@ -607,9 +610,9 @@ class ReplayError(ValueError):
 
 
 def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_timeout_s: float,
-                     backbone_config: Path | None = None, overlay: bool = False) -> dict:
+                     backbone_config: Path | None = None, overlay: bool = False, precision: str | None = None) -> dict:
     """Per-node parameters over the params file for a replay (`overlay`: the policy node publishes
-    what it sees, topics.POLICY_OVERLAY, which the output bag records)."""
+    what it sees, topics.POLICY_OVERLAY, which the output bag records; `precision`: the extractor's)."""
     params = {
         "selection": {"checkpoint": str(checkpoint)},
         "extractor": {"checkpoint": str(checkpoint)},
@@ -624,6 +627,8 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
         params["policy"]["publish_overlay"] = True
     if backbone_config:
         params["extractor"]["backbone_config"] = str(Path(backbone_config).resolve())
+    if precision:
+        params["extractor"]["precision"] = precision
     if lockstep:  # frames come as fast as the graph computes them, not at 30 fps
         params["vehicle_interface"].update(max_command_age_s=frame_timeout_s, max_camera_age_s=frame_timeout_s)
         params["extractor"]["selection_timeout_s"] = frame_timeout_s
@@ -648,6 +653,7 @@ def replay_bag(
     topic_map: dict | None = None,
     overlay: bool = False,
     supplied_state: dict | None = None,
+    precision: str | None = None,
 ) -> dict:
     """Play `bag` through a freshly started graph, write what it published to `out`, return the
     report (`build_report` plus mode, output_bag, unreadable_messages, state). `topic_map` renames
@@ -704,7 +710,7 @@ def replay_bag(
     rclpy.init(context=context)
     node = Node("sps_replay", context=context)
     player = Player(node, input_types)
-    parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config, overlay)
+    parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config, overlay, precision)
     graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
     try:
         with graph:
@@ -777,6 +783,7 @@ def run(args: argparse.Namespace) -> int:
             params_file=args.params, frame_timeout_s=args.frame_timeout, startup_timeout_s=args.startup_timeout,
             log_dir=args.log_dir, storage=args.storage, topic_map=parse_topic_map(args.topic), overlay=args.overlay,
             supplied_state={name: getattr(args, name) for name in SUPPLY_OPTIONS if getattr(args, name) is not None},
+            precision=args.precision,
         )
     except (ReplayError, BagError) as exc:  # BagError: a bag damaged part-way through the playback
         print(f"error: {exc}")

@@ -11,7 +11,7 @@ import torch
 from samples import tiny_dinov2_policy
 from torch.utils.flop_counter import FlopCounterMode
 
-from sps_driving import bench, cli
+from sps_driving import bench, bench_report, cli
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
 
 
@@ -57,9 +57,14 @@ def test_fast_qformer_does_keys_and_values_once_per_frame(blip2, patches):
 
 
 def test_bench_json_reports_rows_speedups_and_flops(capsys):
-    argv = ["bench", "--blip2", "tiny", "--dinov2", "none", "--repeats", "1", "--rates", "1.0", "0.5", "0.3", "--json"]
+    argv = ["bench", "--blip2", "tiny", "--dinov2", "none", "--repeats", "1", "--rates", "1.0", "0.5", "0.3", "--json",
+            "--calibration-seconds", "0.01"]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the machine's measured peak, on torch's threads: the best of its products
+    peak = result["peak"]
+    assert peak["threads"] == result["threads"] and peak["fp32"]["peak_gflops"] > 0 and peak["int8"]["peak_gops"] > 0
+    assert peak["fp32"]["peak_gflops"] == max(e["gflops"] for e in peak["fp32"]["onnxruntime"] + peak["fp32"]["torch"])
     blip2 = result["blip2"]
     assert [(r["impl"], r["rate"], r["k"]) for r in blip2["rows"]] == [
         ("naive", 1.0, 16), ("ours", 1.0, 16), ("ours", 0.5, 8), ("ours", 0.3, 5)
@@ -81,12 +86,14 @@ def test_bench_json_reports_rows_speedups_and_flops(capsys):
         "checkpoint": "models/sps50_dinov2", "architecture": "mlp", "policy": {"width": 256, "reduce": 16, "dropout": 0.1},
         "max_steering_rad": 0.5, "selection": {"variant": "sps", "rate": 0.5, "seed": 0, "keep_probability": None}}
     assert dense["gflop"]["policy"] > 0 and half["gflop"]["policy"] == dense["gflop"]["policy"]
+    for row in blip2["rows"]:
+        assert row["per_patch_peak_fraction"] == pytest.approx(row["gflops_per_s"]["per_patch"] / peak["fp32"]["peak_gflops"])
 
 
 def test_bench_times_the_architecture_of_the_policy_it_is_given(tmp_path, capsys):
     checkpoint = tiny_dinov2_policy(tmp_path / "spps", variant="spps")
     argv = ["bench", "--blip2", "tiny", "--dinov2", "none", "--repeats", "1", "--rates", "1.0", "0.3",
-            "--naive-rates", "--policy", str(checkpoint), "--json"]
+            "--naive-rates", "--policy", str(checkpoint), "--json", "--peak-gflops", "100"]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["policy_architecture"]["checkpoint"] == "spps"  # outside the repository: its name only
@@ -98,14 +105,49 @@ def test_bench_times_the_architecture_of_the_policy_it_is_given(tmp_path, capsys
 
 
 def test_tables_print_like_table_4(blip2, capsys):
-    result = {"device": "cpu", "dtype": "float32", "threads": 2, "repeats": 1, "peak_gflops": 190.0}
+    result = {"device": "cpu", "dtype": "float32", "threads": 2, "repeats": 1, "peak": bench.given_peak(190.0, 2),
+              "load_average": [1.0, 1.0, 1.0]}
     image = np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8)
     naive = Blip2Extractor(blip2.model, {**blip2.options, "implementation": "naive"})
     result["blip2"] = bench.bench_blip2(blip2, naive, image, [1.0, 0.5], [1.0], repeats=1, seed=0)
-    bench.add_efficiency(result, 190.0)
+    bench.add_efficiency(result)
     text = bench.format_tables(result)
-    for label in ("naive-100%", "ours-100%", "ours-50%", "per-patch", "proj+norm", "speedup_vs_naive_rate1"):
+    for label in ("naive-100%", "ours-100%", "ours-50%", "per-patch", "proj+norm", "speedup_vs_naive_rate1", "pp % peak",
+                  "GEMM peak given (--peak-gflops): 190"):
         assert label in text
+
+
+def test_dinov2_paths_side_by_side_with_flops_from_the_shapes_and_efficiency(capsys):
+    """The car's DINOv2 on the shipped policy's road band: onnxruntime dense, token dropping and
+    token dropping in int8, at the same rates; FLOPs from the model's shapes. No speed asserted."""
+    from sps_driving.core.flops import ViTShape, dinov2_flops
+
+    paths = ["onnxruntime", "onnxruntime-kept", "onnxruntime-kept-int8"]
+    argv = ["bench", "--blip2", "none", "--dinov2-paths", *paths, "--rates", "1.0", "0.5", "--repeats", "1",
+            "--peak-gflops", "100", "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    dinov2 = result["dinov2"]
+    assert dinov2["grid"] == [12, 24] and [facts["precision"] for facts in dinov2["runtimes"].values()] == ["fp32", "fp32", "int8"]
+    rows = {(row["path"], row["rate"]): row for row in dinov2["rows"]}
+    assert set(rows) == {(path, rate) for path in paths for rate in (1.0, 0.5)}
+    shape = ViTShape(hidden=384, layers=12, mlp_hidden=1536, patch=14)
+    for (_, rate), row in rows.items():
+        counted = dinov2_flops(shape, 288, row["k"], -1, row["tokens"])
+        assert row["gflop"]["encode"] == pytest.approx(counted["encode"] / 1e9)
+        assert row["gflop"]["descriptors"] == pytest.approx(counted["descriptors"] / 1e9)
+        assert row["extractor_ms"] == pytest.approx(row["encode_ms"] + row["descriptors_ms"])
+        assert row["peak_fraction"]["extractor"] == pytest.approx(row["gflops_per_s"]["extractor"] / 100)
+        reference = rows[("onnxruntime", rate)]
+        assert row["extractor_speedup"] == pytest.approx(reference["extractor_ms"] / row["extractor_ms"])
+    # token dropping at half the patches: about half the work; dense: the same encode at every rate
+    assert rows[("onnxruntime-kept", 0.5)]["gflop"]["extractor"] < 0.52 * rows[("onnxruntime", 0.5)]["gflop"]["extractor"]
+    assert rows[("onnxruntime", 0.5)]["gflop"]["encode"] == rows[("onnxruntime", 1.0)]["gflop"]["encode"]
+    assert rows[("onnxruntime-kept", 1.0)]["gflop"]["extractor"] == pytest.approx(rows[("onnxruntime", 1.0)]["gflop"]["extractor"])
+    assert bench.stage_precisions(rows[("onnxruntime-kept-int8", 0.5)])["descriptors"] == "int8"
+    text = bench.format_tables(result)
+    assert "onnxruntime-kept-int8 50%" in text and "% peak enc/desc/extr" in text
+    assert "| onnxruntime-kept-int8 | 0.5 | 144 |" in bench_report.render(result, None, None)
 
 
 def test_speedups_are_ratios_of_the_per_patch_medians():
@@ -135,12 +177,15 @@ def test_peak_memory_sees_a_large_allocation():
 
 @pytest.mark.ros
 def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_path, capsys):
-    """`bench --graph` on a 4-frame drive (DINOv2 at 112 px, a tiny policy): both sides ran the
-    same backend, and the ratio is the graph's extractor time over standalone's. No speed asserted."""
+    """`bench --graph --tokens all kept` on a 4-frame drive (DINOv2 at 112 px, a tiny policy): for
+    the checkpoint itself and a token-dropping timing copy of it, both sides ran the same backend,
+    and the ratio is the graph's extractor time over standalone's; FLOPs and efficiency against the
+    given peak. No speed asserted."""
     from samples import tiny_policy
 
     from sps_driving import msgs, topics
     from sps_driving.bagio import BagWriter
+    from sps_driving.core.flops import ViTShape, dinov2_flops
 
     ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
@@ -150,18 +195,31 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
             t = 1_700_000_000_000_000_000 + i * 33_333_333
             bag.write(topics.IMAGE, msgs.image_fields(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8), t, "camera"), t)
     argv = ["bench", "--graph", "--bag", str(tmp_path / "drive"), "--checkpoint", str(ckpt), "--backbone-config",
-            str(tmp_path / "extraction.yaml"), "--repeats", "1", "--json", "--out", str(tmp_path / "graph.json")]
+            str(tmp_path / "extraction.yaml"), "--repeats", "1", "--tokens", "all", "kept", "--peak-gflops", "50", "--json",
+            "--out", str(tmp_path / "graph.json")]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "graph.json").read_text())
-    (run,) = result["runs"]
-    assert run["frames_in"] == run["frames_out"] == result["frames"] == 4
-    standalone = result["standalone_extractor"]
-    assert standalone["backend"] == "onnxruntime" and standalone["choice"].startswith("auto")
-    assert {k: run["graph_extractor"][k] for k in ("backend", "runtime", "precision")} == {
-        k: str(standalone[k]) for k in ("backend", "runtime", "precision")}
-    assert run["graph_over_standalone"] == pytest.approx(run["graph_extractor_ms"] / run["standalone_ms"])
-    assert run["camera_to_command_p99_ms"] >= run["camera_to_command_p50_ms"] > 0
-    assert result["summary"]["graph_over_standalone"]["median"] == pytest.approx(run["graph_over_standalone"])
+    dense, kept = result["configurations"]
+    assert (dense["tokens"], dense["timing_copy"], kept["tokens"], kept["timing_copy"]) == ("all", False, "kept", True)
+    shape = ViTShape(hidden=384, layers=12, mlp_hidden=1536, patch=14)
+    for configuration in (dense, kept):
+        (run,) = configuration["runs"]
+        assert run["frames_in"] == run["frames_out"] == result["frames"] == 4
+        standalone = configuration["standalone_extractor"]
+        assert standalone["backend"] == "onnxruntime" and standalone["choice"].startswith("auto")
+        assert {k: run["graph_extractor"][k] for k in ("backend", "runtime", "precision")} == {
+            k: str(standalone[k]) for k in ("backend", "runtime", "precision")}
+        assert run["graph_over_standalone"] == pytest.approx(run["graph_extractor_ms"] / run["standalone_ms"])
+        assert run["camera_to_command_p99_ms"] >= run["camera_to_command_p50_ms"] > 0
+        assert configuration["summary"]["graph_over_standalone"]["median"] == pytest.approx(run["graph_over_standalone"])
+        counted = dinov2_flops(shape, 64, 32, tokens=configuration["tokens"])
+        assert configuration["flops"]["extractor"] == counted["encode"] + counted["descriptors"]
+        efficiency = configuration["efficiency"]
+        assert efficiency["standalone_peak_fraction"] == pytest.approx(
+            configuration["flops"]["extractor"] / (run["standalone_ms"] / 1e3) / 1e9 / 50)
+    assert kept["flops"]["extractor"] < 0.6 * dense["flops"]["extractor"]
     text = bench.format_graph(result)
-    assert "graph / standalone" in text and "camera->command p99" in text
+    assert "graph / standalone" in text and "camera->command p99" in text and "a timing copy" in text
+    assert "FLOPs per frame: extractor" in text and "% of the fp32 peak" in text
+    assert "| 0.5 | kept | fp32 |" in bench_report.render(None, result, None)

@@ -137,3 +137,22 @@ def test_cli_parity_on_a_drives_frames_for_fp32_and_int8(tmp_path, capsys):
     assert cli.main(args + ["--precision", "int8"]) == 1
     int8 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert not int8["ok"] and 1e-3 < int8["relative_error"] < 0.2 and int8["mean_cosine"] > 0.95
+    # through a policy: the patches it selects on each frame, and its commands from each runtime
+    from samples import tiny_policy
+
+    policy = tiny_policy(tmp_path / "policy", rows=8, cols=8, dim=384)
+    for precision, ok in (("fp32", 0), ("int8", 1)):
+        assert cli.main(args + ["--precision", precision, "--policy", str(policy)]) == ok
+        through = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policy"]
+        assert through["frames"] == 3 and through["kept_patches"] == 32
+        assert through["steering_mae_vs_logged_rad"] == {"reference": None, "runtime": None}  # the drive logged no commands
+        if precision == "fp32":
+            assert through["token_relative_error"]["max"] < 1e-4 and through["steering_abs_diff_rad"]["max"] < 1e-4
+        else:
+            assert 1e-3 < through["token_relative_error"]["mean"] < 0.2 and through["steering_abs_diff_rad"]["max"] > 0
+    assert cli.main(args[:-1] + ["--policy", str(policy)]) == 0  # as text
+    assert "steering |diff| mean" in capsys.readouterr().out
+    (tmp_path / "kept.yaml").write_text("input_size: [112, 112]\ntokens: kept\n")
+    with pytest.raises(ValueError, match="tokens: file .* gives 'kept', but the policy was trained with 'all'"):
+        cli.main(["export", "parity", "--bag", str(tmp_path / "drive"), "--config", str(tmp_path / "kept.yaml"),
+                  "--policy", str(policy)])

@@ -57,9 +57,10 @@ def test_each_setting_comes_from_the_highest_source_and_an_override_is_named(tmp
 
 
 def test_the_checkpoint_decides_what_the_descriptors_are(tmp_path):
-    # roi null: a checkpoint without the key was trained on the whole frame
+    # roi null, tokens all: a checkpoint without the keys was trained on the whole frame, every token of it
     assert policy_extraction(IVIT) == {"backbone": "dinov2_vits14", "input_size": [112, 112], "masked_layer": -1,
-                                       "falloff": "none", "alpha": 1.5, "suppression": -100.0, "roi": None}
+                                       "falloff": "none", "alpha": 1.5, "suppression": -100.0, "roi": None,
+                                       "tokens": "all"}
     # Its runtime keys say how its cache was computed: not read.
     file = write(tmp_path / "runtime.yaml", "backend: onnxruntime\ndevice: cpu\n")
     settings = extraction_settings({}, IVIT, file)

@@ -92,6 +92,25 @@ def test_each_policy_gets_the_descriptors_it_was_trained_on(tmp_path, method):
     assert "only torch computes these" in log and f"checkpoint {ckpt}" in log
 
 
+def test_a_token_dropping_policy_gets_descriptors_of_its_kept_patches_only(tmp_path):
+    """A policy trained on token-dropped descriptors (tokens kept): the node runs the ViT on the
+    selection's patches only (backend auto: the token-dropping onnxruntime export), which differ
+    from the same patches' dense descriptors."""
+    extractor_config = {"backbone": "dinov2_vits14", "input_size": SIZE, "tokens": "kept"}
+    reference = load_extractor({**extractor_config, "backend": "torch"})
+    ckpt = checkpoint(tmp_path / "policy", extractor_config, reference.dim)
+    frame = np.random.default_rng(4).integers(0, 256, (120, 200, 3), dtype=np.uint8)
+    stamp = 1_700_000_000_223_456_789
+    indices, values, facts, log = descriptors_through_the_graph(ckpt, tmp_path, frame, stamp)
+    expected_indices = PatchSelector(SelectionConfig("sps", 0.5, 0), reference.grid).select(stamp)
+    np.testing.assert_array_equal(indices, expected_indices)
+    expected = reference.descriptors(reference.encode(frame), expected_indices)
+    np.testing.assert_allclose(values, expected, atol=1e-4, rtol=1e-4)
+    dense = load_extractor({**extractor_config, "backend": "torch", "tokens": "all"})
+    assert np.abs(dense.descriptors(dense.encode(frame), expected_indices) - expected).max() > 0.1
+    assert facts["backend"] == "onnxruntime" and "tokens 'kept' (checkpoint" in log
+
+
 def test_a_setting_that_contradicts_the_checkpoint_stops_the_node(tmp_path):
     ckpt = checkpoint(tmp_path / "policy", EXTRACTORS["I-ViT"], 384)
     (tmp_path / "hard.yaml").write_text("falloff: hard\n")

@@ -236,6 +236,14 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys, m
     assert len(commands) == report["frames_out"]
 
 
+def test_replay_sets_the_extractors_precision_only_when_asked():
+    from sps_driving.replay import graph_parameters
+
+    bag_topics = {topics.IMAGE: "sensor_msgs/msg/Image"}
+    assert "precision" not in graph_parameters(Path("/p"), bag_topics, True, 60.0)["extractor"]
+    assert graph_parameters(Path("/p"), bag_topics, True, 60.0, precision="int8")["extractor"]["precision"] == "int8"
+
+
 def test_default_output_is_outside_the_bag_tree():
     out = default_output(Path("data/demo_drive/"))
     assert out.parent == Path("out/replay") and out.name.startswith("demo_drive_")

@@ -266,6 +266,9 @@ def test_method_names_and_training_seeds():
     assert method_name({"selection": {"variant": "mspps", "rate": 0.3}}) == "MSPPS-30"
     assert method_name({"backbone": "pixels", "selection": {"variant": "sps", "rate": 1.0}}) == "No-FM"
     assert method_name({"extractor": {"falloff": "none"}, "selection": {"variant": "sps", "rate": 1.0}}) == "I-ViT"
+    # token dropping: a column of its own beside the dense policy of the same rate
+    assert method_name({"extractor": {"tokens": "kept"}, "selection": {"variant": "sps", "rate": 0.5}}) == "SPS-50-TD"
+    assert method_name({"extractor": {"tokens": "all"}, "selection": {"variant": "sps", "rate": 0.5}}) == "SPS-50"
 
 
 def test_policy_eval_with_the_dinov2_extractor(tmp_path):
@@ -279,6 +282,35 @@ def test_policy_eval_with_the_dinov2_extractor(tmp_path):
     assert row["method"] == "SPS-50" and row["dropped_frames"] == 0
     assert row["policy"] == "policy"  # outside the repository: the folder's name, no path of this machine
     assert 0.0 <= row["score"] <= 1.0 and row["distance_m"] > 0
+
+
+def test_int8_is_an_eval_option_that_names_its_method_and_runs_the_int8_graph(tmp_path):
+    """`eval --precision int8`: the same policy's episode through onnxruntime's int8 graph, as a
+    method of its own (-int8), beside the fp32 one in the same folder."""
+    from sps_driving.sim.episodes import PolicyDriver
+
+    tiny_dinov2_policy(tmp_path / "policy")
+    out = tmp_path / "eval"
+    common = ["eval", "--policy", str(tmp_path / "policy"), "--episodes", "1", "--episode-s", "0.5", "--workers", "1",
+              "--out", str(out), "--scenarios", SCENARIO_NAMES[0], "--no-failure-strips"]
+    assert main(common) == 0 and main(common + ["--precision", "int8"]) == 0
+    assert sorted(row["method"] for row in read_rows(out)) == ["SPS-50", "SPS-50-int8"]
+    driver = PolicyDriver(str(tmp_path / "policy"), precision="int8")
+    assert driver.extraction.facts["backend"] == "onnxruntime" and driver.extraction.facts["precision"] == "int8"
+    with pytest.raises(SystemExit, match="--precision are for the in-process run"):
+        main(common + ["--precision", "int8", "--graph"])
+
+
+def test_a_token_dropping_policy_has_no_dense_grid_for_dagger(tmp_path):
+    from sps_driving.sim.episodes import PolicyDriver
+
+    policy = tiny_dinov2_policy(tmp_path / "policy")
+    config = json.loads((Path(policy) / "config.json").read_text())
+    config["extractor"] = {"backbone": "dinov2_vits14", "input_size": [224, 224], "tokens": "kept"}
+    (Path(policy) / "config.json").write_text(json.dumps(config))
+    assert PolicyDriver(str(policy)).extractor.drops_tokens
+    with pytest.raises(ValueError, match="drops tokens.*extract --keep-rate"):
+        PolicyDriver(str(policy), all_patches=True)
 
 
 def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path):

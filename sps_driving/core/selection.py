@@ -180,6 +180,20 @@ class PatchSelector:
             keep[self._closest_to_passing(draws)] = True
         return np.flatnonzero(keep).astype(np.int64)
 
+    def groups(self, stamp_ns: int) -> np.ndarray:
+        """int16 [N]: the frame's patches in floor(N / k) disjoint groups of k (exact-count variants),
+        -1 for the N mod k left over. Group 0 is `select(stamp_ns)`, each group is a uniform k-subset
+        of the frame's patches, and the groups are the draw's next k patches in turn: a
+        token-dropping feature cache computes each group in one pass (sps_driving.train.extract)."""
+        if not self.exact_count:
+            raise ValueError(f"patch groups of k are drawn for the exact-count variants {EXACT_COUNT_VARIANTS}, "
+                             f"not {self.config.variant!r}")
+        order = np.argsort(self.frame_rng(stamp_ns).random(self.grid.n), kind="stable")
+        groups = np.full(self.grid.n, -1, dtype=np.int16)
+        count = self.grid.n // self.count
+        groups[order[:count * self.count]] = np.repeat(np.arange(count), self.count)
+        return groups
+
     def _closest_to_passing(self, draws: np.ndarray) -> int:
         with np.errstate(divide="ignore"):
             return int(np.argmin(np.where(self.keep_probabilities > 0, draws / self.keep_probabilities, np.inf)))

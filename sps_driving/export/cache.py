@@ -1,6 +1,9 @@
 """Exports made on first use: the export cache's entries (where they are: core/backbones/runtimes.py,
 `cached_export_dir`), and the int8 backbone graph of an export.
 
+A token-dropping entry (tokens kept) is checked at every patch (rate 1.0) and at a seeded half of
+them, whose descriptors depend on which patches are kept.
+
 An entry is built in a scratch folder beside it (the ONNX export of the torch extractor, then its
 parity against torch fp32, PARITY_FILE) and renamed into place, so a reader sees a complete entry
 or none, whatever happens to the builder. Builders of one entry take turns on a lock file (fcntl),
@@ -23,16 +26,18 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving.core.backbones.runtimes import (
-    BACKBONE_FILE,
-    BACKBONE_INT8_FILE,
+    INT8_FILES,
     PARITY_FILE,
     cached_export_dir,
     load_runtime_extractor,
+    quantized_graph,
+    read_export,
 )
 
 PARITY_TOLERANCE = 1e-4  # max |descriptor difference| for the export to stand in for torch fp32
 PARITY_FRAME = (600, 960, 3)  # px, a camera frame's size
 PARITY_SEED = 0
+PARITY_HALF = 0.5  # token dropping: the kept fraction of the second check
 SCRATCH_PREFIX = ".building-"
 
 
@@ -56,16 +61,26 @@ def torch_reference(config: dict):
                            "export_dir": None})
 
 
+def parity_subsets(extractor) -> list[np.ndarray]:
+    """The patch sets a parity check asks for: every patch, and for token dropping (whose
+    descriptors depend on the kept set) also a seeded half of them."""
+    n = extractor.grid.n
+    subsets = [np.arange(n)]
+    if getattr(extractor, "drops_tokens", False):
+        rng = np.random.default_rng(PARITY_SEED)
+        subsets.append(np.sort(rng.choice(n, max(1, round(PARITY_HALF * n)), replace=False)))
+    return subsets
+
+
 def parity(reference, runtime, images: list | None = None, tolerance: float = PARITY_TOLERANCE) -> dict:
-    """Every patch's descriptor of `runtime` against `reference` on `images` (default: one seeded
-    random camera frame): max |difference|, cosines, relative error |got - expected| / |expected|
-    (per frame, over all patches; mean and max), descriptor scale, and ok (max |difference| within
-    tolerance)."""
+    """The descriptors of `runtime` against `reference` on `images` (default: one seeded random
+    camera frame), of every patch (`parity_subsets`: token dropping also a seeded half): max
+    |difference|, cosines, relative error |got - expected| / |expected| (per frame and patch set;
+    mean and max), descriptor scale, and ok (max |difference| within tolerance)."""
     if images is None:
         images = [np.random.default_rng(PARITY_SEED).integers(0, 256, PARITY_FRAME, dtype=np.uint8)]
-    indices = np.arange(reference.grid.n)
     diff, cosines, relative, scale = 0.0, [], [], 0.0
-    for image in images:
+    for image, indices in ((image, indices) for image in images for indices in parity_subsets(reference)):
         expected = reference.descriptors(reference.encode(image), indices)
         got = runtime.descriptors(runtime.encode(image), indices)
         diff = max(diff, float(np.abs(got - expected).max()))
@@ -119,15 +134,18 @@ def ensure_export(config: dict) -> Path:
 
 
 def ensure_int8(export_dir: Path) -> Path:
-    """export_dir's backbone graph with onnxruntime's dynamic int8 quantization (weights int8, the
-    activations' scale computed per call), made now if it is missing; returns its path."""
-    target = Path(export_dir) / BACKBONE_INT8_FILE
+    """export_dir's graph with the ViT's layers (runtimes.quantized_graph: dense, the backbone graph;
+    token dropping, the per-patch graph) with onnxruntime's dynamic int8 quantization (weights int8,
+    the activations' scale computed per call), made now if it is missing; returns its path."""
+    export_dir = Path(export_dir)
+    source = quantized_graph(read_export(export_dir, {"export_dir": str(export_dir)}))
+    target = export_dir / INT8_FILES[source]
     if target.is_file():
         return target
-    with _locked(Path(export_dir) / ".int8.lock"):
+    with _locked(export_dir / ".int8.lock"):
         if target.is_file():
             return target
-        quantize_int8(Path(export_dir) / BACKBONE_FILE, target)
+        quantize_int8(export_dir / source, target)
     return target
 
 

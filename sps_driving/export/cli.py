@@ -5,6 +5,8 @@
   sps-driving export tensorrt --export-dir models/export/blip2          (GPU machines, needs tensorrt)
   sps-driving export int8 --export-dir models/export/dinov2_vits14     (onnxruntime's dynamic int8 backbone)
   sps-driving export parity --export-dir models/export/blip2 --backend onnxruntime --backbone blip2 ...
+  sps-driving export parity --bag data/demo_drive --policy models/sps50_dinov2 --precision int8
+      (the policy's descriptors and commands on each frame of a drive: token and steering error)
 
 `--random-weights tiny|real` builds BLIP-2 with random weights (for timing and checks without a
 checkpoint; the same --seed gives the same weights in every command).
@@ -30,8 +32,9 @@ def add_arguments(parser) -> None:
     trt = sub.add_parser("tensorrt", help="build TensorRT engines from an ONNX export (GPU only)")
     trt.add_argument("--export-dir", required=True)
     trt.add_argument("--fp32", action="store_true", help="fp32 engines (default fp16 with fp32 LayerNorm/softmax)")
-    trt.add_argument("--patches", type=int, nargs=3, default=(1, 128, 256), metavar=("MIN", "OPT", "MAX"),
-                     help="optimization profile of the patch batch")
+    trt.add_argument("--patches", type=int, nargs=3, metavar=("MIN", "OPT", "MAX"),
+                     help="optimization profile of the patch batch (default 1, N/2, N for the export's N patches, "
+                          "at least 1, 128, 256)")
     trt.add_argument("--workspace-gb", type=float, default=4.0, help="builder workspace [GiB]")
     trt.add_argument("--force", action="store_true", help="rebuild even if a cached engine exists")
     int8 = sub.add_parser("int8", help="quantize an export's backbone graph to int8 (onnxruntime, dynamic)")
@@ -48,6 +51,9 @@ def add_arguments(parser) -> None:
     parity.add_argument("--device", default="auto", help="device of the runtime under test (auto | cpu | cuda)")
     parity.add_argument("--dtype", default="float16", help="torch backend weights: float32 | float16 | bfloat16")
     parity.add_argument("--tolerance", type=float, default=1e-4, help="max abs descriptor difference allowed")
+    parity.add_argument("--policy", type=Path,
+                        help="with --bag: the policy's extraction settings, and through it, on each frame, the patches it selects: "
+                             "their descriptors and its steering and throttle from the runtime's against those from torch fp32")
     parity.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -59,14 +65,28 @@ def _add_extractor_arguments(parser) -> None:
                         help="random weights at tiny or real dims (BLIP-2: ViT-g + Q-Former; DINOv2: ViT-S/14)")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
     parser.add_argument("--dim", type=int, default=64, help="BLIP-2 descriptor channels D")
+    parser.add_argument("--tokens", choices=("all", "kept"),
+                        help="DINOv2: the ViT on every patch (all) or on CLS and the kept patches only (kept: token dropping); "
+                             "default --config's, else config/extraction.yaml's")
+
+
+def given_settings(args) -> dict:
+    """The extraction settings under test: --policy's over --config's (a --tokens that is not the
+    policy's is an error), else --config's; with --tokens."""
+    if getattr(args, "policy", None):
+        from sps_driving.extractors import extraction_settings
+
+        settings = extraction_settings({"tokens": args.tokens}, args.policy, args.config, parameter_source="option")
+        return {key: value for key, value in settings.config.items() if key in settings.sources}
+    given = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    return {**given, **({"tokens": args.tokens} if args.tokens else {})}
 
 
 def torch_extractor(args, device: str = "cpu", dtype: str = "float32"):
     """The torch extractor the exports are made from and compared with (fp32 on the CPU by default)."""
     from sps_driving.core.backbones import load_extractor, resolve_config
 
-    given = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    config = {**given, "backbone": args.backbone, "backend": "torch", "device": device, "dtype": dtype}
+    config = {**given_settings(args), "backbone": args.backbone, "backend": "torch", "device": device, "dtype": dtype}
     if args.model_path:
         config["model_path"] = args.model_path
     if args.backbone == "blip2":
@@ -96,7 +116,7 @@ def random_dinov2(dims: str, config: dict, seed: int = 0):
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     torch.manual_seed(seed)
     model = Dinov2Model(Dinov2Config(**size, mlp_ratio=4, patch_size=14, image_size=224, layer_norm_eps=1e-6))
-    keys = ("input_size", "roi", "masked_layer", "falloff", "alpha", "suppression", "memory_budget_mb", "device", "dtype")
+    keys = ("input_size", "roi", "tokens", "masked_layer", "falloff", "alpha", "suppression", "memory_budget_mb", "device", "dtype")
     return DinoV2Extractor(model.eval(), **{key: config[key] for key in keys if key in config})
 
 
@@ -130,7 +150,7 @@ def _run_onnx(args) -> int:
 
 def _run_tensorrt(args) -> int:
     from sps_driving.core.backbones.runtimes import BACKBONE_FILE, PATCHES_FILE, RuntimeMissing, read_export
-    from sps_driving.export.tensorrt import build_engine
+    from sps_driving.export.tensorrt import build_engine, default_profile
 
     try:
         import tensorrt  # noqa: F401
@@ -139,13 +159,14 @@ def _run_tensorrt(args) -> int:
         return 2
     export_dir = Path(args.export_dir)
     try:
-        read_export(export_dir, {"export_dir": str(export_dir)})
+        meta = read_export(export_dir, {"export_dir": str(export_dir)})
     except RuntimeMissing as error:
         print(error, file=sys.stderr)
         return 2
+    patches = tuple(args.patches) if args.patches else default_profile(meta)
     for graph in tqdm((BACKBONE_FILE, PATCHES_FILE), desc="build TensorRT engines", unit="engine"):
         start = time.perf_counter()
-        path = build_engine(export_dir / graph, fp16=not args.fp32, patches=tuple(args.patches),
+        path = build_engine(export_dir / graph, fp16=not args.fp32, patches=patches,
                             workspace_gb=args.workspace_gb, force=args.force)
         print(f"{graph}: {path} ({time.perf_counter() - start:.1f} s)")
     return 0
@@ -171,8 +192,8 @@ def runtime_config(args) -> dict:
     """The exported runtime under test: --export-dir, else (DINOv2, onnxruntime) the export cache's."""
     from sps_driving.core.backbones import resolve_config
 
-    given = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    config = {**given, "backbone": args.backbone, "backend": args.backend, "device": args.device, "precision": args.precision}
+    config = {**given_settings(args), "backbone": args.backbone, "backend": args.backend, "device": args.device,
+              "precision": args.precision}
     if args.model_path:
         config["model_path"] = args.model_path
     if args.export_dir:
@@ -198,6 +219,9 @@ def _run_parity(args) -> int:
     from sps_driving.core.backbones.runtimes import load_runtime_extractor
     from sps_driving.export.cache import parity
 
+    if args.policy and not args.bag:
+        raise SystemExit("export parity: --policy compares the policy's commands on a drive's frames: give --bag")
+
     if args.backend == "torch":
         import torch
 
@@ -214,9 +238,67 @@ def _run_parity(args) -> int:
     images = rgb_frames(args.bag) if args.bag else [np.random.default_rng(args.seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)]
     backend = f"torch {args.dtype} {runtime.device}" if args.backend == "torch" else f"{args.backend} {args.precision}"
     result = {"backbone": reference.name, "backend": backend, **parity(reference, runtime, images, args.tolerance)}
+    if args.policy:
+        result["policy"] = policy_parity(reference, runtime, args.policy, args.bag)
     print(json.dumps(result) if args.json else
           f"{reference.name} {backend} vs torch fp32 cpu on {result['frames']} frame(s): max |diff| {result['max_abs_diff']:.3g} "
           f"(tolerance {args.tolerance:g}), relative error {result['relative_error']:.3g} (max {result['max_relative_error']:.3g}), "
           f"cosine min {result['min_cosine']:.6f} mean {result['mean_cosine']:.6f}, descriptor scale "
-          f"{result['descriptor_scale']:.3g} -> {'OK' if result['ok'] else 'FAIL'}")
+          f"{result['descriptor_scale']:.3g} -> {'OK' if result['ok'] else 'FAIL'}"
+          + ("" if not args.policy else "\n" + format_policy_parity(result["policy"])))
     return 0 if result["ok"] else 1
+
+
+def policy_parity(reference, runtime, policy_dir: Path, bag: Path) -> dict:
+    """On each camera frame of `bag`: the patches the policy selects at the frame's stamp, their
+    descriptors from `reference` and `runtime`, and the policy's command from each (with the bag's
+    state inputs, matched by stamp as `extract` matches them); the differences of the descriptors
+    (token error) and of the commands (steering rad, throttle), and each command's error against
+    the command the bag logged (None where it logged none)."""
+    from sps_driving import msgs, topics
+    from sps_driving.bagio import read_messages
+    from sps_driving.core.patch_policy import StreamingPolicy
+    from sps_driving.core.policy import load_policy
+    from sps_driving.replay import reference_commands
+    from sps_driving.train.extract import ExtractSettings, bag_states, matched_state
+
+    policy = load_policy(policy_dir, grid=reference.grid)
+    drivers = {"reference": StreamingPolicy(policy), "runtime": StreamingPolicy(load_policy(policy_dir, grid=reference.grid))}
+    states, logged = bag_states(bag), reference_commands(bag)
+    tolerance_ns = int(ExtractSettings().match_tolerance_s * 1e9)
+    token, cosine, commands, against_log = [], [], {"reference": [], "runtime": []}, {"reference": [], "runtime": []}
+    for item in read_messages(bag, [topics.IMAGE]):
+        stamp, image = msgs.stamp_ns(item.msg.header), msgs.image_to_rgb(item.msg)
+        indices = policy.selector.select(stamp)
+        expected = reference.descriptors(reference.encode(image), indices)
+        got = runtime.descriptors(runtime.encode(image), indices)
+        token.append(float(np.linalg.norm(got - expected) / np.linalg.norm(expected)))
+        cosine.append(float(np.mean(np.sum(got * expected, 1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)))))
+        state = matched_state(states, stamp, tolerance_ns)
+        for name, descriptors in (("reference", expected), ("runtime", got)):
+            command = drivers[name].step(stamp, descriptors, indices, state)
+            commands[name].append(command)
+            if stamp in logged:
+                against_log[name].append(np.subtract(command, logged[stamp]))
+    difference = np.abs(np.subtract(commands["runtime"], commands["reference"]))
+
+    def spread(values) -> dict:
+        return {"mean": float(np.mean(values)), "p95": float(np.percentile(values, 95)), "max": float(np.max(values))}
+
+    return {"checkpoint": str(policy_dir), "frames": len(token), "kept_patches": int(policy.selector.count),
+            "token_relative_error": spread(token), "token_mean_cosine": float(np.mean(cosine)),
+            "steering_abs_diff_rad": spread(difference[:, 0]), "throttle_abs_diff": spread(difference[:, 1]),
+            "steering_mae_vs_logged_rad": {name: (float(np.mean(np.abs(np.asarray(errors)[:, 0]))) if errors else None)
+                                           for name, errors in against_log.items()}}
+
+
+def format_policy_parity(result: dict) -> str:
+    steering, throttle, token = result["steering_abs_diff_rad"], result["throttle_abs_diff"], result["token_relative_error"]
+    logged = result["steering_mae_vs_logged_rad"]
+    return (f"through {result['checkpoint']} on {result['frames']} frame(s), {result['kept_patches']} patches selected each: "
+            f"token relative error mean {token['mean']:.3g} (p95 {token['p95']:.3g}, max {token['max']:.3g}), mean cosine "
+            f"{result['token_mean_cosine']:.4f}; steering |diff| mean {steering['mean']:.4g} rad (p95 {steering['p95']:.4g}, max "
+            f"{steering['max']:.4g}), throttle |diff| mean {throttle['mean']:.4g} (max {throttle['max']:.4g})"
+            + ("" if logged["reference"] is None else
+               f"; steering error against the logged commands: torch fp32 {logged['reference']:.4g} rad, "
+               f"the runtime {logged['runtime']:.4g} rad"))

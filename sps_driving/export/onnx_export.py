@@ -11,6 +11,12 @@ An export directory holds:
   time (the mask is an input, so a runtime may change them), graph input names, model hash;
 - position_table.npy: the backbone's patch position embeddings [N, P] (SPPS / MSPPS policies).
 
+A token-dropping export (DINOv2 with tokens "kept", export.json "vit_tokens": "kept") has the same
+files and inputs, split elsewhere: backbone.onnx embeds the frame (tokens [T, E]: the patch
+embedding with the position embeddings added), and patches.onnx gathers CLS and the k patches of
+patch_index and runs every layer on them (MaskedViT.kept_forward), the bias's columns of the kept
+tokens masking the masked layer; one call must hold all of a frame's kept patches.
+
 Graphs are traced with torch.onnx.export(opset 17, dynamo=False) in fp32; files over 2 GB (the
 protobuf limit, ViT-g is about 4 GB) keep their weights in one external data file beside them.
 """
@@ -52,6 +58,7 @@ class ExportSpec:
     prefix_mask: float  # mask value m of the prefix tokens
     mask: dict = field(default_factory=dict)  # falloff, alpha, suppression at export time
     position_table: np.ndarray | None = None
+    tokens: str = "all"  # "kept": token dropping (module docstring)
 
 
 def export_spec(extractor) -> ExportSpec:
@@ -80,10 +87,11 @@ def export_spec(extractor) -> ExportSpec:
 
     if isinstance(extractor, DinoV2Extractor):
         encoder = extractor.encoder
+        kept = extractor.drops_tokens
         return ExportSpec(
             name=extractor.name,
-            backbone=DinoV2BackboneModule(extractor),
-            patches=DinoV2PatchModule(extractor),
+            backbone=DinoV2EmbeddingModule(extractor) if kept else DinoV2BackboneModule(extractor),
+            patches=DinoV2KeptPatchModule(extractor) if kept else DinoV2PatchModule(extractor),
             patch_inputs=("tokens", "bias", "patch_index"),
             input_size=extractor.input_size,
             resize="area",
@@ -95,6 +103,7 @@ def export_spec(extractor) -> ExportSpec:
             prefix_mask=1.0,
             mask={"falloff": encoder.falloff, "alpha": encoder.alpha, "suppression": encoder.suppression},
             position_table=extractor.position_table(),
+            tokens=extractor.tokens,
         )
     raise TypeError(f"no ONNX export for extractor {type(extractor).__name__}")
 
@@ -125,6 +134,25 @@ class DinoV2PatchModule(nn.Module):
 
     def forward(self, hidden: torch.Tensor, bias: torch.Tensor, patch_index: torch.Tensor) -> torch.Tensor:
         return self.encoder.patch_forward(hidden[None], bias, patch_index + self.encoder.num_prefix_tokens)
+
+
+class DinoV2EmbeddingModule(nn.Module):
+    """Token dropping: pixel_values -> the embedded tokens [T, D] (position embeddings added)."""
+
+    def __init__(self, extractor):
+        super().__init__()
+        self.model = extractor.model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model.embeddings(pixel_values.to(self.model.embeddings.patch_embeddings.projection.weight.dtype))[0]
+
+
+class DinoV2KeptPatchModule(DinoV2PatchModule):
+    """Token dropping: (tokens [T, D], bias [k, T], patch_index [k]) -> descriptors [k, D] of the ViT
+    run on CLS and those k patches only (MaskedViT.kept_forward); k stays a dynamic axis."""
+
+    def forward(self, tokens: torch.Tensor, bias: torch.Tensor, patch_index: torch.Tensor) -> torch.Tensor:
+        return self.encoder.kept_forward(tokens[None], bias, patch_index)
 
 
 def example_patch_inputs(spec: ExportSpec, tokens: torch.Tensor, patches: int = 3) -> tuple[torch.Tensor, ...]:
@@ -178,6 +206,7 @@ def export_onnx(extractor, out_dir: str | Path, external_data_threshold: int = P
         "prefix_mask": spec.prefix_mask,
         "mask": {k: (float(v) if k != "falloff" else v) for k, v in spec.mask.items()},
         "patch_inputs": list(spec.patch_inputs),
+        "vit_tokens": spec.tokens,
         "model_hash": {name: file_hash(out_dir / name) for name in (BACKBONE_FILE, PATCHES_FILE)},
     }
     meta_path = out_dir / META_FILE

@@ -35,6 +35,22 @@ def keep_fp32(network) -> int:
     return pinned
 
 
+def default_profile(meta: dict) -> tuple[int, int, int]:
+    """(min, opt, max) patches of the per-patch engine for an export (its export.json): up to the
+    whole grid (token dropping runs all of a frame's kept patches in one call), at least 1, 128, 256."""
+    rows, cols = meta["grid"]
+    return 1, max(128, rows * cols // 2), max(256, rows * cols)
+
+
+def ensure_engines(export_dir: str | Path, fp16: bool = True) -> list[Path]:
+    """The engines of both graphs of an export, built now where missing (default profile)."""
+    from sps_driving.core.backbones.runtimes import BACKBONE_FILE, PATCHES_FILE, read_export
+
+    export_dir = Path(export_dir)
+    profile = default_profile(read_export(export_dir, {"export_dir": str(export_dir)}))
+    return [build_engine(export_dir / graph, fp16=fp16, patches=profile) for graph in (BACKBONE_FILE, PATCHES_FILE)]
+
+
 def build_engine(
     onnx_path: str | Path,
     fp16: bool = True,

@@ -24,7 +24,7 @@ from rclpy.node import Node
 from sensor_msgs.msg import Image, PointCloud2
 
 from sps_driving import msgs, topics
-from sps_driving.core.backbones import BACKBONES, BACKEND_CHOICES
+from sps_driving.core.backbones import BACKBONES, BACKEND_CHOICES, PRECISIONS
 from sps_driving.core.image import ImageError
 from sps_driving.extractors import FACT_KEYS
 from sps_driving.nodes.common import Param, StageTimer, declare, run
@@ -40,9 +40,10 @@ PARAMETERS = {
     "backbone_config": Param("", "YAML file of further extraction settings (keys of config/extraction.yaml); empty: its defaults"),
     "model_path": Param("", f"local weights (DINOv2 ONNX file or BLIP-2 folder); {UNSET} (the embedded DINOv2 file)"),
     "device": Param("", f"cpu, cuda or auto (cuda when there is a GPU); {UNSET}"),
+    "precision": Param("", f"fp32, or int8 (onnxruntime's int8 graph of the ViT's layers); {UNSET}", choices=("", *PRECISIONS)),
     "selection_timeout_s": Param(0.5, "time a frame waits for its selection decision before it is dropped", "s", above=0.0),
 }
-EXTRACTION_PARAMETERS = ("backend", "backbone", "model_path", "device")
+EXTRACTION_PARAMETERS = ("backend", "backbone", "model_path", "device", "precision")
 _KEPT_DECISIONS = 90  # selection decisions remembered (3 s at 30 fps)
 
 

@@ -118,21 +118,26 @@ class PolicyDriver:
     With view_width_scale S (frames of the world's wider view, sim.config.widen_view), the
     extraction is widened to match (sps_driving.core.view.widen_extraction) and the policy reads
     its window of the wider grid, or refuses it (ValueError) if it reads absolute cells.
+    precision ("fp32" | "int8"; None: the settings') is the extractor's (int8: onnxruntime's int8 graph).
     """
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
-                 all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0):
+                 all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0, precision: str | None = None):
         from sps_driving.core.patch_policy import StreamingPolicy
         from sps_driving.core.policy import load_policy, read_policy_config
         from sps_driving.extractors import extractor_for_policy
 
         policy_config = read_policy_config(policy_dir)
-        self.extraction = extractor_for_policy(policy_config, {"device": device, "threads": threads}, backbone_config,
-                                               view_width_scale=view_width_scale)
+        self.extraction = extractor_for_policy(policy_config, {"device": device, "threads": threads, "precision": precision},
+                                               backbone_config, view_width_scale=view_width_scale)
         self.extractor = self.extraction.extractor
         if self.extractor.dim != int(policy_config["descriptor_dim"]):
             raise ValueError(f"policy {policy_dir} reads {policy_config['descriptor_dim']} channels per descriptor but the "
                              f"extractor gives {self.extractor.dim}")
+        if all_patches and getattr(self.extractor, "drops_tokens", False):
+            raise ValueError(f"policy {policy_dir} drops tokens (tokens kept): its descriptors depend on the kept patches, so "
+                             "a frame has no dense grid to write; roll out a dense policy and extract its bags with "
+                             "`sps-driving extract --keep-rate`")
         self.policy = load_policy(policy_dir, device=device, grid=self.extractor.grid)
         self.streaming = StreamingPolicy(self.policy)  # a patch policy's history of frames
         self.selector = self.policy.selector
@@ -207,7 +212,7 @@ _WORKER: dict = {}
 
 
 def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int, backbone_config: str | None,
-                 strips_folder: str | None = None) -> None:
+                 strips_folder: str | None = None, precision: str | None = None) -> None:
     _WORKER.clear()  # in process (one worker), an earlier run's driver must not drive this one's expert episodes
     _WORKER["config"] = config
     if policy_dir is not None:
@@ -223,14 +228,15 @@ def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int
         _WORKER["renderer"] = get_renderer(config)
         scale = float(config["camera"].get("view_width_scale", 1.0))  # sim.config.widen_view
         if strips_folder is None:
-            _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config, view_width_scale=scale)
+            _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config, view_width_scale=scale,
+                                             precision=precision)
         else:
             from sps_driving.sim.failure_strips import FailureStrips, StripSettings
 
             settings = StripSettings.from_config(config)
             driver = PolicyDriver(policy_dir, device, threads, backbone_config,
                                   view_history=settings.history_frames(float(config["control_rate_hz"])),
-                                  view_width_scale=scale)
+                                  view_width_scale=scale, precision=precision)
             _WORKER["driver"] = driver
             _WORKER["strips"] = FailureStrips(Path(strips_folder), settings, driver)
 
@@ -243,17 +249,18 @@ def _run_task(task: tuple[str, int]) -> dict:
 
 def run_episodes(config: dict, policy_dir: str | None, tasks: list[tuple[str, int]], workers: int, device: str,
                  record: Callable[[dict], None] | None, backbone_config: str | None = None,
-                 strips_folder: Path | None = None, processes=None) -> None:
+                 strips_folder: Path | None = None, processes=None, precision: str | None = None) -> None:
     """Run (scenario, layout seed) `tasks` with the policy at `policy_dir` (None: the expert) in
     `workers` processes, handing each finished episode's result to `record` as it comes; with
-    `strips_folder`, a policy's failures are drawn there (sps_driving.sim.failure_strips).
+    `strips_folder`, a policy's failures are drawn there (sps_driving.sim.failure_strips);
+    `precision` is the extractor's (None: the settings').
 
     With several `processes` (sps_driving.distributed, torchrun; every one calling this with the
     same tasks and its own `device`), each process is one worker: the tasks go round in rounds of
     one per process, and after each round process 0 gets the round's results (only its `record`
     is called; the others may pass None)."""
     threads = int(config.get("eval", {}).get("torch_threads_per_worker", 1))
-    init = (config, policy_dir, device, threads, backbone_config, None if strips_folder is None else str(strips_folder))
+    init = (config, policy_dir, device, threads, backbone_config, None if strips_folder is None else str(strips_folder), precision)
     if processes is not None and processes.world_size > 1:
         _init_worker(*init)
         for start in range(0, len(tasks), processes.world_size):

@@ -36,11 +36,15 @@ from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
 from sps_driving.sim.world import COLLECTION_SEED_BASE
 
+INT8_SUFFIX = "-int8"  # a method evaluated with --precision int8
+
 
 def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
-             backbone_config: str | None = None, failure_strips: bool = True, processes: Processes | None = None) -> list[dict]:
+             backbone_config: str | None = None, failure_strips: bool = True, processes: Processes | None = None,
+             precision: str | None = None) -> list[dict]:
     """Run the missing episodes of `scenarios` in process, appending each to out/results.jsonl
-    (and, with `failure_strips`, a policy's failures drawn into out/failures/<method>/).
+    (and, with `failure_strips`, a policy's failures drawn into out/failures/<method>/); `precision`
+    is the extractor's (None: the settings'; int8: onnxruntime's int8 graph).
 
     With several `processes` (torchrun), each runs its share of the episodes on its own world
     and `device`; process 0 decides which episodes are missing, records every one's results and
@@ -48,7 +52,7 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
     and the simulator configuration."""
     procs = processes or Processes()
     procs.agree("the evaluation settings, the policy and the simulator configuration",
-                evaluation_agreement(config, settings, scenarios, backbone_config, failure_strips))
+                evaluation_agreement(config, settings, scenarios, backbone_config, failure_strips, precision))
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
     try:
@@ -68,7 +72,7 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
     if procs.world_size > 1:
         procs.log(f"eval: {len(tasks[procs.rank::procs.world_size])} of {len(tasks)} episode(s), device {device}")
     try:
-        run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config, folder, procs)
+        run_episodes(config, settings.policy_dir, tasks, workers, device, record, backbone_config, folder, procs, precision)
     finally:
         if record is not None:
             record.close()
@@ -76,7 +80,7 @@ def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Pa
 
 
 def evaluation_agreement(config: dict, settings: EvalSettings, scenarios: list[str], backbone_config: str | None,
-                         failure_strips: bool) -> dict:
+                         failure_strips: bool, precision: str | None = None) -> dict:
     """What every process of an evaluation must share: the settings, the policy's files (their
     contents: the folder may lie elsewhere on another machine), the simulator configuration and
     the extraction settings file's contents."""
@@ -85,7 +89,7 @@ def evaluation_agreement(config: dict, settings: EvalSettings, scenarios: list[s
     policy = settings.policy_dir
     return {"settings": {**asdict(settings), "policy_dir": None},
             "policy": None if policy is None else file_digest(Path(policy) / CONFIG_FILE, Path(policy) / WEIGHTS_FILE),
-            "scenarios": scenarios, "sim_config": config, "failure_strips": failure_strips,
+            "scenarios": scenarios, "sim_config": config, "failure_strips": failure_strips, "precision": precision,
             "backbone_config": None if backbone_config is None else Path(backbone_config).read_text()}
 
 
@@ -160,6 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes (default 2; under torchrun every process is one worker)")
     parser.add_argument("--device", default="cpu", help="torch device for the extractor and policy")
     parser.add_argument("--backbone-config", help="extraction settings file under the policy's own (e.g. precision: int8)")
+    parser.add_argument("--precision", choices=("fp32", "int8"),
+                        help="in process: the extractor's precision (default the settings', fp32); int8 runs onnxruntime's "
+                             "int8 graph (the README's \"Extraction settings and backends\"), and the method is named with "
+                             "-int8 appended unless --name is given")
     parser.add_argument("--no-failure-strips", dest="failure_strips", action="store_false",
                         help="in process: draw no strip of the frames before each failure (OUT/failures/<method>/)")
     parser.add_argument("--view-width-scale", type=float, default=1.0, metavar="S",
@@ -206,14 +214,17 @@ def run(args) -> int:
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"eval: {exc}") from None
         method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
+        if args.precision == "int8" and not args.name:
+            method += INT8_SUFFIX
         seed = training_seed(policy_config)
         if args.view_width_scale != 1.0:
             _check_wider_view(args.policy, policy_config, args.view_width_scale)
     if args.graph:
         if args.expert:
             raise SystemExit("eval: --graph drives with a policy; the expert runs in process")
-        if args.backbone_config:
-            raise SystemExit("eval: --backbone-config is for the in-process run; --graph takes config/graph.yaml's")
+        if args.backbone_config or args.precision:
+            raise SystemExit("eval: --backbone-config and --precision are for the in-process run; --graph takes "
+                             "config/graph.yaml's")
         if not (math.isfinite(args.real_time_factor) and args.real_time_factor > 0):
             raise SystemExit(f"eval: --real-time-factor must be positive, got {args.real_time_factor}")
         from sps_driving.sim.graph_eval import GRAPH_SUFFIX
@@ -253,7 +264,7 @@ def _run(args, config: dict, settings: EvalSettings, procs: Processes) -> int:
         evaluate_graph(config, settings, args.scenarios, out, args.real_time_factor, args.device)
     else:
         evaluate(config, settings, args.scenarios, out, workers, str(procs.device), args.backbone_config,
-                 args.failure_strips, procs)
+                 args.failure_strips, procs, args.precision)
         if not procs.main:
             return 0
         folder = strips_folder(out, method)

@@ -59,7 +59,8 @@ def method_name(policy_config: dict) -> str:
     """The table column of a policy: No-FM (pixels backbone), I-ViT (the backbone's unmasked patch
     tokens), a patch policy by its rate and window (PP-50-T4, with -shared for a selection shared
     across the window), else by its selection: DA at rate 1.0, e.g. SPS-50 below; a relative_query
-    policy (which reads every variant as its kept tokens) RQ and its rate, e.g. RQ-50."""
+    policy (which reads every variant as its kept tokens) RQ and its rate, e.g. RQ-50; token
+    dropping (extractor tokens kept) appends -TD, e.g. SPS-50-TD."""
     if policy_config.get("architecture") == PATCH_POLICY:  # a column of its own beside SPS at the same rate
         window = policy_config["policy"]
         rate = float(policy_config["selection"]["rate"])
@@ -73,10 +74,12 @@ def method_name(policy_config: dict) -> str:
     variant = str(selection.get("variant", "sps"))
     if policy_config.get("architecture") == "relative_query":
         return f"RQ-{int(round(rate * 100))}"
+    # Token dropping (the ViT on the kept patches only): a column of its own beside the dense one.
+    dropping = "-TD" if (policy_config.get("extractor") or {}).get("tokens") == "kept" else ""
     if rate >= 1.0:
-        return "DA"
+        return "DA" + dropping
     label = {"sps": "SPS", "spps": "SPPS", "mspps": "MSPPS", "threshold": "SPS-v1"}.get(variant, variant.upper())
-    return f"{label}-{int(round(rate * 100))}"
+    return f"{label}-{int(round(rate * 100))}{dropping}"
 
 
 def training_seed(policy_config: dict) -> int | None:

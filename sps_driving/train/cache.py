@@ -25,6 +25,8 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
                                 visible orbital states of every patch (sps_driving.core.orbital)
                                 of m of the shard's frames, for Manifold augmentation in training
         orbital_rows.npy        int32 [m]: which rows of the shard those are, ascending
+        token_groups.npy        int16 [n, N], only in token-dropping caches: which of the frame's
+                                passes computed each patch's descriptor (-1: none, zeros stored)
       shard_00001/ ...       (names are the writer's: FeatureCacheWriter numbers them,
                                 UnitCacheWriter's callers name them by unit; meta.json orders them)
       progress/                 an unfinished UnitCacheWriter cache's plan and finished units
@@ -36,7 +38,11 @@ validation splits by them], position_table (file name or null), state (the state
 absent in caches written before state inputs: their frames' states are unknown), intervention
 (true: the shards hold intervention.npy; absent in older caches, whose frames read as not in
 one), orbital (only in caches with orbital states: offsets_px [[dy, dx] x V], family, every,
-frames), plus anything the writer's caller adds (e.g. extraction counts of dropped frames).
+frames), token_dropping (only in caches of DINOv2 with tokens kept: variant, rate, seed, kept k
+and groups G; each frame's patches were split into G disjoint groups of k, `PatchSelector.groups`,
+and each group computed in one pass of the ViT on CLS and its k patches, so a patch's descriptor
+is the one it has when kept with the rest of its group: training picks one group per frame as its
+selection), plus anything the writer's caller adds (e.g. extraction counts of dropped frames).
 
 All .npy files are plain NumPy format, so `np.load(path, mmap_mode="r")` maps them without a
 copy; `FeatureCache` does that for the descriptors and loads the small arrays into memory.
@@ -122,21 +128,46 @@ def _checked_orbital(orbital, shape: tuple[int, int, int] | None) -> np.ndarray:
     return orbital.astype(np.float16)
 
 
+def _groups_count(meta: dict) -> int | None:
+    """How many patch groups a frame of a token-dropping cache has; None: a dense cache."""
+    dropping = meta.get("token_dropping")
+    return int(dropping["groups"]) if dropping else None
+
+
+def _checked_groups(groups, grid: PatchGrid, count: int | None) -> np.ndarray | None:
+    """A frame's patch groups as a shard stores them (int16 [N]); ValueError for groups a cache of
+    `count` groups (None: dense) cannot store."""
+    if count is None:
+        if groups is not None:
+            raise ValueError("this cache was made without token dropping (meta \"token_dropping\"): it stores no patch groups")
+        return None
+    if groups is None:
+        raise ValueError("a token-dropping cache stores each frame's patch groups: add(..., groups=[N])")
+    groups = np.asarray(groups)
+    if groups.shape != (grid.n,) or not np.issubdtype(groups.dtype, np.integer) or groups.min() < -1 or groups.max() >= count:
+        raise ValueError(f"patch groups must be integers in -1..{count - 1} of shape [{grid.n}], got {groups.dtype} {groups.shape}")
+    return groups.astype(np.int16)
+
+
 class _PendingShard:
     """The frames of the shard being filled: their rows (_frame_row's, each with its source id after
-    the stamp) and, in a cache with orbital states, the states of those frames that have them."""
+    the stamp), in a cache with orbital states the states of those frames that have them, and in a
+    token-dropping cache every frame's patch groups."""
 
-    def __init__(self, orbital_shape: tuple[int, int, int] | None):
+    def __init__(self, orbital_shape: tuple[int, int, int] | None, groups: bool = False):
         self.orbital_shape = orbital_shape
         self.rows: list[tuple] = []
         self.orbital: list[tuple[int, np.ndarray]] = []  # (row in the shard, float16 [V, N, D])
+        self.groups: list[np.ndarray] | None = [] if groups else None
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, row: tuple, source_id: int, orbital: np.ndarray | None) -> None:
+    def add(self, row: tuple, source_id: int, orbital: np.ndarray | None, groups: np.ndarray | None = None) -> None:
         if orbital is not None:
             self.orbital.append((len(self.rows), orbital))
+        if self.groups is not None:
+            self.groups.append(groups)
         self.rows.append((*row[:3], source_id, *row[3:]))
 
     def write(self, directory: Path, name: str) -> dict:
@@ -158,9 +189,12 @@ class _PendingShard:
             states_of_rows = [s for _, s in self.orbital]
             np.save(tmp / "orbital.npy", np.stack(states_of_rows) if rows else np.zeros((0, *self.orbital_shape), np.float16))
             np.save(tmp / "orbital_rows.npy", np.asarray(rows, dtype=np.int32))
+        if self.groups is not None:
+            np.save(tmp / "token_groups.npy", np.stack(self.groups))
         os.replace(tmp, final)
         shard = {"path": name, "frames": len(self.rows)}
         self.rows, self.orbital = [], []
+        self.groups = None if self.groups is None else []
         return shard
 
 
@@ -231,23 +265,27 @@ class FeatureCacheWriter:
         self._has_position_table = position_table is not None
         self._sources: dict[str, int] = {}
         self._shards: list[dict] = []
-        self._pending = _PendingShard(_orbital_shape(self.meta, self.grid, self.dim))
+        self.groups_count = _groups_count(self.meta)
+        self._pending = _PendingShard(_orbital_shape(self.meta, self.grid, self.dim), self.groups_count is not None)
         self._closed = False
         self.frames = 0
         self.orbital_frames = 0
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
-            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None) -> None:
+            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None,
+            groups: np.ndarray | None = None) -> None:
         """One frame; `state` {name: value} of its state inputs, those left out (or NaN) unknown;
         `intervention`: the frame follows a safety driver's override; `orbital`: its patches'
-        visible orbital states [V, N, D] (a cache made with meta "orbital" only)."""
+        visible orbital states [V, N, D] (a cache made with meta "orbital" only); `groups`: its
+        patches' groups [N] (a token-dropping cache, meta "token_dropping", only and always)."""
         row = _frame_row(self.grid.n, self.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
         if orbital is not None:
             orbital = _checked_orbital(orbital, self._pending.orbital_shape)
+        groups = _checked_groups(groups, self.grid, self.groups_count)
         if self._closed:
             raise RuntimeError(f"feature cache {self.directory} is already closed")
         source_id = self._sources.setdefault(str(source), len(self._sources))
-        self._pending.add(row, source_id, orbital)
+        self._pending.add(row, source_id, orbital, groups)
         self.frames += 1
         self.orbital_frames += orbital is not None
         if len(self._pending) == self.shard_size:
@@ -311,6 +349,7 @@ class UnitCacheWriter:
         self.plan_digest = digest(self.plan)
         self._has_position_table = position_table is not None
         self.orbital_shape = _orbital_shape(self.meta, self.grid, self.dim)
+        self.groups_count = _groups_count(self.meta)
         self.processes.first(lambda: self._prepare(overwrite, position_table))
         self.progress.mkdir(parents=True, exist_ok=True)  # on machines that do not share the folder, too
 
@@ -378,15 +417,17 @@ class UnitShards:
         self.shards: list[dict] = []
         self.frames = 0
         self.orbital_frames = 0
-        self._pending = _PendingShard(writer.orbital_shape)
+        self._pending = _PendingShard(writer.orbital_shape, writer.groups_count is not None)
 
     def add(self, descriptors: np.ndarray, steering: float, throttle: float, stamp_ns: int, source: str,
-            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None) -> None:
+            state: dict | None = None, intervention: bool = False, orbital: np.ndarray | None = None,
+            groups: np.ndarray | None = None) -> None:
         w = self.writer
         row = _frame_row(w.grid.n, w.dim, descriptors, steering, throttle, stamp_ns, state, intervention)
         if orbital is not None:
             orbital = _checked_orbital(orbital, w.orbital_shape)
-        self._pending.add(row, w.source_ids[source], orbital)
+        groups = _checked_groups(groups, w.grid, w.groups_count)
+        self._pending.add(row, w.source_ids[source], orbital, groups)
         self.frames += 1
         self.orbital_frames += orbital is not None
         if len(self._pending) == w.shard_size:
@@ -421,8 +462,9 @@ def _read_cache(directory: Path) -> dict:
     stored_state = list(meta.get("state", []))
     has_intervention = bool(meta.get("intervention"))
     orbital_views = len(meta["orbital"]["offsets_px"]) if meta.get("orbital") else 0
+    has_groups = bool(meta.get("token_dropping"))
     part = {"meta": meta, "descriptors": [], "targets": [], "stamps": [], "source_ids": [], "state": [], "intervention": [],
-            "orbital": []}
+            "orbital": [], "groups": []}
     for shard in meta["shards"]:
         path = directory / shard["path"]
         n = int(shard["frames"])
@@ -434,6 +476,7 @@ def _read_cache(directory: Path) -> dict:
             ("sources", (n,), np.int32),
             *((("state", (n, len(stored_state)), np.float32),) if stored_state else ()),
             *((("intervention", (n,), np.bool_),) if has_intervention else ()),
+            *((("token_groups", (n, grid_n), np.int16),) if has_groups else ()),
         ):
             file = path / f"{name}.npy"
             try:
@@ -455,12 +498,15 @@ def _read_cache(directory: Path) -> dict:
                 state[:, STATE_NAMES.index(name)] = arrays["state"][:, column]
         part["state"].append(state)
         part["intervention"].append(arrays["intervention"] if has_intervention else np.zeros(n, dtype=bool))
+        if has_groups:
+            part["groups"].append(arrays["token_groups"])
         part["orbital"].append(_read_orbital(path, n, (orbital_views, grid_n, int(meta["descriptor_dim"])))
                                if orbital_views else None)
     empty = {"targets": np.zeros((0, 2), np.float32), "stamps": np.zeros(0, np.int64), "source_ids": np.zeros(0, np.int32),
              "state": np.zeros((0, len(STATE_NAMES)), np.float32), "intervention": np.zeros(0, dtype=bool)}
     for key, default in empty.items():
         part[key] = np.concatenate(part[key]) if part[key] else default
+    part["groups"] = np.concatenate(part["groups"]) if part["groups"] else np.zeros((0, grid_n), np.int16)
     if len(part["targets"]) != int(meta["frames"]):
         raise ValueError(f"{directory / META_FILE} says {meta['frames']} frames, its shards hold {len(part['targets'])}")
     ids = part["source_ids"]
@@ -486,9 +532,10 @@ def _read_orbital(path: Path, frames: int, shape: tuple[int, int, int]) -> tuple
 
 def _compared(meta: dict, key: str):
     """What must agree between caches read as one: meta[key], the extractor record with roi null
-    (the whole frame) where it has none, as every cache made before the setting existed."""
+    (the whole frame) and tokens all (dense) where it has none, as every cache made before the
+    setting existed."""
     value = meta.get(key)
-    return {"roi": None, **value} if key == "extractor" and isinstance(value, dict) else value
+    return {"roi": None, "tokens": "all", **value} if key == "extractor" and isinstance(value, dict) else value
 
 
 class FeatureCache:
@@ -510,7 +557,7 @@ class FeatureCache:
         parts = [_read_cache(d) for d in self.directories]
         self.meta = dict(parts[0]["meta"])
         for d, part in zip(self.directories[1:], parts[1:]):
-            mismatched = [k for k in ("backbone", "extractor", "grid", "descriptor_dim")
+            mismatched = [k for k in ("backbone", "extractor", "grid", "descriptor_dim", "token_dropping")
                           if _compared(part["meta"], k) != _compared(self.meta, k)]
             if mismatched:
                 raise ValueError(f"feature caches {self.directory} and {d} differ in {mismatched}: they cannot train one policy")
@@ -530,6 +577,9 @@ class FeatureCache:
         self.stamps = np.concatenate([part["stamps"] for part in parts])
         self.state = np.concatenate([part["state"] for part in parts])  # float32 [frames, len(STATE_NAMES)], NaN = unknown
         self.intervention = np.concatenate([part["intervention"] for part in parts])  # bool [frames]: after an override
+        # Token dropping (meta token_dropping): int16 [frames, N], the pass that computed each patch (-1: none).
+        self.token_dropping = self.meta.get("token_dropping")
+        self.token_groups = np.concatenate([part["groups"] for part in parts]) if self.token_dropping else None
         self.source_ids = np.concatenate([part["source_ids"] + offset for part, offset in zip(parts, offsets)]).astype(np.int32)
         sizes = [len(s) for s in self._shards]
         self._starts = np.cumsum([0] + sizes)[:-1]

@@ -20,7 +20,14 @@ trainer decides which state its policy needs, and the counts say how many frames
 
 Every frame's descriptors are computed for all patches (rate 1.0) by the configured backbone and
 written to the feature cache (docs/feature_cache.md), with the input's name as the frame's
-source. A frame that cannot be used (undecodable image, no command in tolerance, non-finite
+source. With token dropping (DINOv2 with tokens kept, `--keep-rate R`), a descriptor depends on
+which patches were kept with it: each frame's patches are split into floor(N / k) disjoint
+groups of k = ceil(R N) (`PatchSelector.groups` of selection seed `--selection-seed`: group 0 is
+what that selection keeps at the frame's stamp), each group computed in one pass, and the cache
+records the groups, of which training picks one per frame as its selection (meta
+"token_dropping"; the N mod k patches left over are stored as zeros in no group).
+
+A frame that cannot be used (undecodable image, no command in tolerance, non-finite
 label or descriptors, and for car labels the reasons of car_labels.DROP_REASONS) is skipped and
 counted by reason; the counts go to meta.json ("counts") with, per input, where its labels came
 from and by which rules ("labels"), and to the summary printed at the end.
@@ -321,12 +328,14 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
 
 def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
             settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None,
-            processes: Processes | None = None, orbital_every: int = 0) -> dict:
+            processes: Processes | None = None, orbital_every: int = 0, groups=None) -> dict:
     """Write a feature cache at `out` from `inputs`; returns per-input counts (written, dropped by
     reason; written_intervention: frames after an override). Car labels use the steering ratio of
     `params_file` (config/graph.yaml by default: the vehicle interface's). orbital_every K > 0:
     every K-th written frame of each unit (its shard's rows 0, K, 2K, ...) also stores its patches'
-    visible orbital states.
+    visible orbital states. `groups` (a PatchSelector of an exact-count variant, for an extractor
+    that drops tokens): each frame's patches in its groups, each group computed in one pass
+    (module docstring).
 
     The work is split into units of settings.shard_size consecutive camera frames of one input,
     each written to a shard of its own (shard_IIIII_CCCCC: input I, unit C): with several
@@ -350,6 +359,14 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
         "descriptor_dim": int(extractor.dim),
         "inputs": [str(p) for p in inputs],
     }
+    if getattr(extractor, "drops_tokens", False) != (groups is not None):
+        raise ValueError("an extractor that drops tokens (tokens kept) needs the keep-rate of the patch groups it computes "
+                         "(--keep-rate), and only such an extractor takes one")
+    if groups is not None:
+        if orbital_every:
+            raise ValueError("orbital states are dense descriptors of shifted inputs; a token-dropping cache cannot hold them")
+        meta["token_dropping"] = {**groups.config.to_dict(), "kept": groups.count, "groups": groups.grid.n // groups.count}
+        del meta["token_dropping"]["keep_probability"]
     orbital = None
     if orbital_every:
         from sps_driving.core.orbital import visible_reader
@@ -403,7 +420,8 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
             for frame in stretch.next(None if c == last_unit[i] else size):
                 # The unit's own written frames pick those with orbital states: the same whichever process writes it.
                 wants_orbital = orbital is not None and shards.frames % orbital_every == 0
-                _count_frame(shards, extractor, frame, all_patches, sources[i], counts, orbital if wants_orbital else None)
+                _count_frame(shards, extractor, frame, all_patches, sources[i], counts, orbital if wants_orbital else None,
+                             groups)
                 seen += 1
                 if procs.world_size == 1:
                     bar.update(1)
@@ -463,16 +481,17 @@ def extraction_plan(meta: dict, settings: ExtractSettings, steering_ratio: float
     descriptor_settings = {key: value for key, value in meta["extractor"].items() if key in (*DESCRIPTOR_KEYS, "precision", "dtype")}
     return {"backbone": meta["backbone"], "grid": meta["grid"], "descriptor_dim": meta["descriptor_dim"],
             "extractor": descriptor_settings, "settings": asdict(settings), "steering_ratio": steering_ratio,
-            "orbital": meta.get("orbital"),
+            "orbital": meta.get("orbital"), "token_dropping": meta.get("token_dropping"),
             "inputs": [{"source": s, "kind": k, "frames": t} for s, k, t in zip(sources, kinds, totals)]}
 
 
 def _count_frame(writer, extractor, frame: LabelledFrame, patches: np.ndarray, source: str, counts: Counter,
-                 orbital=None) -> None:
-    """Store `frame` (with its orbital states when an OrbitalReader `orbital` is given) unless it
-    was dropped already, counting it as written or by its drop reason."""
+                 orbital=None, groups=None) -> None:
+    """Store `frame` (with its orbital states when an OrbitalReader `orbital` is given; in its
+    patch groups when a PatchSelector `groups` is) unless it was dropped already, counting it as
+    written or by its drop reason."""
     if frame.drop_reason is None:
-        frame.drop_reason = _add_frame(writer, extractor, frame, patches, source, orbital)
+        frame.drop_reason = _add_frame(writer, extractor, frame, patches, source, orbital, groups)
     counts[frame.drop_reason or "written"] += 1
     if frame.drop_reason is None:
         for name in STATE_INPUTS:
@@ -483,27 +502,35 @@ def _count_frame(writer, extractor, frame: LabelledFrame, patches: np.ndarray, s
 
 
 def _add_frame(writer: UnitShards, extractor, frame: LabelledFrame, patches: np.ndarray, source: str,
-               orbital=None) -> str | None:
+               orbital=None, groups=None) -> str | None:
     """Extract and store one frame (with its orbital states when an OrbitalReader `orbital` is
-    given); returns the drop reason, or None when written."""
+    given; group by group when a PatchSelector `groups` is); returns the drop reason, or None when written."""
     try:
-        descriptors = extractor.descriptors(extractor.encode(frame.rgb), patches)
+        encoded = extractor.encode(frame.rgb)
+        if groups is None:
+            descriptors, frame_groups = extractor.descriptors(encoded, patches), None
+        else:
+            frame_groups = groups.groups(frame.stamp_ns)
+            descriptors = np.zeros((len(patches), extractor.dim), np.float32)  # the patches in no group stay zeros
+            for group in range(groups.grid.n // groups.count):
+                kept = np.flatnonzero(frame_groups == group)
+                descriptors[kept] = extractor.descriptors(encoded, kept)
         states = orbital.read(frame.rgb)[orbital.families[0]] if orbital is not None else None
     except ValueError:  # the extractor's ImageError and input checks
         return "undecodable_image"
     try:
         writer.add(descriptors, frame.steering, frame.throttle, frame.stamp_ns, source, frame.state, frame.intervention,
-                   orbital=states)
+                   orbital=states, groups=frame_groups)
     except ValueError:
         return "invalid_descriptors_or_label"
     return None
 
 
 def extraction_settings_from_args(args):
-    """--backbone, --model-path, --device over --extractor-config over config/extraction.yaml."""
+    """--backbone, --model-path, --device, --precision over --extractor-config over config/extraction.yaml."""
     from sps_driving.extractors import extraction_settings
 
-    options = {key: getattr(args, key) for key in ("backbone", "model_path", "device")}
+    options = {key: getattr(args, key) for key in ("backbone", "model_path", "device", "precision")}
     return extraction_settings(options, config_file=args.extractor_config, parameter_source="option")
 
 
@@ -517,12 +544,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backbone", help="backbone name (overrides the extractor config)")
     parser.add_argument("--model-path", help="local weights for the backbone (overrides the extractor config)")
     parser.add_argument("--device", help="cpu, cuda, ... (overrides the extractor config)")
+    parser.add_argument("--precision", choices=("fp32", "int8"),
+                        help="int8: onnxruntime's int8 graph (overrides the extractor config; the cache records it)")
     parser.add_argument("--camera-topic", help="camera topic in bags (default from --config)")
     parser.add_argument("--command-topic", help="reference command topic in bags (default from --config)")
     parser.add_argument("--labels", choices=LABEL_SOURCES, dest="label_source",
                         help="where bag labels come from: the reference command, the car's PACMod 3 reports, or auto "
                              "(the first the bag has; default from --config)")
     parser.add_argument("--params", type=Path, help="graph parameters file with the car's steering_ratio (default: config/graph.yaml)")
+    parser.add_argument("--keep-rate", type=float, metavar="R",
+                        help="token dropping (tokens kept) only: each frame's patches in groups of k = ceil(R N), each computed "
+                             "in one pass, for policies trained at selection rate R (sps, spps)")
+    parser.add_argument("--selection-seed", type=int, default=0,
+                        help="--keep-rate: the selection seed whose draw at each frame's stamp splits the patches (default 0)")
     parser.add_argument("--orbital-every", type=int, default=0, metavar="K",
                         help="also store the visible orbital states of every K-th written frame of each unit (DINOv2; for "
                              "`train --orbital-fraction`; about 16x a frame's descriptors each); 0: none (default)")
@@ -555,8 +589,13 @@ def run(args) -> int:
         opened = open_extractor(replace(extraction, config={**extraction.config, "device": str(procs.device)}))
         extractor = opened.extractor
         print(opened.describe()) if procs.main else procs.log(opened.describe())
+        groups = None
+        if args.keep_rate is not None:
+            from sps_driving.core.selection import PatchSelector, SelectionConfig
+
+            groups = PatchSelector(SelectionConfig("sps", args.keep_rate, args.selection_seed), extractor.grid)
         report = extract(args.inputs, args.out, extractor, extraction.config, settings, args.overwrite, args.params, procs,
-                         args.orbital_every)
+                         args.orbital_every, groups)
     except (OSError, ValueError) as error:  # bad settings or inputs, missing weights, existing output, disagreeing processes
         print(f"error: {error}", file=sys.stderr)
         return 2

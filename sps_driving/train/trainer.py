@@ -16,7 +16,13 @@ with a loss on every readout (sps_driving.train.windows).
 
 Validation is deterministic: each validation frame's selection is the replayable one decided by
 the selection seed and the frame's stamp (what the car would select), so a saved checkpoint
-reproduces its recorded validation loss. The split holds out whole sources (episodes / bags) when
+reproduces its recorded validation loss.
+
+A token-dropping cache (meta token_dropping: DINOv2 with tokens kept, `extract --keep-rate R`)
+holds each patch's descriptor as computed with its group of k kept patches: a policy trains on it
+at selection rate R (sps or spps), each frame's selection in each epoch one of its groups drawn
+at random, and validation reads group 0, which is the extraction's selection seed's choice at the
+frame's stamp (`CacheSelection`). The split holds out whole sources (episodes / bags) when
 the cache has several, else the last frames in time.
 
 Outputs (only process 0 writes):
@@ -292,6 +298,35 @@ def criterion(squared_errors, count: int, scale) -> float:
     return float(np.dot(np.asarray(scale, dtype=np.float64), np.asarray(squared_errors, dtype=np.float64))) / (2 * count)
 
 
+class CacheSelection:
+    """The kept patches [B, N] of cache frames: from a dense cache the selector's (fresh draws for
+    training, the replayable per-stamp selection for validation); from a token-dropping cache the
+    groups its passes computed (a group of each frame drawn for training, group 0 for validation)."""
+
+    def __init__(self, cache: FeatureCache, selector: PatchSelector):
+        self.cache, self.selector = cache, selector
+        dropping = cache.token_dropping
+        if dropping and not (selector.exact_count and selector.count == int(dropping["kept"])):
+            raise ValueError(
+                f"cache {cache.name} holds token-dropped descriptors, each computed with {dropping['kept']} of "
+                f"{cache.grid.n} patches kept (rate {dropping['rate']:g}): train a policy of selection rate "
+                f"{dropping['rate']:g} (variant sps or spps) on it, not {selector.config.variant} at rate {selector.config.rate:g}"
+            )
+
+    def training(self, index: torch.Tensor, generator: torch.Generator, device) -> torch.Tensor:
+        if self.cache.token_groups is None:
+            return self.selector.sample_masks(len(index), generator, device)
+        groups = torch.from_numpy(self.cache.token_groups[np.asarray(index)].astype(np.int64)).to(device)
+        count = int(self.cache.token_dropping["groups"])
+        chosen = torch.randint(count, (len(index), 1), generator=generator, device=generator.device).to(device)
+        return groups == chosen
+
+    def validation(self, frames: np.ndarray, device) -> torch.Tensor:
+        if self.cache.token_groups is None:
+            return torch.from_numpy(self.selector.stamp_masks(self.cache.stamps[frames])).to(device)
+        return torch.from_numpy(self.cache.token_groups[frames] == 0).to(device)
+
+
 class SelectedPolicy(nn.Module):
     """Selection applied to dense grids inside forward(), so DistributedDataParallel can wrap it."""
 
@@ -313,10 +348,11 @@ def validation_errors(policy: nn.Module, cache: FeatureCache, frames: np.ndarray
     policy.eval()
     total = np.zeros(2)
     states = cache.state_values(state_names) if state_names else None
+    selection = CacheSelection(cache, selector)
     for start in range(0, len(frames), batch_size):
         batch = frames[start:start + batch_size]
         grids = torch.from_numpy(cache.descriptors(batch)).to(device)
-        keep = torch.from_numpy(selector.stamp_masks(cache.stamps[batch])).to(device)
+        keep = selection.validation(batch, device)
         target = torch.from_numpy(cache.targets[batch]).to(device)
         state = None if states is None else torch.from_numpy(states[batch]).to(device)
         total += ((policy.forward_selected(grids, keep, state) - target) ** 2).double().sum(dim=0).cpu().numpy()
@@ -414,6 +450,7 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
         "training": {
             "cache": _resolved_caches(cfg.cache),
             "cache_frames": len(cache),
+            **({"token_dropping": cache.token_dropping} if cache.token_dropping else {}),
             "sources": cache.sources,
             "split": split,
             "loss": "L2 (weighted mean squared error of steering, throttle, each over its training-target variance)",
@@ -541,6 +578,10 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
                    f"(|steering| > {max_steer} rad or |throttle| > 1); the policy cannot reach them")
 
     selector = policy_selector(config, cache.grid)
+    selection = CacheSelection(cache, selector)
+    if cache.token_dropping and isinstance(policy, PatchPolicy):
+        raise ValueError(f"cache {cache.name} holds token-dropped descriptors; the patch policy's windows draw their own "
+                         "selections of dense grids: train it on a dense cache")
     # A patch policy trains on windows of frames (sps_driving.train.windows).
     windows = TrainingWindows(cache, policy, selector, state_names) if isinstance(policy, PatchPolicy) else None
     dataset = cache.dataset(train_idx) if windows is None else windows.dataset(train_idx)
@@ -576,7 +617,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
                     grids = descriptor_transform(grids, generator)
                 if augmenter is not None:
                     grids = augmenter(grids, index, generator)
-                keep = selector.sample_masks(len(grids), generator, procs.device)
+                keep = selection.training(index, generator, procs.device)
                 loss = (l2_loss(model(grids, keep, frame_states), target, weights) * frame_weights[index].to(procs.device)).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

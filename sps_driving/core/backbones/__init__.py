@@ -13,9 +13,10 @@ file) and what "auto" runs. The keys and their defaults (with units) are in conf
   (`torch_only_reason`: resolved here); for masked DINOv2 it is chosen by
   sps_driving.extractors.open_extractor, which can export the model on first use (core loads
   what exists, it never builds);
-- DINOv2: model_path, input_size, roi, masked_layer, falloff, alpha, suppression,
+- DINOv2: model_path, input_size, roi, tokens, masked_layer, falloff, alpha, suppression,
   memory_budget_mb, device, dtype; falloff "none" (UNMASKED_FALLOFF) is the I-ViT baseline,
   reading the ViT's output tokens or (ivit_facet, ivit_layer) a block's keys, queries or values;
+  tokens "kept" (KEPT_TOKENS, token dropping) runs the ViT on CLS and the kept patches only;
 - pixels: input_size, roi, pixel_pool (backend torch only: there is no model to export);
 - every backbone: roi, the region of the frame that is resized to the backbone's input (null:
   the whole frame; sps_driving.core.image, where every backend's preprocessing crops it).
@@ -43,7 +44,7 @@ AUTO = "auto"  # the backend chosen for the machine and the model (see the modul
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 PRECISIONS = ("fp32", "int8")  # int8: onnxruntime's dynamic quantization of the backbone graph
 # What a descriptor is: a policy's checkpoint records these, and a policy must get them exactly.
-DESCRIPTOR_KEYS = ("backbone", "input_size", "roi", "masked_layer", "falloff", "ivit_facet", "ivit_layer", "alpha",
+DESCRIPTOR_KEYS = ("backbone", "input_size", "roi", "tokens", "masked_layer", "falloff", "ivit_facet", "ivit_layer", "alpha",
                    "suppression", "pixel_pool", "dim", "cls_mask")  # dim, cls_mask: BLIP-2's
 # Where the same weights are on this machine: the checkpoint's record unless given here.
 WEIGHTS_KEYS = ("model_path", "head_path")  # head_path: BLIP-2's
@@ -52,6 +53,10 @@ TORCH_PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  #
 CONFIG_NAME = "extraction.yaml"
 # The DINOv2-style keys the pixels backbone uses; the file's other keys do not apply to it.
 PIXELS_KEYS = ("input_size", "roi", "pixel_pool")
+# Which tokens DINOv2 runs on (config tokens): every patch's (dense), or CLS and the kept patches' only
+# (token dropping: a frame at keep-rate r costs about r of the dense one; descriptors depend on the kept set).
+TOKEN_MODES = ("all", "kept")
+ALL_TOKENS, KEPT_TOKENS = TOKEN_MODES
 # DINOv2 falloff without any mask: the ViT's own output tokens (the I-ViT baseline).
 UNMASKED_FALLOFF = "none"
 # What falloff none reads of each patch (config ivit_facet): the output token, or a block's key, query or value.
@@ -109,6 +114,13 @@ def resolve_config(config: Mapping | str | Path | None = None) -> dict:
         falloffs = (*FALLOFFS, UNMASKED_FALLOFF)
         if resolved["falloff"] not in falloffs:
             raise ValueError(f"unknown mask falloff {resolved['falloff']!r}; expected one of {falloffs}")
+        if resolved["tokens"] not in TOKEN_MODES:
+            raise ValueError(f"unknown tokens {resolved['tokens']!r}; expected one of {TOKEN_MODES}")
+        if resolved["tokens"] == KEPT_TOKENS and resolved["backbone"] == "pixels":
+            raise ValueError("tokens kept (token dropping) runs a ViT on the kept patches; the pixels backbone has none")
+        if resolved["tokens"] == KEPT_TOKENS and resolved["falloff"] == UNMASKED_FALLOFF:
+            raise ValueError("tokens kept (token dropping) computes masked descriptors of the kept patches; falloff none "
+                             "(I-ViT) reads the ViT's own tokens of a full pass: use a masked falloff (hard | exp2 | inverse)")
     if "roi" in resolved:  # BLIP-2 without one: its own default (the whole frame)
         resolved["roi"] = check_roi(resolved["roi"])
     if resolved["backend"] == AUTO and torch_only_reason(resolved):
@@ -117,6 +129,8 @@ def resolve_config(config: Mapping | str | Path | None = None) -> dict:
         raise ValueError(f"precision int8 runs on onnxruntime only, not on backend {resolved['backend']}"
                          + (f" ({torch_only_reason(resolved)})" if torch_only_reason(resolved) else ""))
     if resolved["backbone"] == "blip2":
+        if resolved.get("tokens", ALL_TOKENS) != ALL_TOKENS:
+            raise ValueError("tokens kept (token dropping) is DINOv2's; BLIP-2 computes every image token")
         return resolved
     if resolved["backbone"] == "pixels":
         if resolved["backend"] != "torch":

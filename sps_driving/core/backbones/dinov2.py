@@ -25,7 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sps_driving.core.backbones import IVIT_FACETS, UNMASKED_FALLOFF, patch_indices, resolve_device
+from sps_driving.core.backbones import (
+    ALL_TOKENS,
+    IVIT_FACETS,
+    KEPT_TOKENS,
+    TOKEN_MODES,
+    UNMASKED_FALLOFF,
+    patch_indices,
+    resolve_device,
+)
 from sps_driving.core.backbones.fp32_norm import layer_norm_fp32
 from sps_driving.core.backbones.vit_masked import MaskedViT, block_forward, resolve_dtype
 from sps_driving.core.grid import FALLOFFS, PatchGrid
@@ -160,7 +168,8 @@ def load_dinov2(model_path: str | Path | None = None):
 @dataclass
 class DinoV2State:
     """One encoded frame: the hidden states [1, 1 + N, D] entering the masked layer; with falloff
-    none, the final tokens after the final LayerNorm or the ivit facet of every token."""
+    none, the final tokens after the final LayerNorm or the ivit facet of every token; with tokens
+    kept, the embedded tokens (position embeddings added) that descriptors() gathers the kept ones of."""
 
     hidden: torch.Tensor
 
@@ -179,6 +188,11 @@ class DinoV2Extractor:
     after the final LayerNorm (token: Dinov2Model's last_hidden_state) or token j's key, query or
     value in block `ivit_layer` (all heads, from the block's normalized input; the blocks after it
     are not run); masked_layer, alpha, suppression and memory_budget_mb are then ignored.
+
+    tokens "kept" (token dropping): encode() only embeds the frame, and descriptors(state, indices)
+    runs every layer on CLS and the `indices` patches alone (MaskedViT.kept_descriptors): the
+    descriptors of one call depend on which patches it was given, so a caller asks for the kept
+    patches of a frame in one call; at every patch (rate 1.0) they are the dense descriptors.
     """
 
     name = "dinov2_vits14"
@@ -197,6 +211,7 @@ class DinoV2Extractor:
         memory_budget_mb: float = 256.0,
         device: str = "cpu",
         dtype: str = "float32",
+        tokens: str = ALL_TOKENS,
     ):
         patch = model.config.patch_size
         height, width = (int(s) for s in input_size)
@@ -218,6 +233,11 @@ class DinoV2Extractor:
         if not -blocks <= int(ivit_layer) < blocks:
             raise ValueError(f"ivit_layer must index one of the {blocks} blocks (-{blocks}..{blocks - 1}), got {ivit_layer}")
         self.ivit_facet, self.ivit_layer = ivit_facet, int(ivit_layer) % blocks
+        if tokens not in TOKEN_MODES:
+            raise ValueError(f"unknown tokens {tokens!r}; expected one of {TOKEN_MODES}")
+        if tokens == KEPT_TOKENS and self.unmasked:
+            raise ValueError("tokens kept (token dropping) needs a masked falloff (hard | exp2 | inverse), not none")
+        self.tokens = tokens
         self._encoder = None if self.unmasked else MaskedViT(
             layers=list(self.model.encoder.layer),
             final_norm=self.model.layernorm,
@@ -233,6 +253,10 @@ class DinoV2Extractor:
     @property
     def unmasked(self) -> bool:
         return self.falloff == UNMASKED_FALLOFF
+
+    @property
+    def drops_tokens(self) -> bool:
+        return self.tokens == KEPT_TOKENS
 
     @property
     def encoder(self) -> MaskedViT:
@@ -261,6 +285,7 @@ class DinoV2Extractor:
             memory_budget_mb=config["memory_budget_mb"],
             device=config["device"],
             dtype=config["dtype"],
+            tokens=config.get("tokens", ALL_TOKENS),
         )
 
     def preprocess(self, image_rgb: np.ndarray) -> torch.Tensor:
@@ -277,6 +302,8 @@ class DinoV2Extractor:
         """encode() from normalized pixel values [B, 3, H_in, W_in] (preprocess()'s output, or B
         views of it): the state holds B rows; descriptors() takes one row at a time."""
         tokens = self.model.embeddings(pixels)
+        if self.drops_tokens:
+            return DinoV2State(hidden=tokens)
         if not self.unmasked:
             return DinoV2State(hidden=self.encoder.prefix(tokens))
         if self.ivit_facet == "token":
@@ -295,6 +322,8 @@ class DinoV2Extractor:
         of an encoded state of B rows, or with falloff none its descriptors (ivit_facet); a masked
         extractor runs its masked layer and those after it unmasked."""
         hidden = state.hidden
+        if self.drops_tokens:  # the embedded frame: the layers before the masked one first
+            hidden = self.encoder.prefix(hidden)
         if not self.unmasked:
             for layer in self.model.encoder.layer[self.encoder.masked_layer:]:
                 hidden = block_forward(layer, hidden)
@@ -303,6 +332,8 @@ class DinoV2Extractor:
 
     @torch.inference_mode()
     def descriptors(self, state: DinoV2State, indices: np.ndarray) -> np.ndarray:
+        if self.drops_tokens:
+            return self.encoder.kept_descriptors(state.hidden, indices).float().cpu().numpy()
         if not self.unmasked:
             return self.encoder.descriptors(state.hidden, indices).float().cpu().numpy()
         tokens = torch.from_numpy(1 + patch_indices(indices, self.grid.n)).to(state.hidden.device)  # after CLS

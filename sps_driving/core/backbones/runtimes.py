@@ -9,13 +9,15 @@ and model hash. onnxruntime(-gpu) and tensorrt are optional: imported only when 
 
 Config keys (beside backbone and backend): export_dir (default: this model's entry in the export
 cache, `cached_export_dir`), cache_dir, device ("auto" | "cpu" | "cuda"; onnxruntime picks
-CUDAExecutionProvider when available), precision ("int8": the backbone graph quantized by
-`sps-driving export int8`, onnxruntime only), threads (onnxruntime's intra-op threads; None = the
+CUDAExecutionProvider when available), precision ("int8": the graph with the ViT's layers
+quantized by `sps-driving export int8`, onnxruntime only: `quantized_graph`), threads (onnxruntime's intra-op threads; None = the
 cores this process may use), max_patch_batch (patches per call; TensorRT: at most the engine
 profile's maximum), the mask settings falloff, alpha, suppression (default: the values at
 export time), and roi: the frame's region of interest is cropped in the numpy preprocessing
 before the backbone graph, so one export serves every roi (it is not an export key) and a
-runtime applies the roi of the config it is opened with (None: the whole frame).
+runtime applies the roi of the config it is opened with (None: the whole frame). tokens ("all" |
+"kept") must be the export's own (export.json "vit_tokens"): a token-dropping export runs a frame's
+kept patches in one per-patch call (sps_driving/export/onnx_export.py).
 
 The export cache holds one folder per DINOv2 model file (its sha256), export settings and the
 versions that make an export and check it (CACHE_FORMAT, torch, onnxruntime). A folder appears
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sps_driving.core.backbones import UNMASKED_FALLOFF
+from sps_driving.core.backbones import ALL_TOKENS, KEPT_TOKENS, UNMASKED_FALLOFF
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.image import check_roi, normalized_pixels
 
@@ -43,15 +45,17 @@ META_FILE = "export.json"
 BACKBONE_FILE = "backbone.onnx"
 BACKBONE_INT8_FILE = "backbone.int8.onnx"
 PATCHES_FILE = "patches.onnx"
+PATCHES_INT8_FILE = "patches.int8.onnx"
+INT8_FILES = {BACKBONE_FILE: BACKBONE_INT8_FILE, PATCHES_FILE: PATCHES_INT8_FILE}
 POSITION_FILE = "position_table.npy"
 PARITY_FILE = "parity.json"  # {"max_abs_diff", "tolerance", "ok", ...}: the export against torch fp32
 ENGINE_DIR = "engines"
 DEFAULT_MAX_PATCH_BATCH = 256  # patches per per-patch call (the full 16x16 grid)
 CACHE_VARIABLE = "SPS_DRIVING_CACHE_DIR"
-CACHE_FORMAT = 1  # raise when the export or its parity check changes: older cache entries are then not used
+CACHE_FORMAT = 2  # raise when the export or its parity check changes: older cache entries are then not used
 # The settings an export is made and checked with (the mask is an input, but parity was checked at these);
 # roi is not one: the crop comes before the graph.
-EXPORT_KEYS = ("input_size", "masked_layer", "falloff", "alpha", "suppression")
+EXPORT_KEYS = ("input_size", "tokens", "masked_layer", "falloff", "alpha", "suppression")
 
 
 class RuntimeMissing(FileNotFoundError):
@@ -128,6 +132,17 @@ def read_export(export_dir: str | Path, config: dict) -> dict:
     return json.loads(meta_path.read_text())
 
 
+def export_tokens(meta: dict) -> str:
+    """Which tokens an export runs its ViT on (exports from before token dropping: all)."""
+    return meta.get("vit_tokens", ALL_TOKENS)
+
+
+def quantized_graph(meta: dict) -> str:
+    """The graph that precision int8 quantizes: the one with the ViT's layers (dense: the backbone
+    graph, every layer before the masked one; token dropping: the per-patch graph, every layer)."""
+    return PATCHES_FILE if export_tokens(meta) == KEPT_TOKENS else BACKBONE_FILE
+
+
 def available_threads() -> int:
     """CPU cores this process may run on."""
     try:
@@ -152,6 +167,11 @@ class ExportedExtractor:
             )
         self.export_dir = Path(export_dir)
         self.meta = read_export(self.export_dir, config)
+        self.tokens = export_tokens(self.meta)
+        wanted = config.get("tokens", ALL_TOKENS)
+        if wanted != self.tokens:
+            raise ValueError(f"the export in {self.export_dir}/ runs its ViT on tokens {self.tokens!r}, the settings ask for "
+                             f"tokens {wanted!r}: export it with those settings ({export_command(config)} --tokens {wanted})")
         self.name = self.meta["name"]
         self.grid = PatchGrid(*self.meta["grid"])
         self.dim = int(self.meta["dim"])
@@ -178,12 +198,19 @@ class ExportedExtractor:
         values = {"tokens": frame.tokens, "bias": bias, "patch_index": indices}
         return {name: values[name] for name in self.meta["patch_inputs"]}
 
+    @property
+    def drops_tokens(self) -> bool:
+        return self.tokens == KEPT_TOKENS
+
     def descriptors(self, state: ExportedFrame, indices: np.ndarray) -> np.ndarray:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-        out = [
-            self.run_patches(self.patch_inputs(state, indices[i : i + self.max_patch_batch]))
-            for i in range(0, len(indices), self.max_patch_batch)
-        ]
+        if self.drops_tokens:  # the kept patches are one sequence: one call
+            if len(np.unique(indices)) != len(indices):
+                raise ValueError("token dropping needs distinct patch indices: a repeated token would weigh twice in attention")
+            batches = [indices] if len(indices) else []
+        else:
+            batches = [indices[i : i + self.max_patch_batch] for i in range(0, len(indices), self.max_patch_batch)]
+        out = [self.run_patches(self.patch_inputs(state, batch)) for batch in batches]
         if not out:
             return np.zeros((0, self.dim), np.float32)
         result = np.concatenate(out).astype(np.float32, copy=False)
@@ -196,6 +223,23 @@ class ExportedExtractor:
 
     def run_patches(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         raise NotImplementedError
+
+
+def session_options(threads: int):
+    """The onnxruntime session options the extractor runs with (the GEMM peak is measured with them too)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # suppressed tokens (finite r) leave subnormal probabilities, which are very slow on CPUs
+    options.add_session_config_entry("session.set_denormal_as_zero", "1")
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1  # the graphs are one chain of ops: nothing runs beside it
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Idle pool threads sleep instead of busy-waiting for the next op or frame: on a few cores
+    # shared with the graph's other processes, spinning threads take the CPU they need.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
 
 
 class OnnxRuntimeExtractor(ExportedExtractor):
@@ -213,30 +257,24 @@ class OnnxRuntimeExtractor(ExportedExtractor):
         elif str(device).startswith("cuda"):
             raise RuntimeMissing("device cuda with backend onnxruntime needs `pip install onnxruntime-gpu`")
         self.precision = config.get("precision") or "fp32"
-        backbone_file = BACKBONE_INT8_FILE if self.precision == "int8" else BACKBONE_FILE
-        if not (self.export_dir / backbone_file).is_file():
-            raise RuntimeMissing(
-                f"no int8 backbone graph in {self.export_dir}/: build it with `sps-driving export int8 --export-dir "
-                f"{self.export_dir}` (sps_driving.extractors.open_extractor builds it on first use)"
-            )
+        files = {BACKBONE_FILE: BACKBONE_FILE, PATCHES_FILE: PATCHES_FILE}
+        if self.precision == "int8":
+            quantized = quantized_graph(self.meta)
+            files[quantized] = INT8_FILES[quantized]
+            if not (self.export_dir / files[quantized]).is_file():
+                raise RuntimeMissing(
+                    f"no int8 graph {files[quantized]} in {self.export_dir}/: build it with `sps-driving export int8 --export-dir "
+                    f"{self.export_dir}` (sps_driving.extractors.open_extractor builds it on first use)"
+                )
         self.threads = int(config.get("threads") or available_threads())
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # suppressed tokens (finite r) leave subnormal probabilities, which are very slow on CPUs
-        options.add_session_config_entry("session.set_denormal_as_zero", "1")
-        options.intra_op_num_threads = self.threads
-        options.inter_op_num_threads = 1  # the graphs are one chain of ops: nothing runs beside it
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        # Idle pool threads sleep instead of busy-waiting for the next op or frame: on a few cores
-        # shared with the graph's other processes, spinning threads take the CPU they need.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = session_options(self.threads)
         # set_denormal_as_zero also switches the thread that creates a session to flush-to-zero,
         # for every float computed there afterwards: the sessions are made and run on a thread
         # of their own, so the caller's arithmetic (a simulation, tests) stays IEEE.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxruntime")
         self.backbone, self.patches = self._thread.submit(lambda: tuple(
             ort.InferenceSession(str(self.export_dir / name), options, providers=providers)
-            for name in (backbone_file, PATCHES_FILE)
+            for name in (files[BACKBONE_FILE], files[PATCHES_FILE])
         )).result()
         self.provider = self.backbone.get_providers()[0]
         self._version = ort.__version__
@@ -280,6 +318,12 @@ class TensorRTExtractor(ExportedExtractor):
             engines[graph] = EngineRunner(path)
         self.backbone, self.patches = engines[BACKBONE_FILE], engines[PATCHES_FILE]
         self.max_patch_batch = min(self.max_patch_batch, self.patches.max_batch("bias"))
+        if self.drops_tokens and self.max_patch_batch < self.grid.n:
+            raise RuntimeMissing(
+                f"the per-patch engine of {self.export_dir} takes at most {self.max_patch_batch} patches, and token dropping "
+                f"runs all of a frame's kept patches (up to {self.grid.n}) in one call: rebuild it with `sps-driving export "
+                f"tensorrt --export-dir {self.export_dir} --force` (its profile then reaches {self.grid.n})"
+            )
         self.fp16 = fp16
 
     def encode(self, image_rgb: np.ndarray) -> ExportedFrame:

@@ -18,6 +18,14 @@ Each piece of work is done once:
   broadcast over a batch of patches, the later layers run batched (chunked to the memory
   budget), and the last layer computes only token j's query row.
 
+Token dropping (`kept_descriptors`, config tokens "kept"): only the prefix tokens and the k kept
+patches' tokens (each with its own position embedding, added before the gather) go through the
+ViT, so every layer costs about k / N of the dense pass. The masked layer then sees the kept tokens
+only: patch j's eq. 1 mask is its dense mask restricted to them, and a neighbour that was dropped
+contributes nothing to j's descriptor (with the hard falloff, j attends to CLS and the kept patches
+within alpha). So a kept patch's descriptor depends on which patches were kept, and differs from
+its dense descriptor; at rate 1.0 (every patch kept) it is the dense descriptor.
+
 Layers run on the weights of the transformers modules (no copy), with LayerNorm and attention
 (softmax included) in fp32 so fp16/bf16 weights stay finite.
 """
@@ -152,25 +160,61 @@ class MaskedViT:
             per_patch = 4 * tokens * (2 * self.heads * tokens + 8 * dim)
         return max(1, int(self.memory_budget_bytes // per_patch))
 
-    def descriptors(self, hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
-        """[k, D] descriptors of patch `indices` (int [k], row-major) from prefix() output [1, T, D]."""
+    def _checked(self, hidden: torch.Tensor, indices: np.ndarray) -> np.ndarray:
+        """indices as int64 [k] after checking them and that `hidden` is one frame's [1, T, D]."""
         indices = np.asarray(indices)
         if indices.ndim != 1 or not (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)):
             raise ValueError(f"patch indices must be a 1-D integer array, got {indices.dtype} {indices.shape}")
         if indices.size and (indices.min() < 0 or indices.max() >= self.grid.n):
             raise ValueError(f"patch indices must lie in [0, {self.grid.n}), got {indices.min()}..{indices.max()}")
-        frames, tokens, dim = hidden.shape
+        frames, tokens, _ = hidden.shape
         if frames != 1 or tokens != self.num_prefix_tokens + self.grid.n:
             raise ValueError(
                 f"expected the hidden states of one frame [1, {self.num_prefix_tokens + self.grid.n}, D], "
                 f"got {list(hidden.shape)}"
             )
-        indices = indices.astype(np.int64)
+        return indices.astype(np.int64)
+
+    def descriptors(self, hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
+        """[k, D] descriptors of patch `indices` (int [k], row-major) from prefix() output [1, T, D]."""
+        indices = self._checked(hidden, indices)
+        _, tokens, dim = hidden.shape
         chunk = self.chunk_size(tokens, dim)
         outputs = [
             self._chunk(hidden, indices[start : start + chunk]) for start in range(0, len(indices), chunk)
         ]
         return torch.cat(outputs) if outputs else hidden.new_zeros(0, dim)
+
+    def kept_descriptors(self, tokens: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
+        """Token dropping: [k, D] descriptors of patch `indices` (distinct, int [k]) from the embedded
+        tokens of one frame [1, T, D] (position embeddings added), with only the prefix tokens and
+        these patches' tokens run through the layers (module docstring)."""
+        indices = self._checked(tokens, indices)
+        if len(np.unique(indices)) != len(indices):
+            raise ValueError("token dropping needs distinct patch indices: a repeated token would weigh twice in attention")
+        dim = tokens.shape[-1]
+        if not len(indices):
+            return tokens.new_zeros(0, dim)
+        kept = torch.from_numpy(np.concatenate([np.arange(self.num_prefix_tokens), indices + self.num_prefix_tokens]))
+        kept = kept.to(tokens.device)
+        hidden = self.prefix(tokens[:, kept])
+        bias = self.mask_bias(indices, tokens.device)[:, kept]  # each patch's dense mask, on the kept tokens only
+        chunk = self.chunk_size(len(kept), dim)
+        return torch.cat([
+            self.patch_forward(hidden, bias[start:start + chunk],
+                               torch.arange(start, min(start + chunk, len(indices)), device=tokens.device) + self.num_prefix_tokens)
+            for start in range(0, len(indices), chunk)
+        ])
+
+    def kept_forward(self, tokens: torch.Tensor, bias: torch.Tensor, patch_index: torch.Tensor) -> torch.Tensor:
+        """kept_descriptors as tensors only, in one pass (what the ONNX export traces): embedded
+        tokens [1, T, D], the patches' dense eq. 1 biases [k, T] and their indices [k] -> [k, D]."""
+        prefix = self.num_prefix_tokens
+        kept = torch.cat([torch.arange(prefix, device=patch_index.device), patch_index + prefix])
+        hidden = self.prefix(tokens[:, kept])
+        # Query positions prefix .. prefix + k - 1, written with k read from the input (a dynamic axis when traced).
+        queries = torch.cumsum(torch.ones_like(patch_index), 0) - 1 + prefix
+        return self.patch_forward(hidden, bias[:, kept], queries)
 
     def _chunk(self, hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
         bias = self.mask_bias(indices, hidden.device)

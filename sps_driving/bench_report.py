@@ -1,0 +1,125 @@
+"""docs/results/bench_cpu.md from the JSON of three benchmark runs, with the commands that made them.
+
+    sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json
+    sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 \\
+        --json --out runs/bench/graph.json
+    sps-driving bench --eval --episodes 4 --repeats 2 --json --out runs/bench/eval.json
+    python -m sps_driving.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
+        --eval runs/bench/eval.json --out docs/results/bench_cpu.md
+
+Only tables of what the runs measured, each with its revision, machine load and command; the
+reading (where the fp32 backbone stands against the peak and why, what becomes the default) is
+written by whoever ran them, under the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+COMMANDS = {
+    "dinov2": "sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json",
+    "graph": ("sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 --json "
+              "--out runs/bench/graph.json"),
+    "eval": "sps-driving bench --eval --episodes 4 --repeats 2 --json --out runs/bench/eval.json",
+}
+
+
+def _load(result: dict) -> str:
+    return f"revision {result.get('revision', 'unknown')}, load average {' / '.join(f'{v:.2f}' for v in result['load_average'])}"
+
+
+def _peak(peak: dict) -> str:
+    from sps_driving.peak import format_peak
+
+    return "Measured in the same run: " + " ".join(format_peak(peak).split())
+
+
+def dinov2_section(result: dict) -> list[str]:
+    bench = result["dinov2"]
+    lines = ["## The extractor alone, by path and rate", "",
+             f"`{COMMANDS['dinov2']}` ({_load(result)}; median of {result['repeats']} frames, the shipped policy's road "
+             f"band, {bench['grid'][0]}x{bench['grid'][1]} patches). {_peak(result['peak'])}", "",
+             "| path | rate | k | encode ms | descriptors ms | extractor ms | speed-up | GFLOP (encode + descriptors) | "
+             "GFLOP/s | % of peak (encode / descriptors / extractor) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in bench["rows"]:
+        fraction = row["peak_fraction"]
+        shares = " / ".join(f"{100 * (fraction[part] or 0):.0f}" for part in ("encode", "descriptors", "extractor"))
+        lines.append(f"| {row['path']} | {row['rate']:g} | {row['k']} | {row['encode_ms']:.1f} | {row['descriptors_ms']:.1f} | "
+                     f"{row['extractor_ms']:.1f} | {row['extractor_speedup']:.2f}x | {row['gflop']['encode']:.2f} + "
+                     f"{row['gflop']['descriptors']:.2f} | {row['gflops_per_s']['extractor'] or 0:.1f} | {shares} |")
+    lines += ["", "Speed-up: the extractor time of dense fp32 onnxruntime at the same rate over the row's. % of peak: "
+              "each stage's FLOP/s over the measured peak of its precision (int8 quantizes the graph with the ViT's layers: "
+              "encode when dense, descriptors with token dropping)."]
+    return lines
+
+
+def graph_section(result: dict) -> list[str]:
+    lines = ["## The extractor in the live graph, lockstep replay of the bundled drive", "",
+             f"`{COMMANDS['graph']}` ({_load(result)}; {result['frames']} frames, {result['repeats']} repeat(s) each, "
+             f"medians). {_peak(result['peak'])} Rows other than the shipped policy's own rate and tokens run a timing "
+             "copy of it (its weights at that rate and tokens): their times, not their commands, mean something.", "",
+             "| rate | tokens | precision | standalone ms | in the graph ms | graph / standalone | lockstep frames/s | "
+             "camera->command p50 ms | p99 ms | GFLOP | % of peak (standalone / graph) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in result["configurations"]:
+        summary, efficiency = c["summary"], c["efficiency"] or {}
+
+        def median(key, summary=summary):
+            return "" if not summary.get(key) else f"{summary[key]['median']:.1f}"
+
+        shares = " / ".join("" if efficiency.get(f"{key}_peak_fraction") is None else f"{100 * efficiency[f'{key}_peak_fraction']:.0f}"
+                            for key in ("standalone", "graph_extractor"))
+        gflop = "" if c["flops"]["extractor"] is None else f"{c['flops']['extractor'] / 1e9:.2f}"
+        ratio = "" if not summary.get("graph_over_standalone") else f"{summary['graph_over_standalone']['median']:.2f}"
+        lines.append(f"| {c['rate']:g} | {c['tokens']} | {c['precision']} | {median('standalone_ms')} | {median('graph_extractor_ms')} | "
+                     f"{ratio} | {median('graph_fps')} | {median('camera_to_command_p50_ms')} | "
+                     f"{median('camera_to_command_p99_ms')} | {gflop} | {shares} |")
+    return lines
+
+
+def eval_section(result: dict) -> list[str]:
+    from sps_driving.sim.throughput import STAGES
+
+    lines = ["## Evaluation throughput", "",
+             f"`{COMMANDS['eval']}` ({_load(result)}; {len(result['tasks'])} episodes of {result['episode_s']:g} s per "
+             f"configuration and round, {result['repeats']} round(s), {result['cores']} cores). Same results: every "
+             "episode's score, failures, dropped frames and smallest gap equal the default's.", "",
+             "| configuration | workers x threads | episodes per hour | speed-up | same results | ms per frame | "
+             + " | ".join(STAGES) + " |", "|---|---|---|---|---|---|" + "---|" * len(STAGES)]
+    for c in result["configurations"]:
+        split = c["ms_per_frame"]
+        lines.append(f"| {c['name']} | {c['workers']} x {c['threads_per_worker']} | {c['episodes_per_hour']:.0f} | "
+                     f"{c['speedup']:.2f}x | {'yes' if c['same_results'] else 'no'} | {c['frame_ms']:.1f} | "
+                     + " | ".join(f"{split[stage]:.1f} ({100 * split[stage] / c['frame_ms']:.0f}%)" for stage in STAGES) + " |")
+    return lines
+
+
+def render(dinov2: dict | None, graph: dict | None, throughput: dict | None) -> str:
+    lines = ["# CPU timing of the extractor the car runs", "",
+             "What the road-band extractor costs on this machine's CPU: alone by path (fp32 and int8, dense and token "
+             "dropping) and rate, in the live graph, and in evaluation. Made by `python -m sps_driving.bench_report` "
+             "from the runs below (sps_driving/bench_report.py)."]
+    for section, result in ((dinov2_section, dinov2), (graph_section, graph), (eval_section, throughput)):
+        if result is not None:
+            lines += [""] + section(result)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dinov2", type=Path, help="JSON of `sps-driving bench` (its dinov2 rows)")
+    parser.add_argument("--graph", type=Path, help="JSON of `sps-driving bench --graph`")
+    parser.add_argument("--eval", type=Path, help="JSON of `sps-driving bench --eval`")
+    parser.add_argument("--out", type=Path, required=True, help="markdown file to write")
+    args = parser.parse_args(argv)
+    loaded = [json.loads(path.read_text()) if path else None for path in (args.dinov2, args.graph, args.eval)]
+    args.out.write_text(render(*loaded))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
