@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from sps_driving.core.policy import read_policy_config
+from sps_driving.core.policies.checkpoint import read_policy_config
 from sps_driving.resources import portable_record
 
 

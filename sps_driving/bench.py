@@ -217,7 +217,8 @@ def blip2_extractors(dims: str, args):
 
 def timed_architecture(policy_dir=None) -> dict:
     """What the policy column times: the checkpoint, its architecture and its selection."""
-    from sps_driving.core.policy import PolicyArchitecture, read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.core.policies.registry import PolicyArchitecture
 
     policy_dir = policy_dir or shipped_policy()
     config = read_policy_config(policy_dir)
@@ -229,8 +230,9 @@ def timed_policy(grid, dim: int, device: str, policy_dir=None):
     """A policy of the checkpoint's architecture (default: the shipped one) on this backbone's
     grid, with random weights (the time does not depend on them), called as the policy node does
     (`predict_full_window`: a patch policy reads a full window)."""
-    from sps_driving.core.patch_policy import StreamingPolicy
-    from sps_driving.core.policy import DrivingPolicy, PolicyArchitecture, build_policy, read_policy_config
+    from sps_driving.core.policies.checkpoint import DrivingPolicy, read_policy_config
+    from sps_driving.core.policies.registry import PolicyArchitecture, build_policy
+    from sps_driving.core.policies.streaming import StreamingPolicy
     from sps_driving.core.selection import SelectionConfig
 
     source = read_policy_config(policy_dir or shipped_policy())
@@ -305,7 +307,7 @@ def dinov2_extractors(args) -> tuple[list, object]:
     from sps_driving.core.backbones import resolve_config
     from sps_driving.core.backbones.dinov2 import load_dinov2
     from sps_driving.core.flops import ViTShape
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.export.cli import random_dinov2
     from sps_driving.extractors import open_extractor, policy_extraction
 
@@ -642,7 +644,7 @@ def timing_copy(checkpoint: Path, folder: Path, rate: float | None = None, token
     not trained on: its commands mean nothing)."""
     import shutil
 
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
 
     if not folder.exists():
         policy = read_policy_config(checkpoint)
@@ -660,7 +662,7 @@ def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates,
     the settings' a settings file that adds it to --backbone-config's."""
     import yaml
 
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.extractors import extraction_settings
 
     policy = read_policy_config(checkpoint)
@@ -689,7 +691,7 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
     import tempfile
 
     from sps_driving.core.grid import PatchGrid
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.core.selection import PatchSelector, SelectionConfig
     from sps_driving.extractors import extractor_for_policy
     from sps_driving.replay import replay_bag

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.episodes < 1:
         return 0
 
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.extractors import extractor_for_policy
     from sps_driving.sim.config import load_sim_config
     from sps_driving.sim.evaluate import evaluate

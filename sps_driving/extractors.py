@@ -112,7 +112,7 @@ def extraction_settings(
     """The settings from `parameters` (None or "" = not given), the policy `checkpoint` (a folder
     or its config dict) and the settings file `config_file`, over config/extraction.yaml, by the
     precedence of the module docstring. Raises ExtractionConflict."""
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
 
     layers = []  # (source, values), highest first
     layers.append((parameter_source, {k: v for k, v in (parameters or {}).items() if v not in (None, "")}))

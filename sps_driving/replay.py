@@ -561,7 +561,7 @@ def state_plan(policy_config: dict, bag_topics: dict, supplied: dict, params_fil
     speed, that a recorded one exists for, or that the policy does not read."""
     import yaml
 
-    from sps_driving.core.policy import state_inputs_of
+    from sps_driving.core.policies.registry import state_inputs_of
     from sps_driving.core.state import recorded_source
 
     reads = state_inputs_of(policy_config)
@@ -598,7 +598,7 @@ def state_plan(policy_config: dict, bag_topics: dict, supplied: dict, params_fil
 def played_topics(policy_config: dict, bag_topics: dict) -> tuple[str, ...]:
     """PLAYED and, for each state input of the policy (sps_driving.core.state), the topic the bag
     carries it on (as `sps-driving extract` reads it)."""
-    from sps_driving.core.policy import state_inputs_of
+    from sps_driving.core.policies.registry import state_inputs_of
     from sps_driving.core.state import recorded_source
 
     state = [recorded_source(name, bag_topics) for name in state_inputs_of(policy_config)]
@@ -688,7 +688,7 @@ def replay_bag(
     if out.exists():
         raise ReplayError(f"output bag {out} exists; pass another --out")
     has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
 
     policy_config = read_policy_config(checkpoint)
     played = played_topics(policy_config, bag_topics)

@@ -38,7 +38,8 @@ def tiny_policy(directory, rows=8, cols=8, dim=16, variant="sps", rate=0.5, seed
     import torch
 
     from sps_driving.core.grid import PatchGrid
-    from sps_driving.core.policy import SEQUENCE_ARCHITECTURES, PolicyArchitecture, build_policy, save_policy
+    from sps_driving.core.policies.checkpoint import save_policy
+    from sps_driving.core.policies.registry import SEQUENCE_ARCHITECTURES, PolicyArchitecture, build_policy
     from sps_driving.core.selection import SelectionConfig
 
     selection = SelectionConfig(variant, rate, seed)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from samples import tiny_policy
 
-from sps_driving.core.policy import load_policy
+from sps_driving.core.policies.checkpoint import load_policy
 from sps_driving.core.state import STATE_NAMES
 
 ROWS, COLS, DIM = 4, 6, 8

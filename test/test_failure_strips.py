@@ -13,7 +13,7 @@ import yaml
 from samples import tiny_policy
 
 from sps_driving.cli import main
-from sps_driving.core.policy import load_policy, save_policy
+from sps_driving.core.policies.checkpoint import load_policy, save_policy
 from sps_driving.sim.config import load_sim_config
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
 

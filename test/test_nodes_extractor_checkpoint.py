@@ -17,7 +17,7 @@ from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
 from sps_driving import msgs, topics
 from sps_driving.core.backbones import load_extractor
-from sps_driving.core.policy import read_policy_config
+from sps_driving.core.policies.checkpoint import read_policy_config
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
 from sps_driving.process import CANNOT_START

@@ -15,7 +15,7 @@ from samples import tiny_policy
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
 from sps_driving import msgs, topics
-from sps_driving.core.policy import load_policy
+from sps_driving.core.policies.checkpoint import load_policy
 from sps_driving.core.selection import PatchSelector
 from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_subscribers
 from sps_driving.process import CANNOT_START

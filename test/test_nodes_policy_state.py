@@ -13,7 +13,7 @@ from samples import tiny_policy
 from sensor_msgs.msg import JointState, PointCloud2
 
 from sps_driving import msgs, topics
-from sps_driving.core.policy import load_policy
+from sps_driving.core.policies.checkpoint import load_policy
 from sps_driving.core.state import STATE_NAMES
 from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
 

@@ -20,8 +20,10 @@ from sps_driving.core.history import (
     policy_selector,
     window_coverage,
 )
-from sps_driving.core.patch_policy import PatchPolicy, StreamingPolicy, window_tensors
-from sps_driving.core.policy import DrivingPolicy, PolicyArchitecture, build_policy, load_policy, save_policy
+from sps_driving.core.policies.checkpoint import DrivingPolicy, load_policy, save_policy
+from sps_driving.core.policies.patch_policy import PatchPolicy, window_tensors
+from sps_driving.core.policies.registry import PolicyArchitecture, build_policy
+from sps_driving.core.policies.streaming import StreamingPolicy
 from sps_driving.core.selection import PatchSelector, SelectionConfig, kept_count
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
 from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, loss_scale, split_frames, train

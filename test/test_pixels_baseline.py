@@ -14,7 +14,10 @@ from sps_driving.cli import main
 from sps_driving.core.backbones import load_extractor, resolve_config
 from sps_driving.core.backbones.pixels import PixelExtractor
 from sps_driving.core.image import ImageError
-from sps_driving.core.policy import CnnPolicy, GridPolicy, build_policy, load_policy, save_policy
+from sps_driving.core.policies.checkpoint import load_policy, save_policy
+from sps_driving.core.policies.cnn import CnnPolicy
+from sps_driving.core.policies.registry import build_policy
+from sps_driving.core.policies.transformer import GridPolicy
 from sps_driving.core.selection import SelectionConfig
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
 from sps_driving.train.trainer import TrainConfig, evaluate_checkpoint, train

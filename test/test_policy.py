@@ -9,18 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.policy import (
-    CELL_EMBEDDING_STD,
-    GridPolicy,
-    PositionalGridPolicy,
-    PositionalSequencePolicy,
-    SequencePolicy,
-    TableSequencePolicy,
-    build_policy,
-    load_policy,
-    pack_kept,
-    save_policy,
-)
+from sps_driving.core.policies.blocks import CELL_EMBEDDING_STD, SequencePolicy, pack_kept
+from sps_driving.core.policies.checkpoint import load_policy, save_policy
+from sps_driving.core.policies.positional_transformer import PositionalGridPolicy, PositionalSequencePolicy
+from sps_driving.core.policies.registry import build_policy
+from sps_driving.core.policies.transformer import GridPolicy, TableSequencePolicy
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 
 GRID = PatchGrid(3, 5)  # non-square on purpose
@@ -360,7 +353,7 @@ def test_a_policy_with_state_inputs_uses_them_and_refuses_to_drive_without(tmp_p
 
 
 def test_state_statistics_round_trip_through_the_checkpoint(tmp_path):
-    from sps_driving.core.policy import PolicyArchitecture
+    from sps_driving.core.policies.registry import PolicyArchitecture
 
     selection = SelectionConfig("sps", 0.5, 0)
     cfg = PolicyArchitecture("cnn", {"width": 8, "dropout": 0.0}, 0.5).config(
@@ -400,7 +393,7 @@ def test_checkpoints_without_state_inputs_load_and_ignore_a_state(tmp_path):
 
 
 def test_an_mlp_with_the_state_to_head_reads_the_state_through_its_head_and_older_ones_load_unchanged(tmp_path):
-    from sps_driving.core.policy import PolicyArchitecture
+    from sps_driving.core.policies.registry import PolicyArchitecture
 
     selection = SelectionConfig("sps", 0.5, 0)
     settings = {"width": 8, "reduce": 2, "dropout": 0.0}

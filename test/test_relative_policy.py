@@ -1,4 +1,4 @@
-"""The relative-query policy (core/relative_policy.py), the grid MLP's canvas and the wider view
+"""The relative-query policy (core/policies/relative_query.py), the grid MLP's canvas and the wider view
 (core/view.py, sim.config.widen_view). Models are tiny random configs of the real architectures
 (and a tiny training run on a small synthetic cache)."""
 
@@ -12,7 +12,9 @@ from samples import TINY_SETTINGS, tiny_dinov2_policy, tiny_policy
 
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.image import patch_rectangles
-from sps_driving.core.policy import PolicyArchitecture, build_policy, load_policy, pack_kept, save_policy
+from sps_driving.core.policies.blocks import pack_kept
+from sps_driving.core.policies.checkpoint import load_policy, save_policy
+from sps_driving.core.policies.registry import PolicyArchitecture, build_policy
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import STATE_NAMES
 from sps_driving.core.view import grid_center, widen_extraction, wider_grid, window_origin

@@ -8,7 +8,8 @@ import pytest
 from sps_driving import bagio, msgs, topics
 from sps_driving.core.backbones import resolve_config
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor
-from sps_driving.core.policy import GridMlpPolicy, load_policy
+from sps_driving.core.policies.checkpoint import load_policy
+from sps_driving.core.policies.grid_mlp import GridMlpPolicy
 from sps_driving.resources import package_path, shipped_policy
 
 FRAMES = 12  # spread over the 10 s drive

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from sps_driving.core.policy import load_policy
+from sps_driving.core.policies.checkpoint import load_policy
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
 from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig, evaluate_checkpoint, l2_loss, loss_scale, split_frames, target_std, train
 

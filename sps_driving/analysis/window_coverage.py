@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     import yaml
 
     from sps_driving.core.history import history_settings
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.resources import config_path, shipped_policy
 
     config = read_policy_config(args.policy or shipped_policy())

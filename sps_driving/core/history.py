@@ -37,7 +37,7 @@ import numpy as np
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 
-# The architecture that reads windows of frames (sps_driving.core.patch_policy).
+# The architecture that reads windows of frames (sps_driving.core.policies.patch_policy).
 PATCH_POLICY = "patch_policy"
 # Its window settings, besides those of its transformer (config "policy"; values: config/train.yaml).
 WINDOW_SETTINGS = ("window_frames", "frame_stride_s", "stride_tolerance_s", "max_gap_s", "shared_selection")

@@ -257,8 +257,8 @@ def policy_parity(reference, runtime, policy_dir: Path, bag: Path) -> dict:
     the command the bag logged (None where it logged none)."""
     from sps_driving import msgs, topics
     from sps_driving.bagio import read_messages
-    from sps_driving.core.patch_policy import StreamingPolicy
-    from sps_driving.core.policy import load_policy
+    from sps_driving.core.policies.checkpoint import load_policy
+    from sps_driving.core.policies.streaming import StreamingPolicy
     from sps_driving.replay import reference_commands
     from sps_driving.train.extract import ExtractSettings, bag_states, matched_state
 

@@ -1,6 +1,6 @@
 """policy: descriptors of the kept patches (and the car's state) -> a stamped (steering, throttle) command.
 
-Loads a checkpoint folder (policy.safetensors + config.json, sps_driving.core.policy). A message
+Loads a checkpoint folder (policy.safetensors + config.json, sps_driving.core.policies.checkpoint). A message
 with the wrong layout, non-finite descriptors or indices the policy cannot take is dropped and
 counted; the command carries the camera frame's stamp of its descriptors.
 
@@ -11,7 +11,7 @@ state is the value whose header stamp is nearest to the frame's stamp, as traini
 frame without one within the age limit (none received, stale, or reported invalid) is dropped and
 counted by reason, never driven from an old speed.
 
-A patch policy (sps_driving.core.patch_policy) reads each frame with the earlier frames of its
+A patch policy (sps_driving.core.policies.patch_policy) reads each frame with the earlier frames of its
 window, kept in a history by camera stamp (sps_driving.core.history): a frame dropped before or
 here leaves its slot empty and shortens the windows that would have used it, stamps that go
 backwards or a long gap restart the history; the counters say how often (`history_*`).
@@ -73,8 +73,8 @@ class PolicyNode(Node):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
         from sps_driving.core.backbones import resolve_device
-        from sps_driving.core.patch_policy import StreamingPolicy
-        from sps_driving.core.policy import load_policy
+        from sps_driving.core.policies.checkpoint import load_policy
+        from sps_driving.core.policies.streaming import StreamingPolicy
 
         self.policy = load_policy(p["checkpoint"], device=str(resolve_device(p["device"])))
         # A patch policy reads the frame's window from its history (sps_driving.core.history).

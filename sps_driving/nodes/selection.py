@@ -40,7 +40,7 @@ class SelectionNode(Node):
 
         if p["checkpoint"]:
             from sps_driving.core.history import policy_selector
-            from sps_driving.core.policy import read_policy_config
+            from sps_driving.core.policies.checkpoint import read_policy_config
 
             policy = read_policy_config(p["checkpoint"])
             config = SelectionConfig.from_dict(policy["selection"])

@@ -38,7 +38,7 @@ def render_rate(config: dict, scenario, frames: int) -> tuple[float, float]:
 
 
 def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
-    from sps_driving.core.policy import architecture_of
+    from sps_driving.core.policies.registry import architecture_of
     from sps_driving.sim.episodes import PolicyDriver, driving_state
     from sps_driving.sim.render import get_renderer
 

@@ -170,7 +170,7 @@ def collect_round(config: dict, settings: dict, index: int, policy_dir: Path, ou
     episode is a unit of the cache (sps_driving.train.cache.UnitCacheWriter): a cut-short round
     redoes only the episodes it had not finished, and under torchrun the episodes go round the
     processes, each rolling out on its own device."""
-    from sps_driving.core.policy import CONFIG_FILE, WEIGHTS_FILE
+    from sps_driving.core.policies.checkpoint import CONFIG_FILE, WEIGHTS_FILE
     from sps_driving.sim.render import get_renderer
     from sps_driving.train.cache import META_FILE, UnitCacheWriter
     from sps_driving.train.extract import ExtractSettings
@@ -367,7 +367,8 @@ def changed_settings(stored: dict, current: dict) -> list[str]:
 def training_settings(path: str, init_policy: str | None) -> dict:
     """TrainConfig's settings from `path`'s train: section; the initial policy's own selection,
     architecture and output bound over them, so every round trains the kind of policy it started from."""
-    from sps_driving.core.policy import architecture_of, read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.core.policies.registry import architecture_of
     from sps_driving.train.trainer import TrainConfig
 
     overrides = {}
@@ -458,7 +459,7 @@ class Run:
 
     def publish(self, initial: dict, rounds: list[dict], caches: list[Path], best_name: str, stopped: str | None) -> dict:
         """Write the provenance to dagger.json, and the best policy with it to policy/."""
-        from sps_driving.core.policy import load_policy, read_policy_config, save_policy
+        from sps_driving.core.policies.checkpoint import load_policy, read_policy_config, save_policy
 
         best = initial if best_name == "initial" else rounds[int(best_name.split()[-1])]
         s = self.settings
@@ -503,7 +504,7 @@ def run_dagger(args, processes: Processes | None = None) -> dict:
     """The run of `args`; under torchrun (`processes`) every process takes part in every step:
     its share of the rollouts and development episodes, training by DistributedDataParallel;
     process 0 writes the records."""
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.train.cache import FeatureCache
 
     out = Path(args.out)

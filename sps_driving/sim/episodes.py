@@ -123,8 +123,8 @@ class PolicyDriver:
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
                  all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0, precision: str | None = None):
-        from sps_driving.core.patch_policy import StreamingPolicy
-        from sps_driving.core.policy import load_policy, read_policy_config
+        from sps_driving.core.policies.checkpoint import load_policy, read_policy_config
+        from sps_driving.core.policies.streaming import StreamingPolicy
         from sps_driving.extractors import extractor_for_policy
 
         policy_config = read_policy_config(policy_dir)

@@ -84,7 +84,7 @@ def evaluation_agreement(config: dict, settings: EvalSettings, scenarios: list[s
     """What every process of an evaluation must share: the settings, the policy's files (their
     contents: the folder may lie elsewhere on another machine), the simulator configuration and
     the extraction settings file's contents."""
-    from sps_driving.core.policy import CONFIG_FILE, WEIGHTS_FILE
+    from sps_driving.core.policies.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
     policy = settings.policy_dir
     return {"settings": {**asdict(settings), "policy_dir": None},
@@ -127,7 +127,7 @@ def _check_wider_view(policy_dir: str, policy_config: dict, scale: float) -> Non
     """Exit with the reason unless the policy can read the grid of a view `scale` times as wide
     (checked here: a worker that cannot start its policy would be started again and again)."""
     from sps_driving.core.grid import PatchGrid
-    from sps_driving.core.policy import load_policy
+    from sps_driving.core.policies.checkpoint import load_policy
     from sps_driving.core.view import wider_grid
 
     grid = PatchGrid(int(policy_config["grid"]["rows"]), int(policy_config["grid"]["cols"]))
@@ -207,7 +207,7 @@ def run(args) -> int:
     if args.expert:
         method, policy_dir, seed = args.name or EXPERT, None, None
     else:
-        from sps_driving.core.policy import read_policy_config
+        from sps_driving.core.policies.checkpoint import read_policy_config
 
         try:
             policy_config = read_policy_config(args.policy)

@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sps_driving.core.policy import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.extractors import extractor_for_policy
     from sps_driving.resources import config_path
     from sps_driving.train.cache import FeatureCache

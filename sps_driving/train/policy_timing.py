@@ -20,15 +20,9 @@ from tqdm import tqdm
 
 from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.patch_policy import StreamingPolicy
-from sps_driving.core.policy import (
-    ARCHITECTURES,
-    SEQUENCE_ARCHITECTURES,
-    DrivingPolicy,
-    PolicyArchitecture,
-    build_policy,
-    read_policy_config,
-)
+from sps_driving.core.policies.checkpoint import DrivingPolicy, read_policy_config
+from sps_driving.core.policies.registry import ARCHITECTURES, SEQUENCE_ARCHITECTURES, PolicyArchitecture, build_policy
+from sps_driving.core.policies.streaming import StreamingPolicy
 from sps_driving.core.selection import SelectionConfig
 from sps_driving.resources import portable_path, shipped_policy
 from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig

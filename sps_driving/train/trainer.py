@@ -61,8 +61,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from sps_driving.core.history import PATCH_POLICY, HistorySettings, policy_selector
-from sps_driving.core.patch_policy import PatchPolicy
-from sps_driving.core.policy import (
+from sps_driving.core.policies.checkpoint import load_policy, read_policy_config, save_policy
+from sps_driving.core.policies.patch_policy import PatchPolicy
+from sps_driving.core.policies.registry import (
     ARCHITECTURES,
     POSITION_TABLE_ARCHITECTURE,
     SETTING_DEFAULTS,
@@ -70,12 +71,9 @@ from sps_driving.core.policy import (
     architecture_of,
     build_policy,
     check_architecture,
-    load_policy,
-    read_policy_config,
-    save_policy,
     state_inputs_of,
 )
-from sps_driving.core.relative_policy import READOUTS
+from sps_driving.core.policies.relative_query import READOUTS
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
 from sps_driving.core.view import view_record

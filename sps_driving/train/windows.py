@@ -1,4 +1,4 @@
-"""Training a patch policy (sps_driving.core.patch_policy) on windows of frames from the feature cache.
+"""Training a patch policy (sps_driving.core.policies.patch_policy) on windows of frames from the feature cache.
 
 Each frame of the cache gets the window the car would give it (`window_table`): its drive's frames
 with the policy's state inputs run through `sps_driving.core.history.FrameHistory` in stamp order,
@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from sps_driving.core.history import frame_windows
-from sps_driving.core.patch_policy import PatchPolicy
+from sps_driving.core.policies.patch_policy import PatchPolicy
 from sps_driving.core.selection import PatchSelector
 from sps_driving.train.cache import FeatureCache
 

@@ -6,7 +6,7 @@ it like any other backbone and compare on the same patches. Preprocessing is DIN
 frame's roi, cv2 INTER_AREA resize to input_size, scaled to [0, 1], ImageNet mean and std); each 14x14 px patch is
 then averaged over pixel_pool x pixel_pool px blocks into p x p pixels, p = 14 / pixel_pool, and
 flattened channel-major ([3, p, p]), so D = 3 p^2 (147 at pixel_pool 2). The CNN policy
-(`core.policy.CnnPolicy`) folds the grid back into that pooled image.
+(`core.policies.cnn.CnnPolicy`) folds the grid back into that pooled image.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ shorter than T (after a start or a reset of the history) needs nothing but fewer
 of several lengths in one batch are padded at the end (absent frames and filler patch slots are
 masked out as keys).
 
-The window itself (stride, tolerance, resets) is `sps_driving.core.history`'s; `StreamingPolicy`
+The window itself (stride, tolerance, resets) is `sps_driving.core.history`'s; `StreamingPolicy` (.streaming)
 steps a loaded policy one camera frame at a time through a `FrameHistory`, the one way the policy
 node, replay, the in-process and the graph evaluation run a patch policy. One frame alone is a
 window of one: `DrivingPolicy.predict` and the occlusion attribution read a patch policy that way.
@@ -40,7 +40,7 @@ window of one: `DrivingPolicy.predict` and the occlusion attribution read a patc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -48,18 +48,21 @@ from torch import nn
 from torch.nn import functional as F
 
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.history import COUNTER_PREFIX, FrameHistory, HistorySettings, history_settings
-from sps_driving.core.policy import (
+from sps_driving.core.history import PATCH_POLICY, WINDOW_SETTINGS, HistorySettings
+from sps_driving.core.policies.blocks import (
     CELL_EMBEDDING_STD,
     BoundedHead,
-    DrivingPolicy,
+    PolicySpec,
     SequencePolicy,
-    _readout_mlp,
-    _StandardizedInput,
-    _state_input,
+    StandardizedInput,
+    add_state_input,
     pack_kept,
+    readout_mlp,
 )
-from sps_driving.core.state import state_vector
+from sps_driving.core.policies.positional_transformer import SETTINGS as POSITIONAL_TRANSFORMER_SETTINGS
+
+# A positional transformer's settings and its window's.
+SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, *WINDOW_SETTINGS)
 
 
 def _block_causal_layer(layer: nn.TransformerEncoderLayer, x: torch.Tensor, block: int,
@@ -83,7 +86,7 @@ def _block_causal_layer(layer: nn.TransformerEncoderLayer, x: torch.Tensor, bloc
     return x + layer.dropout2(layer.linear2(layer.dropout(layer.activation(layer.linear1(layer.norm2(x))))))
 
 
-class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
+class PatchPolicy(SequencePolicy, StandardizedInput, nn.Module):
     """The patch policy (module docstring). `forward_windows` reads windows of frames; `forward`
     and `forward_selected` of single frames (or of windows of dense grids) as every policy does."""
 
@@ -91,8 +94,8 @@ class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
                  dropout: float, reduce: int, max_steering_rad: float, history: HistorySettings,
                  shared_selection: bool, state_dim: int = 0):
         super().__init__()
-        _state_input(self, state_dim)
-        self._input_statistics(descriptor_dim)
+        add_state_input(self, state_dim)
+        self.register_input_statistics(descriptor_dim)
         self.history, self.shared_selection = history, bool(shared_selection)
         self.reduce = nn.Linear(descriptor_dim, reduce)
         self.input_proj = nn.Linear(reduce, width)
@@ -110,7 +113,7 @@ class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
         # mask), with no dropout on the attention weights, as the positional transformer.
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(*_readout_mlp(width + state_dim, width, dropout))
+        self.mlp = nn.Sequential(*readout_mlp(width + state_dim, width, dropout))
         self.head = BoundedHead(width // 2, max_steering_rad)
 
     def forward_windows(self, descriptors: torch.Tensor, indices: torch.Tensor, padding: torch.Tensor,
@@ -169,20 +172,19 @@ class PatchPolicy(SequencePolicy, _StandardizedInput, nn.Module):
                                     padding.unflatten(0, (batch, frames)), state)
 
 
-def build_patch_policy(grid: PatchGrid, descriptor_dim: int, settings: dict, max_steering_rad: float,
-                       state_dim: int) -> PatchPolicy:
+def build(spec: PolicySpec) -> PatchPolicy:
     """The patch policy of a config's `policy` settings (config/train.yaml names them)."""
+    settings = spec.settings
     history = HistorySettings(settings["window_frames"], settings["frame_stride_s"], settings["stride_tolerance_s"],
                               settings["max_gap_s"])
-    if int(settings["width"]) < 2 or int(settings["reduce"]) < 1:
-        raise ValueError(f"patch_policy needs width >= 2 and reduce >= 1, got {settings}")
+    spec.check_width_and_reduce(PATCH_POLICY)
     if not isinstance(settings["shared_selection"], bool):
         raise ValueError(f"shared_selection must be true or false, got {settings['shared_selection']!r}")
-    return PatchPolicy(grid, descriptor_dim, width=int(settings["width"]), depth=int(settings["depth"]),
+    return PatchPolicy(spec.grid, spec.descriptor_dim, width=int(settings["width"]), depth=int(settings["depth"]),
                        heads=int(settings["heads"]), mlp_ratio=float(settings["mlp_ratio"]),
                        dropout=float(settings["dropout"]), reduce=int(settings["reduce"]),
-                       max_steering_rad=max_steering_rad, history=history,
-                       shared_selection=settings["shared_selection"], state_dim=state_dim)
+                       max_steering_rad=spec.max_steering_rad, history=history,
+                       shared_selection=settings["shared_selection"], state_dim=spec.state_dim)
 
 
 def window_tensors(frames: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]], descriptor_dim: int,
@@ -199,62 +201,3 @@ def window_tensors(frames: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | N
     states = None if frames[0][2] is None else torch.from_numpy(np.stack([s for _, _, s in frames])[None]).to(device)
     return (*tensors, states)
 
-
-class StreamingPolicy:
-    """A loaded policy fed one camera frame at a time: a patch policy reads the window its
-    `FrameHistory` gives the frame (sps_driving.core.history), any other policy the frame alone.
-    `counts` are the history's (module history: frames, resets by reason, cut and short windows),
-    empty for a single-frame policy."""
-
-    def __init__(self, policy: DrivingPolicy):
-        self.policy = policy
-        settings = history_settings(policy.config)
-        self.history = None if settings is None else FrameHistory(settings)
-
-    @property
-    def counts(self) -> dict:
-        return {} if self.history is None else {COUNTER_PREFIX + k: v for k, v in self.history.counts.items()}
-
-    def describe(self) -> str:
-        if self.history is None:
-            return "one frame per command"
-        s = self.history.settings
-        return (f"windows of {s.window_frames} frame(s) {s.frame_stride_s:g} s apart (tolerance {s.stride_tolerance_s:g} s, "
-                f"a gap over {s.max_gap_s:g} s restarts the history)")
-
-    def reset(self) -> None:
-        """A new episode: forget the frames so far."""
-        if self.history is not None:
-            self.history.reset()
-
-    def _frame(self, descriptors, indices, state) -> tuple:
-        """A frame as the history keeps it: (descriptors, indices, state vector or None); ValueError
-        for one the policy cannot take."""
-        descriptors, indices = self.policy._check(descriptors, indices)
-        return descriptors, indices, state_vector(self.policy.state_inputs, state) if self.policy.state_inputs else None
-
-    @torch.no_grad()
-    def _command(self, window: list) -> tuple[float, float]:
-        out = self.policy.module.forward_windows(*window_tensors(window, self.policy.descriptor_dim, self.policy.device))
-        steering, throttle = out[0, -1].cpu().numpy().astype(np.float64)
-        if not (np.isfinite(steering) and np.isfinite(throttle)):
-            raise ValueError("policy produced a non-finite command")
-        return float(steering), float(throttle)
-
-    def step(self, stamp_ns: int, descriptors: np.ndarray, indices: np.ndarray,
-             state: Mapping[str, float] | None = None) -> tuple[float, float]:
-        """(steering rad, throttle) for the frame stamped `stamp_ns` (its kept descriptors [k, D] at
-        patch `indices` [k], and its state for a policy that reads one). A frame the policy cannot
-        take (ValueError) is not added to the history."""
-        if self.history is None:
-            return self.policy.predict(descriptors, indices, state)
-        frame = self._frame(descriptors, indices, state)
-        return self._command(self.history.push(stamp_ns, frame))
-
-    def predict_full_window(self, descriptors: np.ndarray, indices: np.ndarray,
-                            state: Mapping[str, float] | None = None) -> tuple[float, float]:
-        """The command for a frame whose window holds T frames like it (for timing: the work of
-        one step with a full history); a single-frame policy's `predict`."""
-        if self.history is None:
-            return self.policy.predict(descriptors, indices, state)
-        return self._command([self._frame(descriptors, indices, state)] * self.history.settings.window_frames)

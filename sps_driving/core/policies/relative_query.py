@@ -40,16 +40,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.policy import (
+from sps_driving.core.policies.blocks import (
     BoundedHead,
+    PolicySpec,
     SequencePolicy,
-    _readout_mlp,
-    _StandardizedInput,
-    _state_input,
-    _with_state,
+    StandardizedInput,
+    add_state_input,
+    readout_mlp,
+    with_state,
 )
+from sps_driving.core.policies.positional_transformer import SETTINGS as POSITIONAL_TRANSFORMER_SETTINGS
 from sps_driving.core.view import grid_center
 
+NAME = "relative_query"
+SETTINGS = (*POSITIONAL_TRANSFORMER_SETTINGS, "query_stride", "readout")
 READOUTS = ("flatten", "pool")
 
 
@@ -105,7 +109,7 @@ class AttentionBlock(nn.Module):
         return x + self.drop(self.ff(self.ff_norm(x)))
 
 
-class RelativeQueryPolicy(SequencePolicy, _StandardizedInput, nn.Module):
+class RelativeQueryPolicy(SequencePolicy, StandardizedInput, nn.Module):
     """forward(descriptors [B, L, D], indices [B, L] of the view grid, padding [B, L] True at
     filler slots, state [B, S]) -> [B, 2] (steering rad, throttle); see the module docstring."""
 
@@ -116,8 +120,8 @@ class RelativeQueryPolicy(SequencePolicy, _StandardizedInput, nn.Module):
             raise ValueError(f"unknown readout {readout!r}; expected one of {READOUTS}")
         if query_stride < 1 or width % heads:
             raise ValueError(f"need query_stride >= 1 and width ({width}) a multiple of heads ({heads})")
-        _state_input(self, state_dim)
-        self._input_statistics(descriptor_dim)
+        add_state_input(self, state_dim)
+        self.register_input_statistics(descriptor_dim)
         self.window, self.readout = grid, readout
         self.register_buffer("half_extent", torch.tensor(grid_center(grid)), persistent=False)
         rows, cols = torch.meshgrid(torch.arange(0, grid.rows, query_stride), torch.arange(0, grid.cols, query_stride),
@@ -137,7 +141,7 @@ class RelativeQueryPolicy(SequencePolicy, _StandardizedInput, nn.Module):
             features = len(cells) * reduce
         else:
             self.reduce, features = None, width
-        self.mlp = nn.Sequential(*_readout_mlp(features + state_dim, width, dropout))
+        self.mlp = nn.Sequential(*readout_mlp(features + state_dim, width, dropout))
         self.head = BoundedHead(width // 2, max_steering_rad)
         self.set_view(grid)
 
@@ -179,4 +183,10 @@ class RelativeQueryPolicy(SequencePolicy, _StandardizedInput, nn.Module):
                 state: torch.Tensor | None = None) -> torch.Tensor:
         queries = self.queries(descriptors, indices, padding)
         features = self.reduce(queries).flatten(1) if self.reduce is not None else queries.mean(dim=1)
-        return self.head(self.mlp(_with_state(self, features, state)))
+        return self.head(self.mlp(with_state(self, features, state)))
+
+
+def build(spec: PolicySpec) -> RelativeQueryPolicy:
+    spec.check_width_and_reduce(f"{NAME} policy")
+    return RelativeQueryPolicy(spec.grid, reduce=int(spec.settings["reduce"]), query_stride=int(spec.settings["query_stride"]),
+                               readout=str(spec.settings["readout"]), **spec.transformer_arguments())
