@@ -290,7 +290,7 @@ class OrbitalAnalysis:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         families = {family: totals.summary() for family, totals in self.totals.items()}
-        figures = orbital_plot.write_figures(self, families, out_dir)
+        figures = orbital_plot.write_figures(self, families, SEED_COVERAGE, out_dir)
         summary = {
             **(about or {}),
             "frames": self.frames,
@@ -344,7 +344,7 @@ def run_orbital(args, settings: OrbitalSettings) -> int:
     """The --orbital analysis over the camera frames of bag inputs."""
     from tqdm import tqdm
 
-    from sps_driving.analysis.analyze import bag_images
+    from sps_driving.analysis.readers import bag_images
     from sps_driving.bagio import BAG_INPUTS, is_bag
     from sps_driving.core.orbital import OrbitalReader
 

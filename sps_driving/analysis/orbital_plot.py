@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from sps_driving.analysis.plot import _save  # noqa: E402
+from sps_driving.analysis.plot import save_figure  # noqa: E402
 
 OFFSETS_FIGURE = "orbital_offsets.png"
 COVERAGE_FIGURE = "orbital_coverage.png"
@@ -24,12 +24,11 @@ LABELS = {"observed": "Observed", "manifold": "Manifold", "random": "Random", "d
 COLORS = {"masked": "tab:blue", "raw": "tab:orange"}
 
 
-def write_figures(analysis, families: dict, out_dir: Path) -> list[str]:
-    """Every figure of an OrbitalAnalysis with its family summaries; returns their file names."""
-    from sps_driving.analysis.orbital import SEED_COVERAGE
-
+def write_figures(analysis, families: dict, seed_coverage: dict, out_dir: Path) -> list[str]:
+    """Every figure of an OrbitalAnalysis with its family summaries and the seed paper's coverage
+    ranges; returns their file names."""
     plot_offsets(analysis.visible, analysis.hidden, analysis.patch_px, out_dir / OFFSETS_FIGURE)
-    plot_coverage(families, SEED_COVERAGE, out_dir / COVERAGE_FIGURE)
+    plot_coverage(families, seed_coverage, out_dir / COVERAGE_FIGURE)
     plot_rank(families, analysis.settings.rank, out_dir / RANK_FIGURE)
     plot_spectrum(families, analysis.settings.energy_top, out_dir / SPECTRUM_FIGURE)
     plot_coverage_map({f: t.slot_coverage().reshape(analysis.grid.rows, analysis.grid.cols) for f, t in analysis.totals.items()},
@@ -55,7 +54,7 @@ def plot_offsets(visible: np.ndarray, hidden: np.ndarray, patch_px: int, path: P
     ax.set_title(f"orbital views inside a {patch_px} px patch")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=7)
     ax.grid(alpha=0.3)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_coverage(families: dict, seed_ranges: dict, path: Path) -> None:
@@ -78,7 +77,7 @@ def plot_coverage(families: dict, seed_ranges: dict, path: Path) -> None:
     ax.set_ylabel("coverage of hidden states, % (vs Center)")
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_rank(families: dict, rank: int, path: Path) -> None:
@@ -95,7 +94,7 @@ def plot_rank(families: dict, rank: int, path: Path) -> None:
     ax.set_ylabel("coverage of hidden states, %")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_spectrum(families: dict, top: int, path: Path) -> None:
@@ -111,7 +110,7 @@ def plot_spectrum(families: dict, top: int, path: Path) -> None:
     ax.set_ylabel("share of the variance (mean over anchors)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_coverage_map(maps: dict, path: Path) -> None:
@@ -123,7 +122,7 @@ def plot_coverage_map(maps: dict, path: Path) -> None:
         ax.set_xlabel("column")
         ax.set_ylabel("row")
         fig.colorbar(image, ax=ax, shrink=0.8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_anchor_coverage(coverages: dict, path: Path) -> None:
@@ -137,7 +136,7 @@ def plot_anchor_coverage(coverages: dict, path: Path) -> None:
         ax.set_xlabel("coverage of one anchor's hidden states, %")
         ax.set_ylabel("anchors")
         ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_appearance(results: dict, path: Path) -> None:
@@ -163,4 +162,4 @@ def plot_appearance(results: dict, path: Path) -> None:
         ax.set_title(f"{family} tokens: the shift covered by the base frame's spaces", fontsize=9)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.grid(axis="y", alpha=0.3)
-    _save(fig, path)
+    save_figure(fig, path)

@@ -29,7 +29,7 @@ def plot_explained_variance(
     ax.set_ylabel("cumulative explained variance E(m)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_correlation(corr: np.ndarray, frame_index: int, path: Path) -> None:
@@ -40,7 +40,7 @@ def plot_correlation(corr: np.ndarray, frame_index: int, path: Path) -> None:
     ax.set_title(f"patch-wise correlation, frame {frame_index}")
     ax.set_xlabel("patch index")
     ax.set_ylabel("patch index")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_lemma(summary: dict, path: Path) -> None:
@@ -65,10 +65,10 @@ def plot_lemma(summary: dict, path: Path) -> None:
         f"rank r = {summary['rank_mean']:.1f} (mean), coherence $\\mu$ = {summary['coherence_mean']:.2f}"
         f" (bound N/r = {summary['coherence_bound']:.1f})"
     )
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _save(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -7,13 +7,17 @@ the lemma sweep are the only ones whose data is looked at beyond that.
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
 import yaml
+from tqdm import tqdm
 
 from sps_driving.analysis import plot
 from sps_driving.analysis.correlation import CorrelationSummary, patch_correlation
@@ -27,6 +31,7 @@ from sps_driving.analysis.pca import (
     top_norm_rows,
     top_patch_count,
 )
+from sps_driving.analysis.readers import open_sources, read_rgb
 from sps_driving.analysis.similarity import cosine_similarity_map, overlay, overlay_grid
 from sps_driving.core.grid import PatchGrid
 
@@ -231,3 +236,48 @@ def _write_rgb(path: Path, image_rgb: np.ndarray) -> None:
     # Full compression: the overlay grid is a large image and is meant to be kept with results.
     if not cv2.imwrite(str(path), cv2.cvtColor(image_rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_PNG_COMPRESSION, 9]):
         raise OSError(f"could not write {path}")
+
+
+def run_redundancy(args: argparse.Namespace, settings: AnalysisSettings) -> int:
+    """The redundancy analysis over every input of `sps-driving analyze` (its docstring)."""
+    try:
+        overlay_image = read_rgb(args.overlay_image) if args.overlay_image is not None else None
+        sources = open_sources(args.inputs, args.stride, args)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    first = sources[0]
+    mismatched = [s.path for s in sources if (s.backbone, s.grid) != (first.backbone, first.grid)]
+    if mismatched:
+        print(f"error: {', '.join(map(str, mismatched))} differ from {first.path} in backbone or patch grid "
+              f"({first.backbone}, {first.grid.rows}x{first.grid.cols}): analyse them separately", file=sys.stderr)
+        return 2
+
+    analysis = RedundancyAnalysis(settings, first.grid)
+    total = sum(s.frames for s in sources)
+    if args.max_frames is not None:
+        total = min(total, args.max_frames)
+    with tqdm(total=total, desc="analyse", unit="frame") as progress:
+        for descriptors, image in itertools.chain.from_iterable(s.stream for s in sources):
+            if image is None and analysis.frames == settings.overlay_frame:
+                image = overlay_image
+            if not analysis.add_frame(descriptors, image):
+                print(f"warning: dropped a frame with non-finite descriptors "
+                      f"({analysis.frames_dropped_nonfinite} dropped)", file=sys.stderr)
+            progress.update()
+            if analysis.frames == args.max_frames:
+                break
+    if analysis.frames == 0:
+        print(f"error: no frames in {', '.join(map(str, args.inputs))}", file=sys.stderr)
+        return 1
+    summary = analysis.write(args.out, {"inputs": [str(p) for p in args.inputs], "backbone": first.backbone})
+    print(
+        f"{first.backbone}: {summary['frames']} frames, grid {first.grid.rows}x{first.grid.cols}, D={summary['dim']}: "
+        f"90% variance with {summary['components_90_all']} components (all patches), "
+        f"{summary['components_90_top']} (top-{summary['top_patches']} by norm); "
+        f"mean |off-diagonal correlation| {summary['correlation']['mean_abs_offdiagonal']:.3f}; "
+        f"written to {args.out}"
+    )
+    return 0
+
+
