@@ -6,9 +6,9 @@ from setuptools import find_packages, setup
 
 package_name = "sps_driving"
 
-# One executable per node, listed in sps_driving/nodes/__init__.py: read here as a file, since the
+# One executable per node, listed in sps_driving/ros/nodes/__init__.py: read here as a file, since the
 # package (and its dependencies) need not be importable at build time.
-NODES = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sps_driving", "nodes", "__init__.py"))["NODES"]
+NODES = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sps_driving", "ros", "nodes", "__init__.py"))["NODES"]
 
 setup(
     name=package_name,
@@ -21,7 +21,7 @@ setup(
         ("share/" + package_name + "/config", glob("config/*.yaml") + glob("config/*.xml")),
         ("share/" + package_name + "/security", glob("security/*.xml")),
         ("share/" + package_name + "/security/common", glob("security/common/*.xml")),
-        # PACMod 3 message definitions for sps_driving.bagio (one source with interfaces/pacmod3_msgs).
+        # PACMod 3 message definitions for sps_driving.ros.bagio (one source with interfaces/pacmod3_msgs).
         ("share/" + package_name + "/interfaces/pacmod3_msgs/msg", glob("interfaces/pacmod3_msgs/msg/*.msg")),
     ]
     # Shipped policies and the bundled drive keep their folder layout under share/.
@@ -38,7 +38,7 @@ setup(
     tests_require=["pytest"],
     python_requires=">=3.10",
     entry_points={
-        "console_scripts": [f"{name} = {package_name}.nodes.{name}:main" for name in NODES]
-        + ["sps-driving = sps_driving.cli:main", "respawn = sps_driving.respawn:main"],
+        "console_scripts": [f"{name} = {package_name}.ros.nodes.{name}:main" for name in NODES]
+        + ["sps-driving = sps_driving.cli:main", "respawn = sps_driving.ros.respawn:main"],
     },
 )

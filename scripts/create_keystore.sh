@@ -20,7 +20,7 @@ PYTHON="${PYTHON:-python3}"
 if [[ -d "$ROOT/sps_driving" ]]; then
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-generate() { "$PYTHON" -m sps_driving.security --domain "$DOMAIN" "$@"; }
+generate() { "$PYTHON" -m sps_driving.ros.security --domain "$DOMAIN" "$@"; }
 
 if [[ "$TOOL" == auto ]]; then
   if command -v ros2 >/dev/null && ros2 security --help >/dev/null 2>&1; then TOOL=sros2; else TOOL=openssl; fi

@@ -1,5 +1,5 @@
 """Copy a trained policy into models/ for shipping: its weights as they are, its config.json
-with every machine path made portable (sps_driving.resources.portable_record). The model
+with every machine path made portable (sps_driving.core.resources.portable_record). The model
 folder's README.md (what it is, how it was made, what it scores) is written by hand.
 
     python scripts/ship_policy.py runs/dagger/policy models/sps50_dinov2
@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from sps_driving.core.policies.checkpoint import read_policy_config
-from sps_driving.resources import portable_record
+from sps_driving.core.resources import portable_record
 
 
 def main() -> None:

@@ -11,15 +11,15 @@ import sys
 DESCRIPTION = ("End-to-end driving for ROS 2 with Stochastic Patch Selection: run the graph on the car, replay and "
                "check recordings, train, evaluate and analyse policies. `sps-driving COMMAND --help` for each command.")
 COMMANDS = {
-    "demo": ("sps_driving.demo", "the README's main job: replay the bundled drive through the live graph"),
+    "demo": ("sps_driving.tools.demo", "the README's main job: replay the bundled drive through the live graph"),
     "extract": ("sps_driving.train.extract", "bags (rosbag2 folders, .mcap, .db3) or image folders -> descriptor feature cache"),
     "train": ("sps_driving.train.trainer", "train a policy on a feature cache (torchrun-ready)"),
     "finetune": ("sps_driving.train.finetune_text", "fine-tune a policy with language-guided latent augmentation"),
-    "bench": ("sps_driving.bench", "per-frame extraction timing at several selection rates"),
-    "replay": ("sps_driving.replay", "play a bag through the live ROS 2 graph and report"),
-    "interventions": ("sps_driving.interventions", "count safety-driver interventions in a field-test bag"),
-    "record": ("sps_driving.record", "record a data drive or field test on the car (ros2 bag record, mcap)"),
-    "faults": ("sps_driving.faults", "fault-injection matrix of the drive-by-wire path against the live graph"),
+    "bench": ("sps_driving.tools.bench", "per-frame extraction timing at several selection rates"),
+    "replay": ("sps_driving.tools.replay", "play a bag through the live ROS 2 graph and report"),
+    "interventions": ("sps_driving.tools.interventions", "count safety-driver interventions in a field-test bag"),
+    "record": ("sps_driving.tools.record", "record a data drive or field test on the car (ros2 bag record, mcap)"),
+    "faults": ("sps_driving.tools.faults", "fault-injection matrix of the drive-by-wire path against the live graph"),
     "collect": ("sps_driving.sim.collect", "record expert drives in the simulator as rosbag2"),
     "eval": ("sps_driving.sim.evaluate", "closed-loop out-of-distribution evaluation"),
     "compare": ("sps_driving.sim.compare", "method A against method B over eval results, paired, with 95% intervals"),
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd_parser.set_defaults(run=module.run)
     args = parser.parse_args(argv)
     code = int(args.run(args) or 0)
-    processes = sys.modules.get("sps_driving.distributed")  # imported only by commands that run under torchrun
+    processes = sys.modules.get("sps_driving.train.distributed")  # imported only by commands that run under torchrun
     if processes is not None and processes.left_a_process_group:
         processes.exit_after_group(code)
     return code

@@ -5,7 +5,7 @@ import tempfile
 
 import pytest
 
-from sps_driving.graph import isolate_ros
+from sps_driving.ros.graph import isolate_ros
 
 # Node tests talk over DDS on this machine only (UDP on 127.0.0.1, the car graph's settings
 # otherwise: config/fastdds_loopback.xml), in a domain of the test run's own (or

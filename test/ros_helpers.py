@@ -10,7 +10,8 @@ import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
+from sps_driving.ros import msgs
 
 
 class Probe:

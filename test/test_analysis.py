@@ -284,7 +284,7 @@ def test_redundancy_analysis_writes_figures_and_summary(tmp_path):
 
 
 def test_settings_load_from_the_shipped_yaml_and_reject_unknown_keys(tmp_path):
-    from sps_driving.resources import config_path
+    from sps_driving.core.resources import config_path
 
     settings = AnalysisSettings.from_yaml(config_path("analysis.yaml"))
     assert settings.explained_variance_level == 0.9 and settings.top_patches == 128
@@ -354,8 +354,9 @@ def test_analyze_command_on_a_rosbag2_with_the_embedded_dinov2(tmp_path, capsys)
 
     import yaml
 
-    from sps_driving import bagio, msgs, topics
     from sps_driving.cli import main
+    from sps_driving.core import topics
+    from sps_driving.ros import bagio, msgs
 
     rng = np.random.default_rng(13)
     bag = tmp_path / "drive"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_car_labels import write_car_bag
 
-from sps_driving import bagio
 from sps_driving.cli import main
+from sps_driving.ros import bagio
 from sps_driving.train.cache import FeatureCache
 
 TICKS = 90  # 3 s of reports at 30 Hz, 30 camera frames

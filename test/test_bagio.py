@@ -3,8 +3,9 @@ import math
 import numpy as np
 import pytest
 
-from sps_driving import bagio, msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.image import ImageError, from_rgb, to_rgb
+from sps_driving.ros import bagio, msgs
 
 
 def _frame(h=6, w=8):

@@ -11,8 +11,9 @@ import torch
 from samples import tiny_dinov2_policy
 from torch.utils.flop_counter import FlopCounterMode
 
-from sps_driving import bench, bench_report, cli
+from sps_driving import cli
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
+from sps_driving.tools import bench, bench_report
 
 
 def qformer_flops(config, patches: int, fast: bool) -> int:
@@ -183,9 +184,10 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
     given peak. No speed asserted."""
     from samples import tiny_policy
 
-    from sps_driving import msgs, topics
-    from sps_driving.bagio import BagWriter
+    from sps_driving.core import topics
     from sps_driving.core.flops import ViTShape, dinov2_flops
+    from sps_driving.ros import msgs
+    from sps_driving.ros.bagio import BagWriter
 
     ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")

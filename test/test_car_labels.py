@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from sps_driving import bagio, msgs, topics
-from sps_driving.bagio import TYPESTORE
 from sps_driving.cli import main
+from sps_driving.core import topics
 from sps_driving.core.backbones import load_extractor
 from sps_driving.core.control import ControlLimits, EngageState, VehicleCommand, from_pacmod, to_pacmod
-from sps_driving.graph import car_facts
-from sps_driving.msgs import Fields, header_fields
+from sps_driving.ros import bagio, msgs
+from sps_driving.ros.bagio import TYPESTORE
+from sps_driving.ros.graph import car_facts
+from sps_driving.ros.msgs import Fields, header_fields
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
 from sps_driving.train.car_labels import read_car_labels
 from sps_driving.train.extract import ExtractSettings, extract
@@ -376,7 +377,7 @@ def test_training_weighs_intervention_frames(tmp_path):
 
 def test_replay_compares_with_the_human_on_the_frames_extract_labels(car_bag, car_cache):
     """The replay's reference of a car bag: the cache's labels, frame for frame."""
-    from sps_driving.replay import build_report, human_reference
+    from sps_driving.tools.replay import build_report, human_reference
 
     _, cache = car_cache
     car = read_car_labels(car_bag, SETTINGS.car_label_rules(), float(car_facts()["steering_ratio"]))
@@ -394,15 +395,15 @@ def test_replay_compares_with_the_human_on_the_frames_extract_labels(car_bag, ca
 
 
 def msgs_record(stamp, command):
-    from sps_driving.replay import Record
+    from sps_driving.tools.replay import Record
 
     return Record(topics.POLICY_COMMAND, stamp, bagio.to_bag(msgs.command_fields(*command, stamp)))
 
 
 def test_the_recording_profile_holds_what_extract_replay_and_interventions_read(tmp_path, capsys):
     from sps_driving.core.state import STATE_INPUTS
-    from sps_driving.record import load_profile, record_command
-    from sps_driving.replay import PLAYED
+    from sps_driving.tools.record import load_profile, record_command
+    from sps_driving.tools.replay import PLAYED
     from sps_driving.train.car_labels import ENGAGEMENT_REPORTS, GEAR_REPORT, REPORTS
 
     profile = load_profile()
@@ -426,8 +427,8 @@ def test_a_car_bag_trains_a_policy_whose_replay_shows_its_commands_against_the_h
     """Done when: `extract` of a car bag, `train`, then `replay` of the same bag through the node
     processes: every frame gets a command or a drop reason, and the report's errors are the
     policy's recorded commands against the human's labels on the frames extract kept."""
-    from sps_driving.bagio import read_messages
-    from sps_driving.replay import format_report
+    from sps_driving.ros.bagio import read_messages
+    from sps_driving.tools.replay import format_report
 
     bag = write_car_bag(tmp_path / "car_drive", "mcap")
     (tmp_path / "pixels.yaml").write_text("backbone: pixels\ninput_size: [28, 28]\n")

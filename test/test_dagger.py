@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import yaml
 
-from sps_driving import topics
-from sps_driving.bagio import read_messages
 from sps_driving.cli import main
+from sps_driving.core import topics
+from sps_driving.core.resources import config_path, source_revision
 from sps_driving.core.state import STATE_NAMES
-from sps_driving.resources import config_path, source_revision
+from sps_driving.ros.bagio import read_messages
 from sps_driving.sim import dagger
 from sps_driving.train.cache import FeatureCache
 
@@ -248,7 +248,7 @@ def test_with_dinov2_a_rollouts_cache_equals_extract_of_its_bag(tmp_path):
     during the rollout match those `extract` computes from the rollout's bag."""
     from samples import tiny_policy
 
-    from sps_driving.bagio import BagWriter
+    from sps_driving.ros.bagio import BagWriter
     from sps_driving.sim.collect import BagSink
     from sps_driving.sim.config import load_sim_config, set_render_width
     from sps_driving.sim.episodes import PolicyDriver

@@ -18,9 +18,10 @@ import pytest
 import yaml
 from samples import tiny_policy
 
-from sps_driving import bagio, msgs, topics
 from sps_driving.cli import main
-from sps_driving.resources import config_path
+from sps_driving.core import topics
+from sps_driving.core.resources import config_path
+from sps_driving.ros import bagio, msgs
 from sps_driving.train.cache import PROGRESS_DIR, FeatureCache
 
 ROOT = Path(__file__).resolve().parent.parent

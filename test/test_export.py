@@ -121,8 +121,9 @@ def test_dinov2_export_matches_torch(tmp_path, image):
 def test_cli_parity_on_a_drives_frames_for_fp32_and_int8(tmp_path, capsys):
     """`export parity --bag`: the export cache's onnxruntime graph (made on first use) against torch
     on every frame of a drive; fp32 within 1e-4, int8 a few % off and said to fail the tolerance."""
-    from sps_driving import msgs, topics
-    from sps_driving.bagio import BagWriter
+    from sps_driving.core import topics
+    from sps_driving.ros import msgs
+    from sps_driving.ros.bagio import BagWriter
 
     rng = np.random.default_rng(4)
     with BagWriter(tmp_path / "drive", "sqlite3") as bag:

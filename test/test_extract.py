@@ -7,9 +7,10 @@ import cv2
 import numpy as np
 import pytest
 
-from sps_driving import bagio, msgs, topics
 from sps_driving.cli import main
+from sps_driving.core import topics
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
+from sps_driving.ros import bagio, msgs
 from sps_driving.train.cache import FeatureCache
 from sps_driving.train.extract import ExtractSettings, extract
 

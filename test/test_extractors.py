@@ -15,7 +15,7 @@ from sps_driving.core.backbones import load_extractor, resolve_config
 from sps_driving.core.backbones.dinov2 import bundled_onnx_path
 from sps_driving.core.backbones.runtimes import PARITY_FILE, cached_export_dir
 from sps_driving.export.cache import ensure_export
-from sps_driving.extractors import (
+from sps_driving.export.extractors import (
     ExtractionConflict,
     extraction_settings,
     extractor_for_policy,
@@ -151,7 +151,7 @@ def test_a_killed_builders_leftovers_are_cleared_and_concurrent_first_uses_build
     (leftover / "backbone.onnx").write_bytes(b"half")
     script = (
         "import json, sys\n"
-        "from sps_driving.extractors import open_extractor\n"
+        "from sps_driving.export.extractors import open_extractor\n"
         f"opened = open_extractor({{'input_size': [112, 112], 'cache_dir': {str(cache)!r}, 'threads': 1}})\n"
         "print(json.dumps(opened.facts))\n"
     )

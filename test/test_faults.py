@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from sps_driving import faults
 from sps_driving.core.control import ControlLimits
 from sps_driving.sim.pacmod import Sent
+from sps_driving.tools import faults
 
 LIMITS = ControlLimits()
 RATIO = 14.8

@@ -1,17 +1,17 @@
 """FLOPs per frame counted from the model's shapes (sps_driving.core.flops) equal torch's FLOP
 counter on the real DINOv2 ViT-S/14 architecture (random weights: the count does not depend on
 them) at the shipped road band's input, 168x336 px (12x24 patches): dense, token dropping, a masked
-earlier layer, I-ViT; and the measured GEMM peak (sps_driving.peak) is what its products ran at."""
+earlier layer, I-ViT; and the measured GEMM peak (sps_driving.tools.peak) is what its products ran at."""
 
 import numpy as np
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
-from sps_driving import bench
 from sps_driving.core.backbones import resolve_config
 from sps_driving.core.flops import ViTShape, dinov2_flops
 from sps_driving.export.cli import random_dinov2
-from sps_driving.peak import _matmul_model, _quantized, measure_peak, vit_gemm_shapes
+from sps_driving.tools import bench
+from sps_driving.tools.peak import _matmul_model, _quantized, measure_peak, vit_gemm_shapes
 
 ROAD_BAND = {"backbone": "dinov2_vits14", "backend": "torch", "input_size": [168, 336], "roi": [0.4, 0.65, 0.125, 0.875]}
 

@@ -1,4 +1,4 @@
-"""A tool's graph keeps to this machine and a ROS domain of its own (sps_driving.graph.isolate_ros):
+"""A tool's graph keeps to this machine and a ROS domain of its own (sps_driving.ros.graph.isolate_ros):
 its node processes and its own rclpy context alike."""
 
 import json
@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from sps_driving.graph import DOMAIN_VARIABLE, PRIVATE_DOMAINS, private_domain_id
+from sps_driving.ros.graph import DOMAIN_VARIABLE, PRIVATE_DOMAINS, private_domain_id
 
-# What a tool does (sps_driving.replay.replay_bag): isolate, its own context, then the graph.
+# What a tool does (sps_driving.tools.replay.replay_bag): isolate, its own context, then the graph.
 TOOL = """
 import json, os, sys
-from sps_driving.graph import Graph, isolate_ros, wait_for_nodes
+from sps_driving.ros.graph import Graph, isolate_ros, wait_for_nodes
 domain = isolate_ros()
 import rclpy
 from rclpy.node import Node
@@ -51,7 +51,7 @@ def test_the_domain_is_the_users_choice_or_a_private_one_picked_by_process_id():
 
 CLAIM = """
 import sys, time
-from sps_driving.graph import claim_domain
+from sps_driving.ros.graph import claim_domain
 print(claim_domain([int(d) for d in sys.argv[1:]]), flush=True)
 time.sleep(30)
 """

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sps_driving import topics
-from sps_driving.nodes.common import specs
+from sps_driving.core import topics
+from sps_driving.ros.nodes.common import specs
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch" / "sps_driving.launch.xml"
@@ -36,15 +36,15 @@ def setup_entry_points() -> dict:
 
 
 def test_setup_builds_an_executable_for_every_node_and_the_tools_start_only_those():
-    from sps_driving.nodes import NODES
-    from sps_driving.replay import GRAPH_NODES as REPLAY_NODES
+    from sps_driving.ros.nodes import NODES
     from sps_driving.sim.graph_eval import GRAPH_NODES as SIM_NODES
+    from sps_driving.tools.replay import GRAPH_NODES as REPLAY_NODES
 
-    node_modules = {m.name for m in pkgutil.iter_modules([str(ROOT / "sps_driving" / "nodes")]) if m.name != "common"}
+    node_modules = {m.name for m in pkgutil.iter_modules([str(ROOT / "sps_driving" / "ros" / "nodes")]) if m.name != "common"}
     assert set(NODES) == node_modules
     assert {k: v for k, v in setup_entry_points().items() if k not in ("sps-driving", "respawn")} == {
-        name: f"sps_driving.nodes.{name}:main" for name in NODES}
-    assert setup_entry_points()["respawn"] == "sps_driving.respawn:main"
+        name: f"sps_driving.ros.nodes.{name}:main" for name in NODES}
+    assert setup_entry_points()["respawn"] == "sps_driving.ros.respawn:main"
     assert set(REPLAY_NODES) <= set(NODES) and set(SIM_NODES) <= set(NODES)
 
 
@@ -80,7 +80,7 @@ def test_nodes_are_entry_points_with_main(launch):
     for node in nodes:
         assert node.get("pkg") == "sps_driving"
         assert node.get("exec") in entry_points
-        module = importlib.import_module(f"sps_driving.nodes.{node.get('exec')}")
+        module = importlib.import_module(f"sps_driving.ros.nodes.{node.get('exec')}")
         assert callable(module.main) and module.PARAMETERS
         # The node's ROS name is the one the params file is keyed by, and it has a namespace: launch
         # then keys its <param> values by the full node name, so they override the params file's
@@ -91,7 +91,7 @@ def test_nodes_are_entry_points_with_main(launch):
 
 
 def test_the_perception_nodes_run_under_the_supervisor_and_the_nodes_that_stop_the_car_do_not(launch):
-    from sps_driving.graph import NEVER_RESPAWNED
+    from sps_driving.ros.graph import NEVER_RESPAWNED
 
     arguments = {a.get("name"): a.get("default") for a in launch.iter("arg")}
     respawn = next(let.get("value") for let in launch.iter("let") if let.get("name") == "respawn")
@@ -158,7 +158,7 @@ def test_every_parameter_set_is_declared_and_allowed(launch):
     sections, every_node = params_file_sections()
     arguments = {a.get("name"): a.get("default") for a in launch.findall("arg")}
     for node in launch.findall("node"):
-        declared = specs(importlib.import_module(f"sps_driving.nodes.{node.get('exec')}").PARAMETERS)
+        declared = specs(importlib.import_module(f"sps_driving.ros.nodes.{node.get('exec')}").PARAMETERS)
         for param in node.findall("param"):
             if param.get("from"):
                 assert "params_file" in param.get("from")
@@ -175,8 +175,8 @@ def test_every_parameter_set_is_declared_and_allowed(launch):
 
 
 def test_the_car_runs_the_shipped_policy_by_default(launch):
-    from sps_driving.nodes import policy
-    from sps_driving.resources import SHIPPED_POLICY
+    from sps_driving.core.resources import SHIPPED_POLICY
+    from sps_driving.ros.nodes import policy
 
     sections, _ = params_file_sections()
     arguments = {a.get("name"): a.get("default") for a in launch.findall("arg")}
@@ -187,7 +187,7 @@ def test_the_car_runs_the_shipped_policy_by_default(launch):
 def test_operator_arguments_typed_by_launch_reach_the_node_as_declared():
     """`selection_rate:=1` arrives as an int and `camera_source:=0` (a V4L2 index) as an int:
     the nodes take them as the number 1.0 and the string "0"."""
-    from sps_driving.nodes import camera_driver, selection
+    from sps_driving.ros.nodes import camera_driver, selection
 
     rate = selection.PARAMETERS["rate"].convert(as_launch_types_it("1"))
     assert rate == 1.0 and type(rate) is float
@@ -220,11 +220,11 @@ def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
 
 
 def test_params_file_sections_are_nodes_the_graph_can_start():
-    from sps_driving.nodes import NODES
+    from sps_driving.ros.nodes import NODES
 
     sections, every_node = params_file_sections()
     assert set(sections) <= set(NODES) and set(NODES) <= set(setup_entry_points())
-    declared = {name: specs(importlib.import_module(f"sps_driving.nodes.{name}").PARAMETERS) for name in NODES}
+    declared = {name: specs(importlib.import_module(f"sps_driving.ros.nodes.{name}").PARAMETERS) for name in NODES}
     for name, section in sections.items():
         assert set(section) <= set(declared[name]), name
     # A parameter for every node is declared by some node, with the same type and allowed by each.

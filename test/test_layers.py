@@ -84,7 +84,7 @@ def test_core_never_reaches_export_or_ros():
     package, outside = reachable_from(roots)
     upward = sorted(m for m in package if m.startswith("sps_driving.export"))
     assert not upward, f"core reaches {upward}"
-    assert not {m for m in package if m.startswith("sps_driving.nodes")}
+    assert not {m for m in package if m.startswith("sps_driving.ros.nodes")}
     assert not {m for m in outside if is_ros(m)}, sorted(outside)
     assert is_ros("sensor_msgs.msg") and is_ros("rclpy.node")
 
@@ -94,11 +94,11 @@ def test_node_modules_load_torch_only_when_a_node_starts():
     import subprocess
     import sys
 
-    from sps_driving.graph import NODES
+    from sps_driving.ros.graph import NODES
 
     script = (
         "import importlib, sys\n"
-        f"for name in {list(NODES)!r}: importlib.import_module('sps_driving.nodes.' + name)\n"
+        f"for name in {list(NODES)!r}: importlib.import_module('sps_driving.ros.nodes.' + name)\n"
         "print(sorted(m for m in ('torch', 'onnxruntime') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=PACKAGE_DIR.parent)

@@ -5,9 +5,9 @@ import pytest
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import JointState, PointCloud2
 
-from sps_driving import msgs
-from sps_driving.bagio import TYPESTORE, to_bag
 from sps_driving.core.image import ImageError
+from sps_driving.ros import msgs
+from sps_driving.ros.bagio import TYPESTORE, to_bag
 
 RGB = np.random.default_rng(5).integers(0, 256, (6, 8, 3), dtype=np.uint8)
 SHARED_LAYOUTS = [

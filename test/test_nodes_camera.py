@@ -9,9 +9,10 @@ from diagnostic_msgs.msg import DiagnosticArray
 from ros_helpers import Probe
 from sensor_msgs.msg import CameraInfo, Image
 
-from sps_driving import msgs, topics
-from sps_driving.graph import Graph, wait_for_nodes
-from sps_driving.process import CANNOT_START
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import Graph, wait_for_nodes
+from sps_driving.ros.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 
@@ -79,7 +80,7 @@ def test_missing_device_is_retried_not_fatal(tmp_path, probe):
 
 
 def test_gstreamer_pipeline_without_gstreamer_is_a_clear_error(tmp_path):
-    from sps_driving.nodes.camera_driver import opencv_has_gstreamer
+    from sps_driving.ros.nodes.camera_driver import opencv_has_gstreamer
 
     if opencv_has_gstreamer():
         pytest.skip("this OpenCV has GStreamer")

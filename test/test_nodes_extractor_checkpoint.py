@@ -15,12 +15,13 @@ from ros_helpers import Probe
 from samples import tiny_policy
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.backbones import load_extractor
 from sps_driving.core.policies.checkpoint import read_policy_config
 from sps_driving.core.selection import PatchSelector, SelectionConfig
-from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
-from sps_driving.process import CANNOT_START
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import Graph, wait_for_nodes, wait_for_topics
+from sps_driving.ros.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 SIZE = [112, 112]  # px: an 8x8 grid

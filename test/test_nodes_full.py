@@ -13,8 +13,9 @@ from ros_helpers import Probe, Rate
 from samples import tiny_policy
 from sensor_msgs.msg import CameraInfo, JointState
 
-from sps_driving import msgs, topics
-from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_topics
 
 pytestmark = pytest.mark.ros
 

@@ -14,8 +14,9 @@ from ros_helpers import Probe, Rate
 from sensor_msgs.msg import CameraInfo, JointState
 from std_srvs.srv import SetBool
 
-from sps_driving import msgs, topics
-from sps_driving.graph import Graph, wait_for_nodes
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import Graph, wait_for_nodes
 
 pytestmark = pytest.mark.ros
 

@@ -8,9 +8,9 @@ from rcl_interfaces.msg import ParameterType, ParameterValue
 from rcl_interfaces.srv import DescribeParameters, GetParameters, SetParameters
 from ros_helpers import Probe
 
-from sps_driving.graph import Graph, wait_for_nodes
-from sps_driving.nodes.common import Param
-from sps_driving.process import CANNOT_START
+from sps_driving.ros.graph import Graph, wait_for_nodes
+from sps_driving.ros.nodes.common import Param
+from sps_driving.ros.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 
@@ -78,7 +78,7 @@ def test_declare_converts_refuses_and_describes_in_process():
     from rclpy.node import Node
     from rclpy.parameter import Parameter
 
-    from sps_driving.nodes.common import declare
+    from sps_driving.ros.nodes.common import declare
 
     table = {"gain": Param(0.5, "how much", "m/s", min=0.0), "name": "a", "count": 3, "inputs": ["lane"], "on": False}
     context = rclpy.Context()

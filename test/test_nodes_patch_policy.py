@@ -12,11 +12,12 @@ from ros_helpers import Probe
 from samples import tiny_policy
 from sensor_msgs.msg import JointState, PointCloud2
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.policies.checkpoint import load_policy
 from sps_driving.core.policies.streaming import StreamingPolicy
 from sps_driving.core.state import STATE_NAMES
-from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import Graph, wait_for_nodes, wait_for_subscribers
 
 pytestmark = pytest.mark.ros
 

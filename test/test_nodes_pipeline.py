@@ -14,11 +14,12 @@ from ros_helpers import Probe
 from samples import tiny_policy
 from sensor_msgs.msg import CameraInfo, Image, JointState, PointCloud2
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.policies.checkpoint import load_policy
 from sps_driving.core.selection import PatchSelector
-from sps_driving.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_subscribers
-from sps_driving.process import CANNOT_START
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import VEHICLE_WITHOUT_CAR, Graph, wait_for_nodes, wait_for_subscribers
+from sps_driving.ros.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 

@@ -15,9 +15,10 @@ from sensor_msgs.msg import CameraInfo, JointState, Range
 from std_msgs.msg import Bool
 from std_srvs.srv import SetBool, Trigger
 
-from sps_driving import msgs, topics
-from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
-from sps_driving.process import CANNOT_START
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import Graph, wait_for_nodes, wait_for_subscribers
+from sps_driving.ros.process import CANNOT_START
 
 pytestmark = pytest.mark.ros
 

@@ -19,7 +19,8 @@ from rosgraph_msgs.msg import Clock as ClockMsg
 from std_srvs.srv import SetBool
 from test_nodes_vehicle import STOP_BRAKE, VEHICLE, Inputs, actuation, drives, engage, start_rig, stop_reasons, vehicle
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
+from sps_driving.ros import msgs
 
 pytestmark = pytest.mark.ros
 
@@ -116,7 +117,7 @@ def test_an_exception_in_a_callback_runs_the_fail_safe_exit():
         """
         import rclpy
         from rclpy.node import Node
-        from sps_driving.nodes.common import run
+        from sps_driving.ros.nodes.common import run
 
         class Crashing(Node):
             NODE_NAME = "crashing"
@@ -143,7 +144,7 @@ NODE_UNDER_A_PARENT = textwrap.dedent(
     """
     import sys
     from rclpy.node import Node
-    from sps_driving.nodes.common import run
+    from sps_driving.ros.nodes.common import run
 
     class Watched(Node):
         NODE_NAME = "watched"

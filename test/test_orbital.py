@@ -31,7 +31,7 @@ from sps_driving.core.orbital import (
     top_energy,
     visible_reader,
 )
-from sps_driving.resources import config_path
+from sps_driving.core.resources import config_path
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
 from sps_driving.train.orbital_augment import OrbitalAugmenter
 from sps_driving.train.trainer import TrainConfig, train
@@ -242,7 +242,8 @@ def test_the_analysis_streams_frames_and_writes_figures_and_summary(tmp_path):
 
 
 def test_analyze_orbital_command_on_a_rosbag2_with_the_embedded_dinov2(tmp_path, capsys):
-    from sps_driving import bagio, msgs, topics
+    from sps_driving.core import topics
+    from sps_driving.ros import bagio, msgs
 
     bag = tmp_path / "drive"
     with bagio.BagWriter(bag) as writer:

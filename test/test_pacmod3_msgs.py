@@ -1,6 +1,6 @@
 """PACMod 3 messages: interfaces/pacmod3_msgs against the upstream ROS 2 layout, the classes
 generated from it exchanged between two processes over Fast DDS, and rosbag2 files of them
-decoded by sps_driving.bagio (with a bag's own stored definitions taking precedence)."""
+decoded by sps_driving.ros.bagio (with a bag's own stored definitions taking precedence)."""
 
 import importlib
 import inspect
@@ -13,7 +13,7 @@ import pytest
 from rosbags.rosbag2 import Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
-from sps_driving import bagio, msgs
+from sps_driving.ros import bagio, msgs
 
 # astuff/pacmod3_msgs (ROS 2) GlobalRpt after its header, in order. The ROS 1 layout differs.
 UPSTREAM_GLOBAL_RPT = [

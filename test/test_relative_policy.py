@@ -297,8 +297,9 @@ def test_the_policy_node_drives_with_a_relative_policy(tmp_path):
     from ros_helpers import Probe
     from sensor_msgs.msg import JointState, PointCloud2
 
-    from sps_driving import msgs, topics
-    from sps_driving.graph import Graph, wait_for_nodes, wait_for_subscribers
+    from sps_driving.core import topics
+    from sps_driving.ros import msgs
+    from sps_driving.ros.graph import Graph, wait_for_nodes, wait_for_subscribers
 
     path = tiny_policy(tmp_path / "rq", 8, 8, D, variant="spps", architecture="relative_query", state_inputs=STATE_NAMES)
     policy = load_policy(path)

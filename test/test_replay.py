@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from rclpy.serialization import serialize_message
 
-from sps_driving import msgs, topics
-from sps_driving.bagio import TYPESTORE, BagWriter, read_messages, to_bag
-from sps_driving.msgs import Level, command_fields, image_fields, lane_pose_fields
-from sps_driving.replay import Record, build_report, default_output, format_report, match_reference
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.bagio import TYPESTORE, BagWriter, read_messages, to_bag
+from sps_driving.ros.msgs import Level, command_fields, image_fields, lane_pose_fields
+from sps_driving.tools.replay import Record, build_report, default_output, format_report, match_reference
 
 MS = 1_000_000
 
@@ -237,7 +238,7 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys, m
 
 
 def test_replay_sets_the_extractors_precision_only_when_asked():
-    from sps_driving.replay import graph_parameters
+    from sps_driving.tools.replay import graph_parameters
 
     bag_topics = {topics.IMAGE: "sensor_msgs/msg/Image"}
     assert "precision" not in graph_parameters(Path("/p"), bag_topics, True, 60.0)["extractor"]
@@ -282,7 +283,7 @@ BOTH = {"state_inputs": ["speed_mps", "target_speed_mps"]}
 
 
 def test_state_comes_from_the_bag_from_options_or_the_policy_parameter_and_says_which(tmp_path):
-    from sps_driving.replay import ReplayError, state_plan
+    from sps_driving.tools.replay import ReplayError, state_plan
 
     params = tmp_path / "graph.yaml"
     params.write_text("policy:\n  ros__parameters:\n    target_speed_mps: 4.5\n")

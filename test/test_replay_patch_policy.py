@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from samples import tiny_policy
 
-from sps_driving import cli, msgs, topics
-from sps_driving.bagio import read_messages
+from sps_driving import cli
+from sps_driving.core import topics
+from sps_driving.core.resources import package_path
 from sps_driving.core.state import nearest
-from sps_driving.resources import package_path
+from sps_driving.ros import msgs
+from sps_driving.ros.bagio import read_messages
 from sps_driving.sim.episodes import PolicyDriver
 
 pytestmark = pytest.mark.ros

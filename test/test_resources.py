@@ -1,6 +1,6 @@
 """Shipped files name no folder of the machine that made them."""
 
-from sps_driving.resources import SOURCE_ROOT, portable_record
+from sps_driving.core.resources import SOURCE_ROOT, portable_record
 
 
 def test_portable_record_rewrites_absolute_paths_alone_and_inside_commands():

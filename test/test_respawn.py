@@ -1,4 +1,4 @@
-"""The supervisor that starts a crashed perception node again (sps_driving.respawn): its back-off,
+"""The supervisor that starts a crashed perception node again (sps_driving.ros.respawn): its back-off,
 and real processes under it, a real node included."""
 
 import os
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sps_driving.process import CANNOT_START
-from sps_driving.respawn import BackOff
+from sps_driving.ros.process import CANNOT_START
+from sps_driving.ros.respawn import BackOff
 
 # A child that records each start (its pid) and how it was stopped, then exits as told.
 CHILD = textwrap.dedent(
@@ -57,7 +57,7 @@ def test_a_clean_exit_or_a_node_that_cannot_start_is_not_started_again():
 def test_the_shipped_settings_wait_longer_than_the_dds_lease_and_are_bounded(tmp_path):
     import re
 
-    from sps_driving.resources import config_path
+    from sps_driving.core.resources import config_path
 
     back_off = BackOff.from_file(config_path("respawn.yaml"))
     lease_s = float(re.search(r"<leaseDuration><sec>(\d+)</sec>", config_path("fastdds.xml").read_text()).group(1))
@@ -74,7 +74,7 @@ def supervise(tmp_path, exit_with: int, **settings):
     config.write_text(yaml.safe_dump({"first_delay_s": 0.2, "factor": 2.0, "max_delay_s": 1.0, "max_restarts": 2,
                                       "window_s": 60.0, **settings}))
     log = tmp_path / "child.log"
-    command = [sys.executable, "-m", "sps_driving.respawn", "--name", "child", "--config", str(config), "--",
+    command = [sys.executable, "-m", "sps_driving.ros.respawn", "--name", "child", "--config", str(config), "--",
                sys.executable, "-c", CHILD, str(log), str(exit_with)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), log
 
@@ -131,7 +131,7 @@ def test_a_node_that_cannot_start_is_not_started_again(tmp_path):
 
 def test_turned_off_the_command_runs_in_its_place(tmp_path):
     log = tmp_path / "child.log"
-    done = subprocess.run([sys.executable, "-m", "sps_driving.respawn", "--enabled", "false", "--",
+    done = subprocess.run([sys.executable, "-m", "sps_driving.ros.respawn", "--enabled", "false", "--",
                            sys.executable, "-c", CHILD, str(log), "5"], timeout=30)
     assert done.returncode == 5 and len(starts(log)) == 1
 
@@ -142,7 +142,7 @@ def test_a_killed_node_of_the_graph_comes_back_under_its_supervisor(tmp_path):
     import rclpy
     from rclpy.node import Node
 
-    from sps_driving.graph import Graph, isolate_ros, wait_for_nodes
+    from sps_driving.ros.graph import Graph, isolate_ros, wait_for_nodes
 
     isolate_ros()
     context = rclpy.Context()
@@ -163,7 +163,7 @@ def test_a_killed_node_of_the_graph_comes_back_under_its_supervisor(tmp_path):
 
 
 def test_the_vehicle_interface_and_the_failsafe_are_never_supervised():
-    from sps_driving.graph import Graph
+    from sps_driving.ros.graph import Graph
 
     for node in ("vehicle_interface", "failsafe"):
         with pytest.raises(ValueError, match="never started again"):

@@ -14,7 +14,7 @@ from sps_driving.core.backbones.dinov2 import IMAGENET_MEAN, IMAGENET_STD
 from sps_driving.core.backbones.pixels import PixelExtractor
 from sps_driving.core.backbones.runtimes import OnnxRuntimeExtractor
 from sps_driving.core.image import ImageError, check_roi, normalized_pixels, patch_rectangles, roi_box
-from sps_driving.extractors import ExtractionConflict, extraction_settings, extractor_for_policy, policy_extraction
+from sps_driving.export.extractors import ExtractionConflict, extraction_settings, extractor_for_policy, policy_extraction
 
 ROI = [0.2, 0.7, 0.1, 0.9]  # on a 60x100 frame: rows 12..41, columns 10..89
 FRAME = (60, 100, 3)

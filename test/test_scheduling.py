@@ -1,4 +1,4 @@
-"""CPU affinity and scheduling priority of the nodes that stop the car (sps_driving.process,
+"""CPU affinity and scheduling priority of the nodes that stop the car (sps_driving.ros.process,
 nodes.common.SCHEDULING_PARAMETERS): applied to every thread, refused with what it needs."""
 
 import json
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from sps_driving.process import CANNOT_START, parse_cpus
+from sps_driving.ros.process import CANNOT_START, parse_cpus
 
 # Runs apply_scheduling in a fresh process with a few threads, then prints each thread's policy,
 # priority, nice value and CPUs.
 APPLY = textwrap.dedent(
     """
     import json, os, sys, threading
-    from sps_driving.process import apply_scheduling
+    from sps_driving.ros.process import apply_scheduling
     stop = threading.Event()
     before = [threading.Thread(target=stop.wait) for _ in range(3)]
     for t in before: t.start()
@@ -99,14 +99,14 @@ def test_the_failsafe_does_not_start_without_the_priority_it_was_given(tmp_path)
     """A safety node that cannot have its priority says why and exits as a node that cannot start."""
     import yaml
 
-    from sps_driving.graph import default_params_file, isolate_ros
+    from sps_driving.ros.graph import default_params_file, isolate_ros
 
     isolate_ros()
     params = yaml.safe_load(default_params_file().read_text())
     params["failsafe"]["ros__parameters"].update({"realtime_priority": 20, "cpu_affinity": "0"})
     path = Path(tmp_path) / "params.yaml"
     path.write_text(yaml.safe_dump(params))
-    command = [*WITHOUT_CAP_SYS_NICE, sys.executable, "-m", "sps_driving.nodes.failsafe", "--ros-args", "--params-file", str(path)]
+    command = [*WITHOUT_CAP_SYS_NICE, sys.executable, "-m", "sps_driving.ros.nodes.failsafe", "--ros-args", "--params-file", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == CANNOT_START, done.stderr
     assert "[failsafe] cannot start: realtime_priority 20 needs CAP_SYS_NICE" in done.stderr

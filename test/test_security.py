@@ -24,9 +24,10 @@ import pytest
 from ros_helpers import Probe
 from samples import tiny_policy
 
-from sps_driving import security, topics
+from sps_driving.core import topics
 from sps_driving.core.state import STATE_NAMES
-from sps_driving.graph import Graph, wait_for_nodes, wait_for_topics
+from sps_driving.ros import security
+from sps_driving.ros.graph import Graph, wait_for_nodes, wait_for_topics
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "security" / "policy.xml"

@@ -5,12 +5,13 @@ commands within its output bounds, and steering close to the expert's on a drive
 import numpy as np
 import pytest
 
-from sps_driving import bagio, msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.backbones import resolve_config
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor
 from sps_driving.core.policies.checkpoint import load_policy
 from sps_driving.core.policies.grid_mlp import GridMlpPolicy
-from sps_driving.resources import package_path, shipped_policy
+from sps_driving.core.resources import package_path, shipped_policy
+from sps_driving.ros import bagio, msgs
 
 FRAMES = 12  # spread over the 10 s drive
 

@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from sps_driving import topics
-from sps_driving.bagio import read_messages, topic_types
 from sps_driving.cli import main
+from sps_driving.core import topics
 from sps_driving.core.image import to_rgb
-from sps_driving.msgs import stamp_ns
+from sps_driving.ros.bagio import read_messages, topic_types
+from sps_driving.ros.msgs import stamp_ns
 
 EXPECTED_TYPES = {
     topics.IMAGE: "sensor_msgs/msg/Image",

@@ -70,7 +70,7 @@ def test_first_seed_chooses_the_layouts_and_resume_skips_the_done_ones(tmp_path)
 
 
 def test_resume_never_takes_another_checkpoints_rows_for_its_own(tmp_path):
-    from sps_driving.resources import SOURCE_ROOT
+    from sps_driving.core.resources import SOURCE_ROOT
     from sps_driving.sim.results import EvalSettings, missing_tasks
 
     path = tmp_path / "results.jsonl"
@@ -327,7 +327,7 @@ def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path
 
 
 def test_results_name_policies_without_machine_paths_and_read_older_absolute_ones(tmp_path):
-    from sps_driving.resources import SOURCE_ROOT, portable_path, recorded_path, shipped_policy
+    from sps_driving.core.resources import SOURCE_ROOT, portable_path, recorded_path, shipped_policy
     from sps_driving.sim.results import read_results
 
     assert portable_path(shipped_policy()) == "models/sps50_dinov2"

@@ -34,8 +34,9 @@ def test_sim_world_node_publishes_and_obeys_commands(tmp_path):
     from geometry_msgs.msg import PoseStamped, TwistStamped
     from sensor_msgs.msg import Image, JointState, Range
 
-    from sps_driving import msgs, topics
-    from sps_driving.graph import Graph, wait_for_nodes
+    from sps_driving.core import topics
+    from sps_driving.ros import msgs
+    from sps_driving.ros.graph import Graph, wait_for_nodes
 
     results = tmp_path / "results.jsonl"
     rclpy.init()

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from sps_driving import bagio, msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.state import (
     STATE_NAMES,
     StateTracker,
@@ -16,6 +16,7 @@ from sps_driving.core.state import (
     recorded_vehicle_backend,
     state_vector,
 )
+from sps_driving.ros import bagio, msgs
 
 S = 1_000_000_000  # ns
 

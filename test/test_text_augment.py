@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from sps_driving.core.resources import config_path
 from sps_driving.core.text_augment import ConceptTable, LatentTextAugmenter, NoTextTowerError, build_text_augmenter
-from sps_driving.resources import config_path
 
 DIM = 16
 TREE, TRUCK = 0, 1  # source concepts: basis directions e0, e1

@@ -7,9 +7,10 @@ import json
 import pytest
 from samples import tiny_dinov2_policy
 
-from sps_driving import bench_report, cli
+from sps_driving import cli
 from sps_driving.sim.scenarios import SCENARIO_NAMES
 from sps_driving.sim.throughput import STAGES, same_results
+from sps_driving.tools import bench_report
 
 
 def test_same_results_compares_each_episode_with_the_references():

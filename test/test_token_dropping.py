@@ -15,13 +15,14 @@ import json
 import numpy as np
 import pytest
 
-from sps_driving import cli, msgs
-from sps_driving.bench import bag_frames
+from sps_driving import cli
 from sps_driving.core.backbones import load_extractor
+from sps_driving.core.resources import package_path
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.export.cache import PARITY_TOLERANCE, ensure_export, ensure_int8
-from sps_driving.extractors import ExtractionConflict, extraction_settings, open_extractor
-from sps_driving.resources import package_path
+from sps_driving.export.extractors import ExtractionConflict, extraction_settings, open_extractor
+from sps_driving.ros import msgs
+from sps_driving.tools.bench import bag_frames
 
 ROAD_BAND = {"backbone": "dinov2_vits14", "input_size": [168, 336], "roi": [0.4, 0.65, 0.125, 0.875]}
 FRAMES = (0, 50, 90)  # of the bundled drive's 100

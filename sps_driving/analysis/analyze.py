@@ -1,7 +1,7 @@
 """`sps-driving analyze INPUT... --out DIR`: redundancy analysis of patch descriptors.
 
 Each INPUT is a feature cache directory (descriptors of every patch, written by `sps-driving
-extract`) or a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.bagio), whose
+extract`) or a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.ros.bagio), whose
 camera frames are run through a backbone here; several inputs of one backbone are analysed as one
 stream of frames. The output folder receives PNG figures (Figure 3a,
 3b, similarity overlays as in Figure 6, the lemma sweep) and summary.json.
@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sps_driving.analysis.redundancy import AnalysisSettings, run_redundancy
-from sps_driving.resources import config_path
+from sps_driving.core.resources import config_path
 
 CONFIG_NAME = "analysis.yaml"
 

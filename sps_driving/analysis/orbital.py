@@ -345,8 +345,8 @@ def run_orbital(args, settings: OrbitalSettings) -> int:
     from tqdm import tqdm
 
     from sps_driving.analysis.readers import bag_images
-    from sps_driving.bagio import BAG_INPUTS, is_bag
     from sps_driving.core.orbital import OrbitalReader
+    from sps_driving.ros.bagio import BAG_INPUTS, is_bag
 
     not_bags = [str(p) for p in args.inputs if not is_bag(p)]
     if not_bags:

@@ -1,5 +1,5 @@
 """The frames the analyses read: every `stride`-th frame of a feature cache (descriptors only) or
-of a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.bagio), whose camera frames
+of a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.ros.bagio), whose camera frames
 are run through a backbone; an image file."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Source:
 
 def open_sources(inputs: list[Path], stride: int, args: argparse.Namespace) -> list[Source]:
     """A Source per input; bag inputs share one extractor, loaded once every input is known good."""
-    from sps_driving.bagio import BagError, is_bag, not_a_bag
+    from sps_driving.ros.bagio import BagError, is_bag, not_a_bag
     from sps_driving.train.cache import META_FILE
 
     bags, sources = {}, {}
@@ -43,7 +43,7 @@ def open_sources(inputs: list[Path], stride: int, args: argparse.Namespace) -> l
         else:
             raise BagError(not_a_bag(path, "a feature cache"))
     if bags:
-        from sps_driving.extractors import open_extractor
+        from sps_driving.export.extractors import open_extractor
 
         extractor = open_extractor(extraction_settings_from_args(args)).extractor
         sources.update({path: bag_source(path, extractor, *images) for path, images in bags.items()})
@@ -62,8 +62,9 @@ def cache_source(path: Path, stride: int) -> Source:
 def bag_images(path: Path, stride: int, image_topic: str | None) -> tuple[int, Iterator[np.ndarray]]:
     """(how many frames it will give at most, its RGB frames): every `stride`-th camera frame of a
     bag; frames that cannot be decoded are dropped, counted and reported."""
-    from sps_driving import bagio, topics
+    from sps_driving.core import topics
     from sps_driving.core.image import ImageError, to_rgb
+    from sps_driving.ros import bagio
 
     topic = image_topic or topics.IMAGE
     if topic not in bagio.topic_types(path):

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     from sps_driving.core.history import history_settings
     from sps_driving.core.policies.checkpoint import read_policy_config
-    from sps_driving.resources import config_path, shipped_policy
+    from sps_driving.core.resources import config_path, shipped_policy
 
     config = read_policy_config(args.policy or shipped_policy())
     window = history_settings(config)

@@ -1,7 +1,7 @@
 """What the vehicle interface decides, as pure logic (no ROS): command limits, the staleness
 watchdogs, engagement with the drive-by-wire system, the controlled stop and the exit sequence.
 
-Units follow sps_driving.topics: steering is the front road-wheel angle in rad (left positive);
+Units follow sps_driving.core.topics: steering is the front road-wheel angle in rad (left positive);
 throttle is in [-1, 1], negative = brake. Every time here is steady-clock seconds
 (`time.monotonic()` on the node): a step of the system or ROS clock never stalls a watchdog.
 
@@ -36,7 +36,7 @@ from enum import Enum
 
 SYSTEMS = ("steering", "accel", "brake")  # the drive-by-wire systems that must all be enabled to drive
 # A command beyond these is from a broken producer, not a saturated one: no road wheel turns
-# 1 rad (57 deg), and throttle is defined on [-1, 1] (sps_driving.topics). It stops the car;
+# 1 rad (57 deg), and throttle is defined on [-1, 1] (sps_driving.core.topics). It stops the car;
 # a command inside them but over the configured limits is clipped.
 PHYSICAL_ROAD_WHEEL_RAD = 1.0
 PHYSICAL_THROTTLE = 1.0

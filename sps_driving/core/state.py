@@ -3,8 +3,8 @@
 The expert's throttle tracks (cruise target speed - current speed), and neither is visible in a
 camera frame; a policy that outputs throttle needs them as inputs (policy config `state_inputs`).
 Each input has a name (its unit in the name, as in the checkpoint), a unit, what it means and
-where it is read: the topics that carry it (sps_driving.topics; first the one preferred when a
-recording has several) with their message type, whose value `sps_driving.msgs.speed_from_message`
+where it is read: the topics that carry it (sps_driving.core.topics; first the one preferred when a
+recording has several) with their message type, whose value `sps_driving.ros.msgs.speed_from_message`
 reads. Recordings are matched to camera frames by header stamp (`sps-driving extract`, the policy
 node), and the in-process simulator passes them directly (sps_driving.sim.episodes).
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sps_driving import topics
+from sps_driving.core import topics
 
 TWIST = "geometry_msgs/msg/TwistStamped"  # linear.x
 PACMOD_SPEED_REPORT = "pacmod3_msgs/msg/VehicleSpeedRpt"  # vehicle_speed, when vehicle_speed_valid

@@ -74,7 +74,7 @@ def given_settings(args) -> dict:
     """The extraction settings under test: --policy's over --config's (a --tokens that is not the
     policy's is an error), else --config's; with --tokens."""
     if getattr(args, "policy", None):
-        from sps_driving.extractors import extraction_settings
+        from sps_driving.export.extractors import extraction_settings
 
         settings = extraction_settings({"tokens": args.tokens}, args.policy, args.config, parameter_source="option")
         return {key: value for key, value in settings.config.items() if key in settings.sources}
@@ -209,8 +209,9 @@ def runtime_config(args) -> dict:
 
 def rgb_frames(bag: Path) -> list:
     """uint8 RGB frames of the camera topic of a rosbag2."""
-    from sps_driving import msgs, topics
-    from sps_driving.bagio import read_messages
+    from sps_driving.core import topics
+    from sps_driving.ros import msgs
+    from sps_driving.ros.bagio import read_messages
 
     return [msgs.image_to_rgb(item.msg) for item in read_messages(bag, [topics.IMAGE])]
 
@@ -255,11 +256,12 @@ def policy_parity(reference, runtime, policy_dir: Path, bag: Path) -> dict:
     state inputs, matched by stamp as `extract` matches them); the differences of the descriptors
     (token error) and of the commands (steering rad, throttle), and each command's error against
     the command the bag logged (None where it logged none)."""
-    from sps_driving import msgs, topics
-    from sps_driving.bagio import read_messages
+    from sps_driving.core import topics
     from sps_driving.core.policies.checkpoint import load_policy
     from sps_driving.core.policies.streaming import StreamingPolicy
-    from sps_driving.replay import reference_commands
+    from sps_driving.ros import msgs
+    from sps_driving.ros.bagio import read_messages
+    from sps_driving.tools.replay import reference_commands
     from sps_driving.train.extract import ExtractSettings, bag_states, matched_state
 
     policy = load_policy(policy_dir, grid=reference.grid)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from sps_driving.resources import shipped_policy
+from sps_driving.core.resources import shipped_policy
 from sps_driving.sim.config import frame_stamp_ns, load_sim_config, set_render_width
 from sps_driving.sim.expert import Expert
 from sps_driving.sim.scenarios import SCENARIOS, get_scenario

@@ -1,7 +1,7 @@
 """`sps-driving collect --out DIR --episodes N --seed S`: expert drives recorded as rosbag2.
 
 One bag per episode (DIR/episode_00000, ...), on the topics the car records
-(sps_driving.topics), so `sps-driving extract DIR/episode_*` reads them like car bags:
+(sps_driving.core.topics), so `sps-driving extract DIR/episode_*` reads them like car bags:
 camera image and camera info, the reference command, vehicle speed, the episode's cruise target
 speed, lane pose and the nearest-obstacle gap, all stamped with the frame's time.
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sps_driving import bagio, msgs, topics
+from sps_driving.core import topics
+from sps_driving.ros import bagio, msgs
 from sps_driving.sim.config import load_sim_config, set_render_width
 from sps_driving.sim.episodes import Frame, drive_episode, follow_label
 from sps_driving.sim.expert import Command, Disturbance, Expert

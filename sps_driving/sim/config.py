@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from sps_driving.resources import config_path
+from sps_driving.core.resources import config_path
 
 PROFILES = ("quick", "paper")
 

@@ -57,9 +57,8 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from sps_driving import bagio
-from sps_driving.distributed import Processes, digest, file_digest, start_processes
-from sps_driving.resources import portable_path, source_revision
+from sps_driving.core.resources import portable_path, source_revision
+from sps_driving.ros import bagio
 from sps_driving.sim.collect import COLLECTION_EPISODES, BagSink, episode_seed
 from sps_driving.sim.config import load_sim_config, set_render_width
 from sps_driving.sim.episodes import Frame, PolicyDriver, drive_episode, driving_state, run_episodes
@@ -67,6 +66,7 @@ from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, read_results
 from sps_driving.sim.scenarios import get_scenario
 from sps_driving.sim.world import World, make_episode, rng_for
+from sps_driving.train.distributed import Processes, digest, file_digest, start_processes
 
 FORMAT = "sps_driving.dagger/1"
 RECORD_FILE = "dagger.json"
@@ -231,7 +231,7 @@ def descriptor_differences(record: dict, other: dict) -> list[str]:
     """The descriptor settings (core.backbones.DESCRIPTOR_KEYS) in which two extractor records
     differ, each completed with the defaults; runtime settings (backend, threads, ...) do not count."""
     from sps_driving.core.backbones import DESCRIPTOR_KEYS, resolve_config
-    from sps_driving.extractors import policy_extraction
+    from sps_driving.export.extractors import policy_extraction
 
     a, b = (resolve_config(policy_extraction({"extractor": r})) for r in (record, other))
     return [key for key in DESCRIPTOR_KEYS if _json(a.get(key)) != _json(b.get(key))]

@@ -125,7 +125,7 @@ class PolicyDriver:
                  all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0, precision: str | None = None):
         from sps_driving.core.policies.checkpoint import load_policy, read_policy_config
         from sps_driving.core.policies.streaming import StreamingPolicy
-        from sps_driving.extractors import extractor_for_policy
+        from sps_driving.export.extractors import extractor_for_policy
 
         policy_config = read_policy_config(policy_dir)
         self.extraction = extractor_for_policy(policy_config, {"device": device, "threads": threads, "precision": precision},
@@ -255,7 +255,7 @@ def run_episodes(config: dict, policy_dir: str | None, tasks: list[tuple[str, in
     `strips_folder`, a policy's failures are drawn there (sps_driving.sim.failure_strips);
     `precision` is the extractor's (None: the settings').
 
-    With several `processes` (sps_driving.distributed, torchrun; every one calling this with the
+    With several `processes` (sps_driving.train.distributed, torchrun; every one calling this with the
     same tasks and its own `device`), each process is one worker: the tasks go round in rounds of
     one per process, and after each round process 0 gets the round's results (only its `record`
     is called; the others may pass None)."""

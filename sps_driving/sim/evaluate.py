@@ -26,8 +26,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from sps_driving.distributed import Processes, file_digest, start_processes
-from sps_driving.resources import source_revision
+from sps_driving.core.resources import source_revision
 from sps_driving.sim.config import PROFILES, load_sim_config, widen_view
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
@@ -35,6 +34,7 @@ from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missin
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
 from sps_driving.sim.world import COLLECTION_SEED_BASE
+from sps_driving.train.distributed import Processes, file_digest, start_processes
 
 INT8_SUFFIX = "-int8"  # a method evaluated with --precision int8
 

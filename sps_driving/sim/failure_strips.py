@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 
 from sps_driving.core.overlay import frame_strip
-from sps_driving.extractors import frame_overlay
+from sps_driving.export.extractors import frame_overlay
 
 FAILURES_FOLDER = "failures"
 

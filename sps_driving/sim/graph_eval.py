@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from sps_driving import topics
-from sps_driving.graph import VEHICLE_WITHOUT_CAR
+from sps_driving.core import topics
+from sps_driving.ros.graph import VEHICLE_WITHOUT_CAR
 
 GRAPH_NODES = ("selection", "extractor", "policy", "vehicle_interface", "safety_monitor", "sim_world")
 GRAPH_SUFFIX = " (graph)"
@@ -73,7 +73,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 def run_scenario(config: dict, policy_dir: Path, scenario: str, seeds: list[int], work: Path,
                  real_time_factor: float, device: str = "cpu", startup_timeout_s: float = 300.0) -> list[dict]:
     """Drive layouts `seeds` (consecutive episode seeds) of one scenario through a fresh graph; their results."""
-    from sps_driving.graph import Graph, default_params_file
+    from sps_driving.ros.graph import Graph, default_params_file
 
     if not (real_time_factor > 0):
         raise ValueError(f"real_time_factor must be positive, got {real_time_factor}")

@@ -1,5 +1,5 @@
 """A stand-in for the PACMod 3 driver and the car behind it, as the vehicle interface sees them.
-Pure logic, no ROS (the node is sps_driving.nodes.pacmod3_standin).
+Pure logic, no ROS (the node is sps_driving.ros.nodes.pacmod3_standin).
 
 What it copies from the real driver (astuff/pacmod3, ROS 2, `PACMod3Node`; the contract with file
 and line: docs/vehicle.md):

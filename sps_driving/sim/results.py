@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sps_driving.resources import portable_path
+from sps_driving.core.resources import portable_path
 
 RESULTS_FILE = "results.jsonl"
 

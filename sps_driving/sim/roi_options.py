@@ -205,7 +205,7 @@ def time_options(config: dict, rounds: int) -> dict:
     falls on all of them alike. {option: {"encode_ms", "descriptors_ms", "total_ms": [per round],
     "k", "runtime", "threads"}}."""
     from sps_driving.core.backbones import time_extraction
-    from sps_driving.extractors import open_extractor
+    from sps_driving.export.extractors import open_extractor
     from sps_driving.sim.gallery import frame_with_actor_ahead
 
     opened, frames = {}, {}
@@ -331,7 +331,7 @@ def markdown(result: dict, command: str) -> str:
 
 def measure(layouts: int, rounds: int) -> dict:
     from sps_driving.core.backbones.runtimes import available_threads
-    from sps_driving.resources import source_revision
+    from sps_driving.core.resources import source_revision
 
     config = load_sim_config()
     measured = measure_obstacles(config, layouts)

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving.core.history import PATCH_POLICY
-from sps_driving.resources import source_revision
+from sps_driving.core.resources import source_revision
 from sps_driving.sim.results import RESULTS_FILE, merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES, SCENARIO_NAMES, SCENARIOS
 from sps_driving.sim.statistics import Estimate, paired_difference, score_interval, training_seeds, unpaired_difference

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sps_driving.resources import source_revision
+from sps_driving.core.resources import source_revision
 
 # name: (workers, threads per worker, precision, tokens)
 CONFIGURATIONS = {
@@ -119,7 +119,7 @@ def same_results(rows: list[dict], reference: list[dict]) -> bool:
 
 def bench_eval(config: dict, policy_dir: Path, tasks: list[tuple[str, int]], names: list[str], repeats: int = 1) -> dict:
     """Each configuration of `names` on `tasks`, interleaved `repeats` times (module docstring)."""
-    from sps_driving.bench import timing_copy
+    from sps_driving.tools.bench import timing_copy
 
     unknown = sorted(set(names) - set(CONFIGURATIONS))
     if unknown:

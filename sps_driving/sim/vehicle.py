@@ -1,6 +1,6 @@
 """Kinematic bicycle model of the Lexus RX 450h at a fixed control step.
 
-Commands follow sps_driving/topics.py: steering is the front road-wheel angle in rad (left
+Commands follow sps_driving/core/topics.py: steering is the front road-wheel angle in rad (left
 positive), throttle in [-1, 1] with negative meaning brake. The state's (x, y) is the rear-axle
 centre; the footprint centre, the lane-offset reference point, sits half a wheelbase ahead.
 """

@@ -14,7 +14,7 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
       shard_00000/
         descriptors.npy         float16 [n, N, D], patch j of a frame at row j (row-major grid)
         targets.npy             float32 [n, 2]: steering (front road-wheel angle, rad, left +),
-                                throttle in [-1, 1] (negative = brake), as in sps_driving.topics
+                                throttle in [-1, 1] (negative = brake), as in sps_driving.core.topics
         stamps.npy              int64 [n]: the camera frame's header stamp, ns
         sources.npy             int32 [n]: index into meta.json "sources"
         state.npy               float32 [n, S]: the frame's state inputs (sps_driving.core.state),
@@ -63,8 +63,8 @@ import torch
 from torch.utils.data import Dataset
 
 from sps_driving.core.grid import PatchGrid
+from sps_driving.core.resources import read_format_json
 from sps_driving.core.state import STATE_NAMES
-from sps_driving.resources import read_format_json
 
 CACHE_FORMAT = "sps_driving.feature_cache/1"
 META_FILE = "meta.json"
@@ -315,7 +315,7 @@ class FeatureCacheWriter:
 
 
 class UnitCacheWriter:
-    """A feature cache written in work units by one process or several (sps_driving.distributed):
+    """A feature cache written in work units by one process or several (sps_driving.train.distributed):
     each unit (a stretch of an input's frames, a rollout episode) into shards of its own, named by
     the caller (`unit(name, base, first_part)`: shards BASE_PPPPP from FIRST_PART on, up to
     shard_size frames each). A cut-short run resumes with the units it had not finished, and the
@@ -333,7 +333,7 @@ class UnitCacheWriter:
     def __init__(self, directory, meta: dict, plan: dict, units: Sequence[str], sources: Sequence[str],
                  position_table: np.ndarray | None = None, shard_size: int = 512, overwrite: bool = False,
                  processes=None):
-        from sps_driving.distributed import Processes, digest
+        from sps_driving.train.distributed import Processes, digest
 
         self.processes = processes or Processes()
         self.directory = Path(directory)
@@ -354,7 +354,7 @@ class UnitCacheWriter:
         self.progress.mkdir(parents=True, exist_ok=True)  # on machines that do not share the folder, too
 
     def _prepare(self, overwrite: bool, position_table) -> None:
-        from sps_driving.distributed import digest
+        from sps_driving.train.distributed import digest
 
         if overwrite and self.directory.exists():
             shutil.rmtree(self.directory)

@@ -1,7 +1,7 @@
 """`sps-driving extract --out CACHE INPUT...`: recorded drives -> a feature cache for training.
 
 Each INPUT is either
-- a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.bagio): camera frames
+- a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.ros.bagio): camera frames
   (sensor_msgs/Image) on the camera topic, labelled from one of two sources (`label_source`;
   auto: the first the bag has):
   - "command": the reference command (sensor_msgs/JointState "steering", "throttle") whose header
@@ -61,12 +61,12 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
-from sps_driving import topics
+from sps_driving.core import topics
+from sps_driving.core.resources import config_path
 from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
-from sps_driving.distributed import Processes, shares, start_processes
-from sps_driving.resources import config_path
 from sps_driving.train.cache import META_FILE, UnitCacheWriter, UnitShards
 from sps_driving.train.car_labels import HANDOVERS, CarLabelRules, has_reports, missing_reports, read_car_labels
+from sps_driving.train.distributed import Processes, shares, start_processes
 
 LABELS_FILE = "labels.csv"
 TRAIN_CONFIG = config_path("train.yaml")
@@ -122,7 +122,7 @@ class ExtractSettings:
 
 
 def input_kind(path: Path) -> str:
-    from sps_driving.bagio import BagError, is_bag, not_a_bag
+    from sps_driving.ros.bagio import BagError, is_bag, not_a_bag
 
     if is_bag(path):
         return "rosbag2"
@@ -153,7 +153,7 @@ def bag_label_source(present: dict, settings: ExtractSettings) -> str:
 def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]:
     """Each input's kind; fails before any extraction on an unknown input or a bag without the
     camera topic or what its labels are read from (usually a wrong topic name)."""
-    from sps_driving.bagio import topic_types
+    from sps_driving.ros.bagio import topic_types
 
     kinds = [input_kind(Path(path)) for path in inputs]
     for path, kind in zip(inputs, kinds):
@@ -173,8 +173,8 @@ def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]
 def bag_states(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{state input: (sorted stamps ns, float64 values, NaN where the report said invalid)} from the
     first of each input's topics (sps_driving.core.state) that the bag has; inputs it lacks are left out."""
-    from sps_driving.bagio import read_messages, topic_types
-    from sps_driving.msgs import MessageError, speed_from_message, stamp_ns
+    from sps_driving.ros.bagio import read_messages, topic_types
+    from sps_driving.ros.msgs import MessageError, speed_from_message, stamp_ns
 
     present = topic_types(path)
     chosen = {source[0]: name for name in STATE_INPUTS if (source := recorded_source(name, present)) is not None}
@@ -207,8 +207,8 @@ def matched_state(states: dict, stamp: int, tolerance_ns: int) -> dict:
 def command_labels(path: Path, settings: ExtractSettings, counts: Counter):
     """label(stamp, log time) -> LabelledFrame without its image: the reference command whose
     header stamp is nearest to the frame's, within the tolerance."""
-    from sps_driving.bagio import read_messages
-    from sps_driving.msgs import stamp_ns
+    from sps_driving.ros.bagio import read_messages
+    from sps_driving.ros.msgs import stamp_ns
 
     command_stamps, command_values = [], []
     for message in read_messages(path, [settings.command_topic]):
@@ -251,9 +251,9 @@ def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: d
     """Camera frames first..stop-1 of a bag, each labelled from the bag's label source
     (`bag_label_source`) and with its state inputs matched by stamp (the car's labels bring their
     own speed). `labels` gets where the labels came from and by which rules."""
-    from sps_driving.bagio import read_messages, topic_types
     from sps_driving.core.image import ImageError, to_rgb
-    from sps_driving.msgs import stamp_ns
+    from sps_driving.ros.bagio import read_messages, topic_types
+    from sps_driving.ros.msgs import stamp_ns
 
     present = topic_types(path)
     if bag_label_source(present, settings) == "command":
@@ -316,7 +316,7 @@ def folder_frames(path: Path, settings: ExtractSettings, counts: Counter, first:
 def source_names(inputs: Sequence[Path]) -> list[str]:
     """The inputs' names (a bare bag file's without its suffix), made unique (episode names drive
     the validation split)."""
-    from sps_driving.bagio import bag_name
+    from sps_driving.ros.bagio import bag_name
 
     names, seen = [], Counter()
     for path in inputs:
@@ -342,8 +342,8 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
     `processes` (torchrun) each takes an equal contiguous block of units, and the cache is the same
     as one process writes. A cut-short run resumes with the units not finished (UnitCacheWriter).
     """
-    from sps_driving.bagio import message_count
-    from sps_driving.graph import car_facts
+    from sps_driving.ros.bagio import message_count
+    from sps_driving.ros.graph import car_facts
 
     procs = processes or Processes()
     inputs = [Path(p) for p in inputs]
@@ -528,7 +528,7 @@ def _add_frame(writer: UnitShards, extractor, frame: LabelledFrame, patches: np.
 
 def extraction_settings_from_args(args):
     """--backbone, --model-path, --device, --precision over --extractor-config over config/extraction.yaml."""
-    from sps_driving.extractors import extraction_settings
+    from sps_driving.export.extractors import extraction_settings
 
     options = {key: getattr(args, key) for key in ("backbone", "model_path", "device", "precision")}
     return extraction_settings(options, config_file=args.extractor_config, parameter_source="option")
@@ -565,7 +565,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from dataclasses import replace
 
-    from sps_driving.extractors import open_extractor
+    from sps_driving.export.extractors import open_extractor
 
     procs = None
     try:

@@ -102,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sps_driving.core.policies.checkpoint import read_policy_config
-    from sps_driving.extractors import extractor_for_policy
-    from sps_driving.resources import config_path
+    from sps_driving.core.resources import config_path
+    from sps_driving.export.extractors import extractor_for_policy
     from sps_driving.train.cache import FeatureCache
     from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig, train
 

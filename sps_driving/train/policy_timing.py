@@ -23,8 +23,8 @@ from sps_driving.core.grid import PatchGrid
 from sps_driving.core.policies.checkpoint import DrivingPolicy, read_policy_config
 from sps_driving.core.policies.registry import ARCHITECTURES, SEQUENCE_ARCHITECTURES, PolicyArchitecture, build_policy
 from sps_driving.core.policies.streaming import StreamingPolicy
+from sps_driving.core.resources import portable_path, shipped_policy
 from sps_driving.core.selection import SelectionConfig
-from sps_driving.resources import portable_path, shipped_policy
 from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig
 
 RATES = (1.0, 0.5, 0.3)

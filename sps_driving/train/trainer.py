@@ -74,12 +74,12 @@ from sps_driving.core.policies.registry import (
     state_inputs_of,
 )
 from sps_driving.core.policies.relative_query import READOUTS
+from sps_driving.core.resources import config_path
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
 from sps_driving.core.view import view_record
-from sps_driving.distributed import Processes, start_processes
-from sps_driving.resources import config_path
 from sps_driving.train.cache import FeatureCache
+from sps_driving.train.distributed import Processes, start_processes
 from sps_driving.train.orbital_augment import OrbitalAugmenter
 from sps_driving.train.windows import TrainingWindows, window_validation_errors
 

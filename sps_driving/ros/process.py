@@ -1,4 +1,4 @@
-"""Process plumbing shared by the nodes and their supervisor (sps_driving.respawn); no ROS here."""
+"""Process plumbing shared by the nodes and their supervisor (sps_driving.ros.respawn); no ROS here."""
 
 from __future__ import annotations
 

@@ -37,11 +37,12 @@ from collections import OrderedDict
 from rclpy.node import Node
 from sensor_msgs.msg import Image, JointState, PointCloud2
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.image import ImageError
+from sps_driving.core.resources import SHIPPED_POLICY
 from sps_driving.core.state import SPEED_TOPICS, StateTracker, StateUnavailable, live_source
-from sps_driving.nodes.common import Param, StageTimer, declare, run
-from sps_driving.resources import SHIPPED_POLICY
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import Param, StageTimer, declare, run
 
 PARAMETERS = {
     "checkpoint": Param(SHIPPED_POLICY, "policy folder with policy.safetensors and config.json"),
@@ -146,7 +147,7 @@ class OverlayPublisher:
     by stamp, the newest frame to draw, and the worker thread that draws and publishes it."""
 
     def __init__(self, node: PolicyNode, p: dict):
-        from sps_driving.extractors import extraction_settings, frame_overlay
+        from sps_driving.export.extractors import extraction_settings, frame_overlay
 
         self.node, self.policy = node, node.policy
         self.every_n, self.with_attribution = p["overlay_every_n"], p["overlay_attribution"]

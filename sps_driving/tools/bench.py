@@ -28,7 +28,7 @@ the policy. Their FLOPs per frame are counted from the model's shapes (sps_drivi
 and each path's extractor time is compared with dense fp32 onnxruntime's at the same rate.
 
 Efficiency: each stage's achieved FLOP/s over the machine's GEMM peak of its precision, measured
-in the same run before the timing (sps_driving.peak: fp32 with onnxruntime and torch, int8 with
+in the same run before the timing (sps_driving.tools.peak: fp32 with onnxruntime and torch, int8 with
 onnxruntime's dynamic quantization, on the extractor's threads; --peak-gflops skips it).
 
 Peak memory is the largest rise during the stage: resident memory sampled every 2 ms on CPU,
@@ -39,7 +39,7 @@ data/demo_drive, with the shipped policy's selection): standalone in this proces
 encode and descriptors of the selected patches, the work the node times per frame), then the
 whole live graph replaying the drive in lockstep (`sps-driving replay`): its throughput, the
 camera-to-command latency and the extractor node's own compute time, and their ratio to
-standalone. Both use the settings the node uses (sps_driving.extractors); standalone and graph
+standalone. Both use the settings the node uses (sps_driving.export.extractors); standalone and graph
 alternate `--repeats` times, so load on the machine affects both alike. With --rates, --tokens
 or --precisions it does so for each combination (rate x tokens x precision), interleaved; a
 combination other than the checkpoint's own runs a timing copy of it (its weights, with that
@@ -60,8 +60,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from sps_driving.core.resources import portable_path, shipped_policy, source_revision
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
-from sps_driving.resources import portable_path, shipped_policy, source_revision
 
 DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
 COMPONENTS = ("backbone", "per_patch", "projection", "policy")
@@ -93,7 +93,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 (LayerNorm/softmax stay fp32)")
     parser.add_argument("--peak-gflops", type=float,
-                        help="use this fp32 (and int8) peak [GFLOP/s] instead of measuring the machine's (sps_driving.peak)")
+                        help="use this fp32 (and int8) peak [GFLOP/s] instead of measuring the machine's (sps_driving.tools.peak)")
     parser.add_argument("--calibration-seconds", type=float, default=0.4,
                         help="s of repeated runs per GEMM shape and library in the peak measurement")
     parser.add_argument("--seed", type=int, default=0)
@@ -157,7 +157,7 @@ def run(args) -> int:
 
 
 def run_eval(args) -> int:
-    from sps_driving.resources import package_path
+    from sps_driving.core.resources import package_path
     from sps_driving.sim.config import load_sim_config
     from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
     from sps_driving.sim.throughput import bench_eval, format_eval
@@ -179,10 +179,10 @@ def run_eval(args) -> int:
 
 
 def machine_peak(args, extractor, tokens: int | None, shape) -> dict:
-    """The measured GEMM peak (sps_driving.peak) on the threads `extractor` runs (else torch's), at
+    """The measured GEMM peak (sps_driving.tools.peak) on the threads `extractor` runs (else torch's), at
     the ViT's shapes for `tokens`; or --peak-gflops as given."""
     from sps_driving.core.backbones import runtime_facts
-    from sps_driving.peak import LARGE, measure_peak, vit_gemm_shapes
+    from sps_driving.tools.peak import LARGE, measure_peak, vit_gemm_shapes
 
     threads = int(runtime_facts(extractor)["threads"] or torch.get_num_threads()) if extractor is not None else torch.get_num_threads()
     if args.peak_gflops:
@@ -309,7 +309,7 @@ def dinov2_extractors(args) -> tuple[list, object]:
     from sps_driving.core.flops import ViTShape
     from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.export.cli import random_dinov2
-    from sps_driving.extractors import open_extractor, policy_extraction
+    from sps_driving.export.extractors import open_extractor, policy_extraction
 
     recorded = policy_extraction(read_policy_config(args.policy or shipped_policy()))
     if recorded["backbone"] != "dinov2_vits14":
@@ -431,7 +431,7 @@ def stage_precisions(row: dict) -> dict:
 
 def add_efficiency(result: dict) -> None:
     """Achieved GFLOP/s of each timed part and its share of the measured peak of its precision."""
-    from sps_driving.peak import peak_of
+    from sps_driving.tools.peak import peak_of
 
     peak = result["peak"]
     for row in result.get("blip2", {}).get("rows", []):
@@ -448,7 +448,7 @@ def add_efficiency(result: dict) -> None:
 
 
 def format_tables(result: dict) -> str:
-    from sps_driving.peak import format_peak
+    from sps_driving.tools.peak import format_peak
 
     lines = [f"device {result['device']} ({result['threads']} torch threads), {result['dtype']}, "
              f"median of {result['repeats']} frames; GFLOP = matmul work per frame; "
@@ -604,7 +604,7 @@ def _rss() -> int:
 
 
 def run_graph(args) -> int:
-    from sps_driving.resources import package_path
+    from sps_driving.core.resources import package_path
 
     bag = args.bag or package_path("data/demo_drive")
     checkpoint = args.checkpoint or package_path("models/sps50_dinov2")
@@ -619,8 +619,9 @@ def run_graph(args) -> int:
 
 def bag_frames(bag: Path) -> list:
     """(stamp ns, Image message) of every camera frame of `bag`."""
-    from sps_driving import msgs, topics
-    from sps_driving.bagio import read_messages
+    from sps_driving.core import topics
+    from sps_driving.ros import msgs
+    from sps_driving.ros.bagio import read_messages
 
     return [(msgs.stamp_ns(item.msg.header), item.msg) for item in read_messages(bag, [topics.IMAGE])]
 
@@ -628,7 +629,7 @@ def bag_frames(bag: Path) -> list:
 def time_standalone(extractor, selector, frames: list) -> list[float]:
     """Per-frame ms of what the extractor node computes for a frame: decode, encode, descriptors of
     the policy's selection."""
-    from sps_driving import msgs
+    from sps_driving.ros import msgs
 
     times = []
     for stamp, image in frames:
@@ -663,7 +664,7 @@ def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates,
     import yaml
 
     from sps_driving.core.policies.checkpoint import read_policy_config
-    from sps_driving.extractors import extraction_settings
+    from sps_driving.export.extractors import extraction_settings
 
     policy = read_policy_config(checkpoint)
     own_rate, settings = policy["selection"]["rate"], extraction_settings(checkpoint=checkpoint, config_file=backbone_config)
@@ -693,8 +694,8 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
     from sps_driving.core.grid import PatchGrid
     from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.core.selection import PatchSelector, SelectionConfig
-    from sps_driving.extractors import extractor_for_policy
-    from sps_driving.replay import replay_bag
+    from sps_driving.export.extractors import extractor_for_policy
+    from sps_driving.tools.replay import replay_bag
 
     frames = bag_frames(bag)
     with tempfile.TemporaryDirectory(prefix="sps_bench_graph_") as scratch:
@@ -784,7 +785,7 @@ def graph_flops(opened, policy: dict, checkpoint: Path) -> dict:
 def graph_efficiency(flops: dict, summary: dict, peak: dict | None, precision: str) -> dict | None:
     """The extractor's achieved GFLOP/s standalone and in the graph (medians), and their share of
     the measured peak of its precision."""
-    from sps_driving.peak import peak_of
+    from sps_driving.tools.peak import peak_of
 
     if flops["extractor"] is None or peak is None:
         return None
@@ -798,7 +799,7 @@ def graph_efficiency(flops: dict, summary: dict, peak: dict | None, precision: s
 
 
 def format_graph(result: dict) -> str:
-    from sps_driving.peak import format_peak
+    from sps_driving.tools.peak import format_peak
 
     lines = [f"{result['bag']} ({result['frames']} frames) through {result['checkpoint']}, {result['repeats']} repeat(s), "
              f"load average {' '.join(f'{v:.2f}' for v in result['load_average'])}"]

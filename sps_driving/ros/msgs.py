@@ -7,7 +7,7 @@ package at load time (encoders and QoS import rclpy's types when called).
 Encoders of messages that both the live graph and bag files carry (stamps, headers, camera
 images and their pinhole CameraInfo, commands, lane pose, obstacle range, speed) write a layout:
 `Fields`, the field values in plain Python, nested messages as Fields. `to_ros` makes the rclpy
-message of a layout (nodes publish it); `sps_driving.bagio.to_bag` the rosbags message of the
+message of a layout (nodes publish it); `sps_driving.ros.bagio.to_bag` the rosbags message of the
 same layout (bag files hold it), so neither side imports the other's ROS library. Messages only
 the live graph sends (selection, descriptors, diagnostics, PACMod 3 commands) are built as rclpy
 messages directly.
@@ -55,7 +55,7 @@ from enum import IntEnum
 import numpy as np
 
 from sps_driving.core.image import ImageError, from_rgb, to_rgb
-from sps_driving.topics import COMMAND_NAMES
+from sps_driving.core.topics import COMMAND_NAMES
 
 _INDEX_FIELD = "index"
 _DESCRIPTOR_FIELD = "descriptor"

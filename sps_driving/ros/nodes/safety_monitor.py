@@ -19,10 +19,11 @@ from rclpy.clock import Clock, ClockType
 from rclpy.node import Node
 from sensor_msgs.msg import Range
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.failures import FailureThresholds
 from sps_driving.core.monitor import MonitorConfig, SafetyMonitor
-from sps_driving.nodes.common import Param, declare, now_ns, run
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import Param, declare, now_ns, run
 
 _DEFAULT_THRESHOLDS = FailureThresholds()
 PARAMETERS = {

@@ -54,7 +54,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
+from sps_driving.ros import msgs
 
 HOLD_S = 2.0  # s watched after each fault
 # s from a kill -9 to its successor's start: after the killed node's DDS participant has expired in
@@ -175,7 +176,7 @@ class Harness:
         from rclpy.node import Node
 
         from sps_driving.core.control import ControlLimits
-        from sps_driving.graph import Graph, car_facts, default_params_file, isolate_ros
+        from sps_driving.ros.graph import Graph, car_facts, default_params_file, isolate_ros
 
         self.kind, self.work, self.hold_s = graph_kind, work, hold_s
         self.safety_scheduling = safety_scheduling or {}  # the vehicle interface's and failsafe's SCHEDULING_PARAMETERS
@@ -222,7 +223,7 @@ class Harness:
         return ("selection", "extractor", "policy", *vehicle) if self.kind == "perception" else ("camera_driver", *vehicle)
 
     def _parameters(self) -> dict:
-        from sps_driving.resources import shipped_policy
+        from sps_driving.core.resources import shipped_policy
 
         checkpoint = str(shipped_policy().resolve())
         params = {
@@ -245,8 +246,8 @@ class Harness:
         return params
 
     def _demo_frames(self):
-        from sps_driving.bagio import read_messages
-        from sps_driving.resources import package_path
+        from sps_driving.core.resources import package_path
+        from sps_driving.ros.bagio import read_messages
 
         return [item.msg for item in read_messages(package_path("data/demo_drive"), [topics.IMAGE])]
 
@@ -254,8 +255,8 @@ class Harness:
         import cv2
         import numpy as np
 
-        from sps_driving.bagio import read_messages
-        from sps_driving.resources import package_path
+        from sps_driving.core.resources import package_path
+        from sps_driving.ros.bagio import read_messages
 
         for i, item in enumerate(read_messages(package_path("data/demo_drive"), [topics.IMAGE])):
             if i >= 30:
@@ -383,7 +384,7 @@ class Harness:
             self.executor.spin_once(timeout_sec=0.05)
 
     def start(self, startup_timeout_s: float = 300.0) -> None:
-        from sps_driving.graph import wait_for_nodes
+        from sps_driving.ros.graph import wait_for_nodes
 
         for thread in self._threads:
             thread.start()
@@ -486,7 +487,7 @@ class Harness:
 
     def restore(self, fault: Fault, fault_s: float) -> None:
         """Undo `fault`, injected at steady time `fault_s`."""
-        from sps_driving.graph import wait_for_nodes
+        from sps_driving.ros.graph import wait_for_nodes
 
         kind, target = fault.inject, fault.target
         if kind == "sigstop":
@@ -731,7 +732,7 @@ def run(args: argparse.Namespace) -> int:
 def write_markdown(rows: list[dict], path: Path, command: str, hold_s: float, load: int = 0) -> None:
     from datetime import datetime, timezone
 
-    from sps_driving.resources import source_revision
+    from sps_driving.core.resources import source_revision
 
     ok = sum(passed(r) for r in rows)
     repeats = max(r.get("repeat", 0) for r in rows) + 1

@@ -18,8 +18,9 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.node import Node
 from sensor_msgs.msg import CameraInfo, Image
 
-from sps_driving import msgs, topics
-from sps_driving.nodes.common import Param, declare, now_ns, run
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import Param, declare, now_ns, run
 
 PARAMETERS = {
     "source": Param("/dev/video0", 'V4L2 device (path or index), GStreamer pipeline (contains "!"), video file or image folder'),

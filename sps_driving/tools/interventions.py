@@ -1,7 +1,7 @@
 """`sps-driving interventions BAG`: safety-driver interventions in a recorded field test.
 
 Reads the drive-by-wire state from a bag (a rosbag2 folder, sqlite3 or mcap, or a bare .mcap or
-.db3 file: sps_driving.bagio) without ROS: PACMod 3 reports in the ROS 2 `pacmod3_msgs` layout
+.db3 file: sps_driving.ros.bagio) without ROS: PACMod 3 reports in the ROS 2 `pacmod3_msgs` layout
 (`GlobalRpt`, every `SystemRptFloat` / `SystemRptInt` report, the `std_msgs/Bool` on
 /pacmod/enabled) or, on cars run with the `topics` backend, the vehicle interface's status (its
 `vehicle_interface` status on /diagnostics, or /vehicle_interface/status in older bags). Only a
@@ -21,7 +21,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sps_driving import topics
+from sps_driving.core import topics
 from sps_driving.core.monitor import AutonomyLog
 
 GLOBAL_RPT = "pacmod3_msgs/msg/GlobalRpt"
@@ -84,7 +84,7 @@ def _set_flags(msg, names: tuple[str, ...]) -> tuple[str, ...]:
 def _on_vehicle_interface_status(log: AutonomyLog, time_ns: int, topic: str, msg) -> None:
     """The vehicle interface's own view: `engagement` and the `last_event` that led to it. On
     /diagnostics its status is found by name; its old topic carries nothing else."""
-    from sps_driving.msgs import diagnostic_values
+    from sps_driving.ros.msgs import diagnostic_values
 
     for name, _, _, values in diagnostic_values(msg):
         if "engagement" not in values or (topic == topics.DIAGNOSTICS and name != VEHICLE_INTERFACE):
@@ -103,7 +103,7 @@ def _on_vehicle_interface_status(log: AutonomyLog, time_ns: int, topic: str, msg
 def autonomy_log(bag: Path) -> tuple[AutonomyLog, dict[str, str]]:
     """The bag's engagement history (finished), from its reports by log time, and {topic: role}
     of the topics it was read from. ValueError when the bag has no engagement reports."""
-    from sps_driving.bagio import read_messages, topic_types
+    from sps_driving.ros.bagio import read_messages, topic_types
 
     roles = selected_topics(topic_types(bag))
     if not any(r in ("global", "system", "enabled", "vehicle_interface") for r in roles.values()):

@@ -13,7 +13,7 @@ rq/sRequest and replies on rr/sReply. A policy name is absolute (/x), private to
 node (~/x -> <ns>/<node>/x) or relative to the profile's namespace (x -> <ns>/x); fnmatch
 patterns (* ? [...]) pass through, as DDS Security matches topic names with them.
 
-Command line: python -m sps_driving.security {enclaves POLICY | governance | permissions POLICY ENCLAVE}
+Command line: python -m sps_driving.ros.security {enclaves POLICY | governance | permissions POLICY ENCLAVE}
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def governance_xml(domain_id: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sps_driving.security", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sps_driving.ros.security", description=__doc__.split("\n\n")[0])
     parser.add_argument("--domain", type=int, default=int(os.environ.get("ROS_DOMAIN_ID") or 0),
                         help="ROS domain id (default: $ROS_DOMAIN_ID or 0)")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -25,8 +25,8 @@ from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from sps_driving import msgs
-from sps_driving.process import CANNOT_START, apply_scheduling, stop_with_parent
+from sps_driving.ros import msgs
+from sps_driving.ros.process import CANNOT_START, apply_scheduling, stop_with_parent
 
 _TYPE_WORDS = {
     Parameter.Type.BOOL: "a boolean (true or false)",
@@ -190,7 +190,7 @@ class StageTimer:
     def __init__(self, node: Node, stage: str):
         from diagnostic_msgs.msg import DiagnosticArray
 
-        from sps_driving import topics
+        from sps_driving.core import topics
 
         self.stage = stage
         self.publisher = node.create_publisher(DiagnosticArray, topics.STAGE_TIMING, msgs.qos("status"))

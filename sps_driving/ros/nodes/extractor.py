@@ -3,11 +3,11 @@
 Never queues latency: callbacks only keep the newest image and the recent selection decisions;
 one worker thread computes the newest frame whose decision has arrived. A frame replaced before
 it was computed, or whose decision never came, is dropped and counted, as is a frame that cannot
-be decoded or gives non-finite descriptors. Output: a PointCloud2 (sps_driving.msgs) with the
+be decoded or gives non-finite descriptors. Output: a PointCloud2 (sps_driving.ros.msgs) with the
 frame's stamp and the computed patch indices.
 
 Extraction settings come from the parameters, the policy `checkpoint`, the `backbone_config` file
-and config/extraction.yaml, in that order (sps_driving.extractors): with a checkpoint the
+and config/extraction.yaml, in that order (sps_driving.export.extractors): with a checkpoint the
 descriptors are the ones its policy was trained on, and a parameter or file that says otherwise
 stops the node with both values named. The node logs the backend, runtime, precision and threads
 it runs, and sends them with every frame's timing.
@@ -23,11 +23,12 @@ import numpy as np
 from rclpy.node import Node
 from sensor_msgs.msg import Image, PointCloud2
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.backbones import BACKBONES, BACKEND_CHOICES, PRECISIONS
 from sps_driving.core.image import ImageError
-from sps_driving.extractors import FACT_KEYS
-from sps_driving.nodes.common import Param, StageTimer, declare, run
+from sps_driving.export.extractors import FACT_KEYS
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import Param, StageTimer, declare, run
 
 UNSET = "empty: the checkpoint's, else backbone_config's, else config/extraction.yaml's"
 PARAMETERS = {
@@ -48,8 +49,8 @@ _KEPT_DECISIONS = 90  # selection decisions remembered (3 s at 30 fps)
 
 
 def load_backbone(p: dict, logger):
-    """The extractor of the node's parameters, checkpoint and backbone_config (sps_driving.extractors)."""
-    from sps_driving.extractors import extraction_settings, open_extractor
+    """The extractor of the node's parameters, checkpoint and backbone_config (sps_driving.export.extractors)."""
+    from sps_driving.export.extractors import extraction_settings, open_extractor
 
     settings = extraction_settings({k: p[k] for k in EXTRACTION_PARAMETERS}, p["checkpoint"], p["backbone_config"])
     for warning in settings.warnings:

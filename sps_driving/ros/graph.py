@@ -2,7 +2,7 @@
 
 The same node executables and parameters file as `ros2 launch` on the car, without needing the
 `launch` package: `replay`, the tests, the simulator's graph evaluation and the demo share this.
-Each node runs `python -m sps_driving.nodes.<name> --ros-args --params-file <params>` with
+Each node runs `python -m sps_driving.ros.nodes.<name> --ros-args --params-file <params>` with
 optional remaps, where <params> is config/graph.yaml with the node's overrides written in; its
 output goes to `<log_dir>/<name>.log`.
 A graph keeps to this machine and a ROS domain of its own (`isolate_ros`).
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from sps_driving.nodes import NODES
-from sps_driving.resources import config_path
+from sps_driving.core.resources import config_path
+from sps_driving.ros.nodes import NODES
 
 PACKAGE = "sps_driving"
-# The nodes that stop the car: never started again by a supervisor (sps_driving.respawn); that the
+# The nodes that stop the car: never started again by a supervisor (sps_driving.ros.respawn); that the
 # car drives again after one of them died is the safety driver's decision.
 NEVER_RESPAWNED = ("vehicle_interface", "failsafe")
 # The vehicle interface in a graph without the car (replays, the simulator, tests): standard
@@ -117,7 +117,7 @@ def isolate_ros() -> int:
     holds only where rmw_fastrtps does not impose its own transports: ROS_AUTOMATIC_DISCOVERY_RANGE
     is SYSTEM_DEFAULT (Iron on) and ROS_LOCALHOST_ONLY 0 (Humble). Under another RMW the profile
     does not apply, and the localhost discovery range keeps the graph here instead."""
-    from sps_driving.resources import config_path
+    from sps_driving.core.resources import config_path
 
     candidates = private_domain_candidates(os.environ, os.getpid())
     domain = candidates[0] if os.environ.get(DOMAIN_VARIABLE, "").strip() else claim_domain(candidates)
@@ -150,7 +150,7 @@ class Graph:
         if set(respawn) & set(NEVER_RESPAWNED):
             raise ValueError(f"{sorted(set(respawn) & set(NEVER_RESPAWNED))} stop the car and are never started again by a supervisor")
         self.nodes = tuple(nodes)
-        self.respawn = frozenset(respawn)  # nodes run under sps_driving.respawn, as on the car
+        self.respawn = frozenset(respawn)  # nodes run under sps_driving.ros.respawn, as on the car
         self.parameters = parameters or {}  # {node: {name: value}} over the params file
         self.remaps = remaps or {}  # {from: to}, applied to every node
         self.params_file = Path(params_file) if params_file else default_params_file()
@@ -172,11 +172,11 @@ class Graph:
             params.setdefault(name, {}).setdefault("ros__parameters", {}).update(overrides)
             params_file = self.log_dir / f"{name}.params.yaml"
             params_file.write_text(yaml.safe_dump(params))
-        cmd = [sys.executable, "-m", f"{PACKAGE}.nodes.{name}", "--ros-args", "--params-file", str(params_file)]
+        cmd = [sys.executable, "-m", f"{PACKAGE}.ros.nodes.{name}", "--ros-args", "--params-file", str(params_file)]
         for source, target in self.remaps.items():
             cmd += ["-r", f"{source}:={target}"]
         if name in self.respawn:
-            cmd = [sys.executable, "-m", f"{PACKAGE}.respawn", "--name", name, "--", *cmd]
+            cmd = [sys.executable, "-m", f"{PACKAGE}.ros.respawn", "--name", name, "--", *cmd]
         return cmd
 
     def start(self, name: str | None = None) -> Graph:

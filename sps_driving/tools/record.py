@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from sps_driving import topics
-from sps_driving.resources import config_path
+from sps_driving.core import topics
+from sps_driving.core.resources import config_path
 
 PROFILE = config_path("recording.yaml")
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = "sps_driving"
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The policy the car runs by default (config/graph.yaml and the launch file name it too) and
 # the timing tools time.
 SHIPPED_POLICY = "models/sps50_dinov2"

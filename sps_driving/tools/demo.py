@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from sps_driving.resources import SHIPPED_POLICY, package_path, shipped_policy
+from sps_driving.core.resources import SHIPPED_POLICY, package_path, shipped_policy
 
 DEMO_BAG = "data/demo_drive"
 DEMO_SCENARIOS = ("rural-winter-snow-day-animal", "urban-summer-dry-night-unseencar")
@@ -39,7 +39,7 @@ def _require(path: Path, what: str, how: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sps_driving import replay
+    from sps_driving.tools import replay
 
     bag = args.bag or package_path(DEMO_BAG)
     checkpoint = args.checkpoint or shipped_policy()
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from sps_driving.core.policies.checkpoint import read_policy_config
-    from sps_driving.extractors import extractor_for_policy
+    from sps_driving.export.extractors import extractor_for_policy
     from sps_driving.sim.config import load_sim_config
     from sps_driving.sim.evaluate import evaluate
     from sps_driving.sim.results import RESULTS_FILE, EvalSettings, read_results

@@ -28,8 +28,9 @@ from geometry_msgs.msg import PoseStamped, TwistStamped
 from rclpy.node import Node
 from sensor_msgs.msg import CameraInfo, Image, JointState, Range
 
-from sps_driving import msgs, topics
-from sps_driving.nodes.common import Param, declare, now_ns, run
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import Param, declare, now_ns, run
 from sps_driving.sim.config import load_sim_config
 from sps_driving.sim.live import LiveSim
 

@@ -13,10 +13,11 @@ import time
 from rclpy.node import Node
 from sensor_msgs.msg import CameraInfo, Image
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.selection import VARIANTS
-from sps_driving.nodes.common import Param, StageTimer, declare, run
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import Param, StageTimer, declare, run
 
 PARAMETERS = {
     "checkpoint": Param("",

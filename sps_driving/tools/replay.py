@@ -1,8 +1,8 @@
 """`sps-driving replay BAG`: play a bag (a rosbag2 folder, or a bare .mcap or .db3 file:
-sps_driving.bagio) through the live graph and report.
+sps_driving.ros.bagio) through the live graph and report.
 
 The graph (selection, extractor, policy, vehicle_interface with the `topics` backend,
-safety_monitor) runs as separate node processes over DDS on loopback (sps_driving.graph). The
+safety_monitor) runs as separate node processes over DDS on loopback (sps_driving.ros.graph). The
 bag's camera frames (and lane state, obstacle range, speed when recorded) are published with their
 recorded stamps, so the selection is the one the car made and results are reproducible:
 
@@ -44,11 +44,12 @@ from pathlib import Path
 
 import numpy as np
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.history import COUNTER_PREFIX
 from sps_driving.core.state import STATE_INPUTS, live_source, recorded_vehicle_backend
-from sps_driving.extractors import FACT_KEYS
-from sps_driving.graph import VEHICLE_WITHOUT_CAR
+from sps_driving.export.extractors import FACT_KEYS
+from sps_driving.ros import msgs
+from sps_driving.ros.graph import VEHICLE_WITHOUT_CAR
 
 # Stage outputs whose receive time minus the frame's entry time is that stage's latency.
 STAGES = {"selection": topics.SELECTION, "extractor": topics.DESCRIPTORS, "policy": topics.POLICY_COMMAND}
@@ -326,7 +327,7 @@ def human_reference(car, frame_log_times: dict) -> tuple[dict, dict]:
 
 def reference_commands(bag: Path, topic: str = topics.REFERENCE_COMMAND) -> dict:
     """{stamp: (steering, throttle)} of the commands that drove the car, from `topic` of the bag."""
-    from sps_driving.bagio import read_messages, topic_types
+    from sps_driving.ros.bagio import read_messages, topic_types
 
     if topic not in topic_types(bag):
         return {}
@@ -370,7 +371,7 @@ class Player:
     def _recorder(self, topic: str, msgtype: str):
         from rosbags.serde import SerdeError
 
-        from sps_driving.bagio import TYPESTORE
+        from sps_driving.ros.bagio import TYPESTORE
 
         def store(raw: bytes) -> None:
             received = time.time_ns()
@@ -438,7 +439,7 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
     busy cores the frame could otherwise reach the policy before the state it was recorded with."""
     from tqdm import tqdm
 
-    from sps_driving.bagio import read_messages, to_bag
+    from sps_driving.ros.bagio import read_messages, to_bag
 
     bag_names = {graph_topic: bag_topic for bag_topic, graph_topic in topic_map.items()}
     wanted = [bag_names.get(t, t) for t in (topics.IMAGE, *played, *([topics.CAMERA_INFO] if has_info else []))]
@@ -660,8 +661,8 @@ def replay_bag(
     bag topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
     with the vendor camera driver); `supplied_state` ({state input: value}) supplies state inputs
     the bag does not record (`state_plan`). Raises ReplayError."""
-    from sps_driving.bagio import BagError, BagWriter, topic_types
-    from sps_driving.graph import Graph, default_params_file, isolate_ros, wait_for_nodes, wait_for_topics
+    from sps_driving.ros.bagio import BagError, BagWriter, topic_types
+    from sps_driving.ros.graph import Graph, default_params_file, isolate_ros, wait_for_nodes, wait_for_topics
 
     bag, out = Path(bag), Path(out)
     topic_map = dict(topic_map or {})
@@ -754,8 +755,8 @@ def car_reference(bag: Path, reference_topic: str, params_file: Path):
     when the bag lacks reports they need."""
     from dataclasses import replace
 
-    from sps_driving.bagio import topic_types
-    from sps_driving.graph import car_facts
+    from sps_driving.ros.bagio import topic_types
+    from sps_driving.ros.graph import car_facts
     from sps_driving.train.car_labels import read_car_labels
     from sps_driving.train.extract import ExtractSettings, bag_label_source
 
@@ -768,13 +769,13 @@ def car_reference(bag: Path, reference_topic: str, params_file: Path):
 def default_output(bag: Path) -> Path:
     """out/replay/<bag name>_<time> under the current folder: never inside the bag's own tree (the
     bundled bags live in the package)."""
-    from sps_driving.bagio import bag_name
+    from sps_driving.ros.bagio import bag_name
 
     return Path("out") / "replay" / f"{bag_name(bag)}_{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def run(args: argparse.Namespace) -> int:
-    from sps_driving.bagio import BagError
+    from sps_driving.ros.bagio import BagError
 
     out = args.out or default_output(args.bag)
     try:

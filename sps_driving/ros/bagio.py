@@ -6,13 +6,13 @@ What a bag input is, for every command that reads one (`is_bag`, `open_bag`): a 
 Anything else, or a bag rosbags cannot read, is a BagError that says which.
 
 Bags recorded on the car (Humble or newer) and bags written by the simulator use the same
-topics (sps_driving.topics) and are read by the same code. A bag's own stored message definitions
+topics (sps_driving.core.topics) and are read by the same code. A bag's own stored message definitions
 decide how its messages decode, so a bag recorded with another layout of a type decodes as
 recorded; types a bag stores no definition for (rosbag2 sqlite3 on Humble stores none) decode with
 ours: the ROS 2 distro's standard messages and the PACMod 3 messages of interfaces/pacmod3_msgs.
 Writers always use ours.
 
-Messages are written from the layouts of sps_driving.msgs (`msgs.Fields`, the same field values
+Messages are written from the layouts of sps_driving.ros.msgs (`msgs.Fields`, the same field values
 the live graph's rclpy messages are made of): `to_bag` makes the rosbags message of one, and
 `BagWriter.write` takes either.
 """
@@ -29,8 +29,8 @@ from rosbags.interfaces import MessageDefinitionFormat, Nodetype
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
-from sps_driving.msgs import Fields
-from sps_driving.resources import package_path
+from sps_driving.core.resources import package_path
+from sps_driving.ros.msgs import Fields
 
 # PACMod 3 messages (astuff/pacmod3_msgs, ROS 2): the same .msg files the pacmod3_msgs interface
 # package is built from where no ROS distro provides it.
@@ -191,7 +191,7 @@ _DTYPES = {"bool": np.bool_, "byte": np.uint8, "char": np.uint8, "float32": np.f
 
 
 def to_bag(fields: Fields):
-    """The rosbags message of a layout (sps_driving.msgs); fields it leaves out get their type's defaults."""
+    """The rosbags message of a layout (sps_driving.ros.msgs); fields it leaves out get their type's defaults."""
     definition = dict(TYPESTORE.fielddefs[fields.msgtype][1])
     unknown = set(fields.values) - set(definition)
     if unknown:

@@ -17,10 +17,11 @@ from rclpy.clock import Clock, ClockType
 from rclpy.node import Node
 from sensor_msgs.msg import JointState
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.control import STEERING_RATIO, ControlLimits, PacmodCommand
 from sps_driving.core.failsafe import Failsafe
-from sps_driving.nodes.common import SCHEDULING_PARAMETERS, Param, declare, now_ns, run, schedule
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import SCHEDULING_PARAMETERS, Param, declare, now_ns, run, schedule
 
 DEFAULT_LIMITS = ControlLimits()
 PARAMETERS = {

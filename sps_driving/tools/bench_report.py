@@ -4,7 +4,7 @@
     sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 \\
         --json --out runs/bench/graph.json
     sps-driving bench --eval --episodes 4 --repeats 2 --json --out runs/bench/eval.json
-    python -m sps_driving.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
+    python -m sps_driving.tools.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
         --eval runs/bench/eval.json --out docs/results/bench_cpu.md
 
 Only tables of what the runs measured, each with its revision, machine load and command; the
@@ -31,7 +31,7 @@ def _load(result: dict) -> str:
 
 
 def _peak(peak: dict) -> str:
-    from sps_driving.peak import format_peak
+    from sps_driving.tools.peak import format_peak
 
     return "Measured in the same run: " + " ".join(format_peak(peak).split())
 
@@ -100,8 +100,8 @@ def eval_section(result: dict) -> list[str]:
 def render(dinov2: dict | None, graph: dict | None, throughput: dict | None) -> str:
     lines = ["# CPU timing of the extractor the car runs", "",
              "What the road-band extractor costs on this machine's CPU: alone by path (fp32 and int8, dense and token "
-             "dropping) and rate, in the live graph, and in evaluation. Made by `python -m sps_driving.bench_report` "
-             "from the runs below (sps_driving/bench_report.py)."]
+             "dropping) and rate, in the live graph, and in evaluation. Made by `python -m sps_driving.tools.bench_report` "
+             "from the runs below (sps_driving/tools/bench_report.py)."]
     for section, result in ((dinov2_section, dinov2), (graph_section, graph), (eval_section, throughput)):
         if result is not None:
             lines += [""] + section(result)

@@ -23,8 +23,9 @@ from sensor_msgs.msg import JointState
 from std_msgs.msg import Bool
 from std_srvs.srv import SetBool
 
-from sps_driving import msgs, topics
-from sps_driving.nodes.common import Param, declare, now_ns, run
+from sps_driving.core import topics
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import Param, declare, now_ns, run
 from sps_driving.sim import pacmod_can
 from sps_driving.sim.pacmod import SHIFT_FORWARD, SHIFT_REVERSE, TURN_NONE, PacmodStandIn, SystemReport
 

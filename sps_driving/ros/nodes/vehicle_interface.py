@@ -13,7 +13,7 @@ and counts are on /diagnostics. All decisions live in sps_driving.core.control.
 
 Exits: on SIGINT, SIGTERM, SIGHUP, an exception in a callback, or a lifecycle deactivate or
 shutdown, the node brakes for exit_brake_s (when engaged) and then disables every system before it
-stops publishing (sps_driving.nodes.common.run calls `fail_safe_exit`). `kill -9` and a frozen
+stops publishing (sps_driving.ros.nodes.common.run calls `fail_safe_exit`). `kill -9` and a frozen
 process are the failsafe node's job.
 """
 
@@ -30,7 +30,7 @@ from sensor_msgs.msg import CameraInfo, JointState
 from std_msgs.msg import Bool
 from std_srvs.srv import SetBool, Trigger
 
-from sps_driving import msgs, topics
+from sps_driving.core import topics
 from sps_driving.core.control import (
     STEERING_RATIO,
     SYSTEMS,
@@ -42,7 +42,8 @@ from sps_driving.core.control import (
     VehicleLogic,
     to_pacmod,
 )
-from sps_driving.nodes.common import SCHEDULING_PARAMETERS, Param, declare, now_ns, run, schedule
+from sps_driving.ros import msgs
+from sps_driving.ros.nodes.common import SCHEDULING_PARAMETERS, Param, declare, now_ns, run, schedule
 
 BACKENDS = ("topics", "pacmod3")
 

@@ -6,7 +6,7 @@ supervisor of the perception nodes (camera driver, selection, extractor, policy,
 A node that exits by a signal or with a failure status is started again after a delay that grows
 with the restarts in the last `window_s` (config/respawn.yaml); after `max_restarts` of them it
 stays down and this process exits with its status. A node that ends cleanly (status 0), or cannot
-start (a bad parameter or a missing model: sps_driving.process.CANNOT_START), is not started
+start (a bad parameter or a missing model: sps_driving.ros.process.CANNOT_START), is not started
 again. SIGINT, SIGTERM and SIGHUP go to the node, and then this process exits with it.
 
 A restart never moves the car: the vehicle interface holds its stop while any input is missing and
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from sps_driving.process import CANNOT_START, describe_exit, stop_with_parent
+from sps_driving.ros.process import CANNOT_START, describe_exit, stop_with_parent
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -133,7 +133,7 @@ def exit_status(status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sps_driving.resources import config_path
+    from sps_driving.core.resources import config_path
 
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
