@@ -11,7 +11,7 @@ import torch
 
 from sps_driving.cli import main
 from sps_driving.core import topics
-from sps_driving.core.backbones import load_extractor
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.control import ControlLimits, EngageState, VehicleCommand, from_pacmod, to_pacmod
 from sps_driving.ros import bagio, msgs
 from sps_driving.ros.bagio import TYPESTORE

@@ -14,8 +14,9 @@ import pytest
 import torch
 from samples import sample_photo
 
-from sps_driving.core.backbones import dinov2, load_extractor, resolve_config, time_extraction
+from sps_driving.core.backbones import dinov2, resolve_config, time_extraction
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor, bundled_onnx_path, load_dinov2, resolve_onnx_path
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.image import ImageError
 
 BACKBONE_OUTPUT = "/backbone/layernorm/Add_1_output_0"

@@ -10,8 +10,8 @@ import onnx
 import pytest
 
 from sps_driving import cli
-from sps_driving.core.backbones import load_extractor
 from sps_driving.core.backbones.blip2 import Blip2Extractor, tiny_blip2_config
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.backbones.runtimes import RuntimeMissing, load_runtime_extractor
 from sps_driving.export.onnx_export import export_onnx
 

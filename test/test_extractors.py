@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sps_driving.core.backbones import load_extractor, resolve_config
+from sps_driving.core.backbones import resolve_config
 from sps_driving.core.backbones.dinov2 import bundled_onnx_path
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.backbones.runtimes import PARITY_FILE, cached_export_dir
 from sps_driving.export.cache import ensure_export
 from sps_driving.export.extractors import (

@@ -10,8 +10,9 @@ import torch
 from samples import sample_photo
 
 from sps_driving.cli import main
-from sps_driving.core.backbones import load_extractor, resolve_config
+from sps_driving.core.backbones import resolve_config
 from sps_driving.core.backbones.dinov2 import DinoV2Extractor
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.train.cache import FeatureCache
 
 

@@ -1,13 +1,20 @@
-"""The layers of the package, read from the source: everything sps_driving/core imports, directly or
-through other modules of the package (imports inside functions included), stays out of
-sps_driving/export (export builds from core, never the other way) and out of ROS."""
+"""The layers of the package, read from the source (scripts/structure.py; imports inside functions
+included): no module imports another's private name, no import circle, core imports nothing
+outside core, and everything core reaches stays out of sps_driving/export (export builds from
+core, never the other way) and out of ROS."""
 
-import ast
+import importlib.util
+import sys
 from pathlib import Path
 
 import sps_driving
 
 PACKAGE_DIR = Path(sps_driving.__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("structure", PACKAGE_DIR.parent / "scripts" / "structure.py")
+structure = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
+_spec.loader.exec_module(structure)
+PACKAGE = structure.Package(PACKAGE_DIR)
+imports_of, reachable_from = PACKAGE.imports_of, PACKAGE.reachable_from
 
 
 def is_ros(module: str) -> bool:
@@ -15,60 +22,8 @@ def is_ros(module: str) -> bool:
     return top in ("rclpy", "rosidl_runtime_py") or top.endswith("_msgs")
 
 
-def module_path(name: str) -> Path | None:
-    """The source file of package module `name` (a package's __init__.py), or None."""
-    relative = Path(*name.split(".")[1:])
-    for path in (PACKAGE_DIR / relative.with_suffix(".py"), PACKAGE_DIR / relative / "__init__.py"):
-        if path.is_file():
-            return path
-    return None
-
-
-def imports_of(name: str) -> set[str]:
-    """Every module named by an import statement anywhere in module `name`, absolute."""
-    path = module_path(name)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            found.add(base)
-            # `from pkg import module` names a module too
-            found.update(f"{base}.{alias.name}" for alias in node.names if module_path(f"{base}.{alias.name}"))
-    return found
-
-
-def reachable_from(roots: set[str]) -> tuple[set[str], set[str]]:
-    """(package modules, outside modules) reachable by imports from `roots`."""
-    seen, outside, todo = set(), set(), list(roots)
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for imported in imports_of(name):
-            if imported.split(".")[0] != "sps_driving":
-                outside.add(imported)
-                continue
-            parts = imported.split(".")
-            # importing a.b.c runs a and a.b first
-            for depth in range(2, len(parts) + 1):
-                prefix = ".".join(parts[:depth])
-                if module_path(prefix) and prefix not in seen:
-                    todo.append(prefix)
-    return seen, outside
-
-
 def core_modules() -> set[str]:
-    return {
-        "sps_driving." + ".".join(p.relative_to(PACKAGE_DIR).with_suffix("").parts).removesuffix(".__init__")
-        for p in (PACKAGE_DIR / "core").rglob("*.py")
-    }
+    return {name for name in PACKAGE.paths if name == "sps_driving.core" or name.startswith("sps_driving.core.")}
 
 
 def test_the_import_walk_sees_function_level_imports():
@@ -103,3 +58,29 @@ def test_node_modules_load_torch_only_when_a_node_starts():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=PACKAGE_DIR.parent)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_module_imports_a_private_name_of_another():
+    assert not PACKAGE.private_imports(), [f"{i.importer}:{i.line} -> {i.module}.{i.name}" for i in PACKAGE.private_imports()]
+
+
+def test_no_import_circles_between_modules():
+    assert not structure.circles(PACKAGE.module_graph())
+
+
+def test_core_imports_nothing_outside_core():
+    upward = PACKAGE.upward_imports("sps_driving.core")
+    assert not upward, [f"{i.importer}:{i.line} -> {i.module}" for i in upward]
+
+
+def test_the_checks_would_see_a_circle_a_private_import_and_an_upward_import(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "core").mkdir(parents=True)
+    for name in ("__init__.py", "core/__init__.py", "tools.py"):
+        (package / name).write_text("")
+    (package / "core" / "a.py").write_text("def f():\n    from pkg.core import b\n")
+    (package / "core" / "b.py").write_text("from pkg.core.a import f\nfrom pkg.tools import _helper\n")
+    seeded = structure.Package(package)
+    assert structure.circles(seeded.module_graph()) == [["pkg.core.a", "pkg.core.b"]]
+    assert [(i.module, i.name) for i in seeded.private_imports()] == [("pkg.tools", "_helper")]
+    assert [i.module for i in seeded.upward_imports("pkg.core")] == ["pkg.tools"]

@@ -16,7 +16,7 @@ from samples import tiny_policy
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 
 from sps_driving.core import topics
-from sps_driving.core.backbones import load_extractor
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.policies.checkpoint import read_policy_config
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.ros import msgs

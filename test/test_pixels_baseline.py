@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sps_driving.cli import main
-from sps_driving.core.backbones import load_extractor, resolve_config
+from sps_driving.core.backbones import resolve_config
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.backbones.pixels import PixelExtractor
 from sps_driving.core.image import ImageError
 from sps_driving.core.policies.checkpoint import load_policy, save_policy

@@ -144,7 +144,7 @@ def test_replay_cli_end_to_end_matches_the_core(tmp_path, capsys):
     from samples import tiny_policy
 
     from sps_driving import cli
-    from sps_driving.core.backbones import load_extractor
+    from sps_driving.core.backbones.loader import load_extractor
     from sps_driving.core.policies.checkpoint import load_policy
     from sps_driving.core.selection import PatchSelector
     from sps_driving.core.state import STATE_NAMES
@@ -335,7 +335,7 @@ def test_a_camera_only_bag_replays_with_the_state_supplied_by_options(tmp_path, 
     from samples import tiny_policy
 
     from sps_driving import cli
-    from sps_driving.core.backbones import load_extractor
+    from sps_driving.core.backbones.loader import load_extractor
     from sps_driving.core.policies.checkpoint import load_policy
     from sps_driving.core.selection import PatchSelector
     from sps_driving.core.state import STATE_NAMES

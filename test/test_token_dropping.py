@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sps_driving import cli
-from sps_driving.core.backbones import load_extractor
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.resources import package_path
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.export.cache import PARITY_TOLERANCE, ensure_export, ensure_int8

@@ -321,7 +321,7 @@ def _cap_name(cap: float) -> str:
 
 def torch_extractor(args):
     """The torch DINOv2 extractor of the analyze options (--extractor-config, --backbone, ...)."""
-    from sps_driving.core.backbones import load_extractor
+    from sps_driving.core.backbones.loader import load_extractor
     from sps_driving.train.extract import extraction_settings_from_args
 
     settings = extraction_settings_from_args(args)

@@ -153,7 +153,7 @@ def visible_reader(extractor, config: dict | None) -> OrbitalReader:
     loaded from its resolved extraction `config` (an exported runtime computes the same
     descriptors, but takes frames, not shifted inputs)."""
     if not hasattr(extractor, "encode_pixels"):
-        from sps_driving.core.backbones import load_extractor
+        from sps_driving.core.backbones.loader import load_extractor
 
         if not config or config.get("backbone") != "dinov2_vits14":
             raise ValueError(f"orbital states need the DINOv2 backbone, not {getattr(extractor, 'name', extractor)}")

@@ -55,7 +55,7 @@ def _locked(path: Path):
 
 def torch_reference(config: dict):
     """The fp32 torch extractor on the CPU that an export is made from and checked against."""
-    from sps_driving.core.backbones import load_extractor
+    from sps_driving.core.backbones.loader import load_extractor
 
     return load_extractor({**config, "backend": "torch", "precision": "fp32", "device": "cpu", "dtype": "float32",
                            "export_dir": None})

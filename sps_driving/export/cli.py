@@ -84,7 +84,8 @@ def given_settings(args) -> dict:
 
 def torch_extractor(args, device: str = "cpu", dtype: str = "float32"):
     """The torch extractor the exports are made from and compared with (fp32 on the CPU by default)."""
-    from sps_driving.core.backbones import load_extractor, resolve_config
+    from sps_driving.core.backbones import resolve_config
+    from sps_driving.core.backbones.loader import load_extractor
 
     config = {**given_settings(args), "backbone": args.backbone, "backend": "torch", "device": device, "dtype": dtype}
     if args.model_path:

@@ -37,12 +37,12 @@ from sps_driving.core.backbones import (
     AUTO,
     DESCRIPTOR_KEYS,
     WEIGHTS_KEYS,
-    load_extractor,
     resolve_config,
     resolve_device,
     runtime_facts,
     torch_only_reason,
 )
+from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.overlay import FrameOverlay
 
 PARAMETER = "node parameter"

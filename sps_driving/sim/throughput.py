@@ -119,7 +119,7 @@ def same_results(rows: list[dict], reference: list[dict]) -> bool:
 
 def bench_eval(config: dict, policy_dir: Path, tasks: list[tuple[str, int]], names: list[str], repeats: int = 1) -> dict:
     """Each configuration of `names` on `tasks`, interleaved `repeats` times (module docstring)."""
-    from sps_driving.tools.bench import timing_copy
+    from sps_driving.core.policies.checkpoint import timing_copy
 
     unknown = sorted(set(names) - set(CONFIGURATIONS))
     if unknown:

@@ -639,23 +639,6 @@ def time_standalone(extractor, selector, frames: list) -> list[float]:
     return times
 
 
-def timing_copy(checkpoint: Path, folder: Path, rate: float | None = None, tokens: str | None = None) -> Path:
-    """A copy of a policy checkpoint at `folder` (made once) with another selection rate and tokens:
-    for timing what another rate or token dropping costs (its weights read descriptors they were
-    not trained on: its commands mean nothing)."""
-    import shutil
-
-    from sps_driving.core.policies.checkpoint import read_policy_config
-
-    if not folder.exists():
-        policy = read_policy_config(checkpoint)
-        shutil.copytree(checkpoint, folder)
-        copy = {**policy, "selection": {**policy["selection"], "rate": policy["selection"]["rate"] if rate is None else rate},
-                "extractor": {**(policy.get("extractor") or {}), **({} if tokens is None else {"tokens": tokens})}}
-        (folder / "config.json").write_text(json.dumps(copy, indent=1) + "\n")
-    return folder
-
-
 def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates, tokens, precisions, scratch: Path) -> list[dict]:
     """One configuration per (rate, tokens, precision): its label, checkpoint folder and settings file.
     The checkpoint's own rate and tokens run the checkpoint itself; others a timing copy of it (its
@@ -663,7 +646,7 @@ def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates,
     the settings' a settings file that adds it to --backbone-config's."""
     import yaml
 
-    from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config, timing_copy
     from sps_driving.export.extractors import extraction_settings
 
     policy = read_policy_config(checkpoint)

@@ -1,6 +1,6 @@
-"""Foundation-model backbones behind the PatchExtractor protocol, and the one factory that builds them.
+"""Foundation-model backbones behind the PatchExtractor protocol: their settings, devices and timing (loader.py builds one).
 
-`load_extractor(config)` builds one from a config; tools and nodes go through
+`load_extractor(config)` (loader.py) builds one from a config; tools and nodes go through
 sps_driving.export.extractors, which decides where each setting comes from (node parameter, checkpoint,
 file) and what "auto" runs. The keys and their defaults (with units) are in config/extraction.yaml:
 
@@ -158,33 +158,6 @@ def resolve_device(device: str):
     if device == AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def load_extractor(config: Mapping | str | Path | None = None) -> PatchExtractor:
-    """The PatchExtractor for `config` (a dict, a YAML file path, or None for the defaults), on a
-    backend that exists: backend auto for masked DINOv2 is sps_driving.export.extractors.open_extractor's
-    to choose (it exports the model on first use)."""
-    config = resolve_config(config)
-    if config["backend"] == AUTO:
-        raise ValueError(
-            "backend auto for masked DINOv2 is chosen by sps_driving.export.extractors.open_extractor, which exports the "
-            "model on first use; load_extractor takes torch, onnxruntime or tensorrt"
-        )
-    if config["backend"] != "torch":
-        from .runtimes import load_runtime_extractor
-
-        return load_runtime_extractor(config)
-    if config["backbone"] == "blip2":
-        from .blip2 import Blip2Extractor
-
-        return Blip2Extractor.from_config(config)
-    if config["backbone"] == "pixels":
-        from .pixels import PixelExtractor
-
-        return PixelExtractor.from_config(config)
-    from .dinov2 import DinoV2Extractor
-
-    return DinoV2Extractor.from_config(config)
 
 
 def runtime_facts(extractor: PatchExtractor) -> dict:

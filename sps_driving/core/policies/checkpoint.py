@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -65,6 +66,19 @@ def read_policy_config(directory) -> dict:
     return read_format_json(Path(directory) / CONFIG_FILE, POLICY_FORMAT, "policy config",
                             f"train one with `sps-driving train --out {Path(directory)}` "
                             f"or put its {WEIGHTS_FILE} and {CONFIG_FILE} in that folder")
+
+
+def timing_copy(checkpoint: Path, folder: Path, rate: float | None = None, tokens: str | None = None) -> Path:
+    """A copy of a policy checkpoint at `folder` (made once) with another selection rate and tokens:
+    for timing what another rate or token dropping costs (its weights read descriptors they were
+    not trained on: its commands mean nothing)."""
+    if not folder.exists():
+        policy = read_policy_config(checkpoint)
+        shutil.copytree(checkpoint, folder)
+        copy = {**policy, "selection": {**policy["selection"], "rate": policy["selection"]["rate"] if rate is None else rate},
+                "extractor": {**(policy.get("extractor") or {}), **({} if tokens is None else {"tokens": tokens})}}
+        (folder / CONFIG_FILE).write_text(json.dumps(copy, indent=1) + "\n")
+    return folder
 
 
 def load_policy(directory, device: str = "cpu", grid: PatchGrid | None = None) -> DrivingPolicy:
