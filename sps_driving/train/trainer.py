@@ -498,18 +498,13 @@ def train(cfg: TrainConfig, descriptor_transform: DescriptorTransform | None = N
         procs.close()
 
 
-def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
-    out, last_dir = Path(cfg.out), Path(cfg.out) / LAST_DIR
-    if not cfg.resume and (last_dir / STATE_JSON).exists():
-        raise FileExistsError(f"{out} already holds a training run: continue it with --resume or choose another --out")
-    cache = FeatureCache(cfg.cache)
-    selection = cfg.selection()
-    if cfg.architecture == POSITION_TABLE_ARCHITECTURE and selection.sparse_sequence and cache.position_table() is None:
-        raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
+def _training_frames(cfg: TrainConfig, cache: FeatureCache, procs: Processes, init_checkpoint):
+    """(training frames, validation frames, the split's record, the state inputs read): the frames
+    that have every state input the policy reads (a resumed run or a fine-tune reads what its
+    checkpoint reads)."""
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
-    # A resumed run or a fine-tune reads what its checkpoint reads.
     if cfg.resume:
-        state_names = state_inputs_of(read_policy_config(last_dir))
+        state_names = state_inputs_of(read_policy_config(Path(cfg.out) / LAST_DIR))
     elif init_checkpoint is not None:
         state_names = state_inputs_of(read_policy_config(init_checkpoint))
     else:
@@ -522,16 +517,25 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     if len(train_idx) == 0 or len(val_idx) == 0:
         raise ValueError(f"no training or no validation frames of {cache.name} have the state inputs {list(state_names)}")
     split.update(train_frames=int(len(train_idx)), validation_frames=int(len(val_idx)))
-    config = policy_config(cfg, cache, split, train_idx, state_names, criterion_weights(cfg, state_names))
-    config["training"]["world_size"] = procs.world_size
-    augmenter = None
-    if cfg.orbital_fraction > 0:  # training batches only: validation reads the cache as it is
-        if cfg.architecture == "patch_policy":
-            raise ValueError("--orbital-fraction augments single frames; the patch policy's windows do not take it")
-        augmenter = OrbitalAugmenter(cache, train_idx, cfg.orbital_fraction, cfg.orbital_rank, cfg.orbital_cap)
-        config["training"]["orbital_augmentation"] = augmenter.describe()
+    return train_idx, val_idx, split, state_names
 
-    torch.manual_seed(cfg.seed)  # identical initial weights in every process
+
+def _orbital_augmenter(cfg: TrainConfig, cache: FeatureCache, train_idx, config: dict) -> OrbitalAugmenter | None:
+    """The orbital augmentation of training batches (validation reads the cache as it is), recorded in `config`."""
+    if not cfg.orbital_fraction > 0:
+        return None
+    if cfg.architecture == "patch_policy":
+        raise ValueError("--orbital-fraction augments single frames; the patch policy's windows do not take it")
+    augmenter = OrbitalAugmenter(cache, train_idx, cfg.orbital_fraction, cfg.orbital_rank, cfg.orbital_cap)
+    config["training"]["orbital_augmentation"] = augmenter.describe()
+    return augmenter
+
+
+def _starting_policy(cfg: TrainConfig, config: dict, cache: FeatureCache, selection, train_idx, state_names,
+                     init_checkpoint) -> nn.Module:
+    """The policy training starts from: the run's last checkpoint (resume), the one to fine-tune, or a
+    fresh one with the training frames' statistics; `config` takes the architecture of the first two."""
+    last_dir = Path(cfg.out) / LAST_DIR
     if cfg.resume:
         last_config = read_policy_config(last_dir)
         policy = load_policy(last_dir).module
@@ -552,8 +556,12 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
             policy.set_input_statistics(*descriptor_statistics(cache, train_idx))
         if policy.state is not None:
             policy.state.set_statistics(*state_statistics(cache, state_names, train_idx))
-    policy = policy.to(procs.device)
-    model = SelectedPolicy(policy)
+    return policy
+
+
+def _optimization(cfg: TrainConfig, model: nn.Module):
+    """(optimizer, learning-rate scheduler, training state): new, or a resumed run's with its settings checked."""
+    last_dir = Path(cfg.out) / LAST_DIR
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
         optimizer, mode="min", factor=cfg.plateau_factor, patience=cfg.plateau_patience, min_lr=cfg.min_lr
@@ -566,14 +574,38 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
         if changed:
             raise ValueError(f"cannot resume {last_dir} with changed settings: {sorted(changed)}")
         state["train_config"] = dataclasses.asdict(cfg)
-    if procs.world_size > 1:
-        model = DistributedDataParallel(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
+    return optimizer, scheduler, state
 
+
+def _warn_of_unreachable_labels(cache: FeatureCache, config: dict, procs: Processes) -> None:
     max_steer = float(config["output"]["max_steering_rad"])
     unreachable = int(np.sum((np.abs(cache.targets[:, 0]) > max_steer) | (np.abs(cache.targets[:, 1]) > 1.0)))
     if unreachable and procs.main:
         tqdm.write(f"warning: {unreachable} frame(s) have labels beyond the output range "
                    f"(|steering| > {max_steer} rad or |throttle| > 1); the policy cannot reach them")
+
+
+def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
+    out, last_dir = Path(cfg.out), Path(cfg.out) / LAST_DIR
+    if not cfg.resume and (last_dir / STATE_JSON).exists():
+        raise FileExistsError(f"{out} already holds a training run: continue it with --resume or choose another --out")
+    cache = FeatureCache(cfg.cache)
+    selection = cfg.selection()
+    if cfg.architecture == POSITION_TABLE_ARCHITECTURE and selection.sparse_sequence and cache.position_table() is None:
+        raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
+    train_idx, val_idx, split, state_names = _training_frames(cfg, cache, procs, init_checkpoint)
+    config = policy_config(cfg, cache, split, train_idx, state_names, criterion_weights(cfg, state_names))
+    config["training"]["world_size"] = procs.world_size
+    augmenter = _orbital_augmenter(cfg, cache, train_idx, config)
+
+    torch.manual_seed(cfg.seed)  # identical initial weights in every process
+    policy = _starting_policy(cfg, config, cache, selection, train_idx, state_names, init_checkpoint).to(procs.device)
+    model = SelectedPolicy(policy)
+    optimizer, scheduler, state = _optimization(cfg, model)
+    if procs.world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
+
+    _warn_of_unreachable_labels(cache, config, procs)
 
     selector = policy_selector(config, cache.grid)
     selection = CacheSelection(cache, selector)
