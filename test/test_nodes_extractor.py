@@ -48,11 +48,13 @@ def rig(tmp_path_factory):
         probe.record(topic, msg_type, kind)
     image = probe.publisher(topics.IMAGE, Image, "image")
     info = probe.publisher(topics.CAMERA_INFO, CameraInfo, "sensor_out")
-    with graph:
-        wait_for_nodes(probe.node, graph.nodes, 180, graph)
-        wait_for_topics(probe.node, {topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 1, topics.DESCRIPTORS: 2}, 60, graph)
-        yield graph, probe, image, info
-    probe.close()
+    try:
+        with graph:
+            wait_for_nodes(probe.node, graph.nodes, 180, graph)
+            wait_for_topics(probe.node, {topics.IMAGE: 1, topics.CAMERA_INFO: 2, topics.SELECTION: 1, topics.DESCRIPTORS: 2}, 60, graph)
+            yield graph, probe, image, info
+    finally:
+        probe.close()  # also when the graph did not come up: a probe left behind would be a second publisher to later tests
 
 
 RNG = np.random.default_rng(0)
