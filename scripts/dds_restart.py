@@ -260,11 +260,12 @@ def run_once(name: str, run: int, args: argparse.Namespace, rng: random.Random, 
                 time.sleep(max(0.0, fault_s + delay - time.monotonic()))
                 current = Process("reader", env, qos, args, logs / f"reader_{i + 1:03d}.log")
                 ready = current.first("ready", 30)
-            else:  # sigstop: the same reader stopped for `delay` s, then continued
+            else:  # sigstop: the same reader (sigstop_writer: the writer) stopped for `delay` s, then continued
                 count_before = current.count()
-                current.stop(signal.SIGSTOP)
+                paused = writer_process if args.fault == "sigstop_writer" else current
+                paused.stop(signal.SIGSTOP)
                 time.sleep(delay)
-                current.stop(signal.SIGCONT)
+                paused.stop(signal.SIGCONT)
                 ready = time.monotonic()
             if args.fault == "kill":
                 first = current.first("first", args.deaf_after)
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", nargs="+", default=["shm_udp"], choices=SETTINGS)
     parser.add_argument("--runs", type=int, default=2, help="fresh writers per setting")
     parser.add_argument("--restarts", type=int, default=10, help="reader faults per run")
-    parser.add_argument("--fault", choices=("kill", "sigstop"), default="kill")
+    parser.add_argument("--fault", choices=("kill", "sigstop", "sigstop_writer"), default="kill")
     parser.add_argument("--delay", type=float, nargs=2, default=[0.0, 5.0], metavar=("MIN", "MAX"),
                         help="s from the kill to the successor's start (sigstop: how long it stays stopped)")
     parser.add_argument("--deaf-after", type=float, default=10.0, help="s without a message that make a restart deaf")

@@ -51,12 +51,14 @@ def rig(tmp_path_factory):
     probe.record(topics.STAGE_TIMING, DiagnosticArray, "status")
     info = probe.publisher(topics.CAMERA_INFO, CameraInfo, "sensor_out")
     descriptors = probe.publisher(topics.DESCRIPTORS, PointCloud2, "stream")
-    with graph:
-        wait_for_nodes(probe.node, graph.nodes, 60, graph)
-        wait_for_subscribers(info, 2, 20)
-        wait_for_subscribers(descriptors, 1, 20)
-        yield graph, probe, load_policy(ckpt), info, descriptors
-    probe.close()
+    try:
+        with graph:
+            wait_for_nodes(probe.node, graph.nodes, 60, graph)
+            wait_for_subscribers(info, 2, 20)
+            wait_for_subscribers(descriptors, 1, 20)
+            yield graph, probe, load_policy(ckpt), info, descriptors
+    finally:
+        probe.close()  # also when the graph did not come up: a probe left behind would be a second publisher to later tests
 
 
 def by_stamp(probe, topic):

@@ -59,9 +59,13 @@ def test_a_stepped_ros_clock_neither_stalls_the_watchdog_nor_goes_unnoticed(tmp_
             assert probe.spin_until(lambda: "clock_jump" in stop_reasons(probe), 2, every=tick), vehicle(probe)
             probe.spin_until(lambda: False, 1.0 - (time.monotonic() - started), every=tick)
             beats = [t for t, _ in probe.received[topics.ACTUATION]]
-            # a watchdog on the stepped clock would send nothing; half the 30 Hz rate leaves room for a loaded machine
+            # A watchdog on the stepped clock would send nothing for the rest of the second (the
+            # step is an hour). The bounds say "kept sending" with room for a loaded machine, where
+            # this process itself can be off the CPU for a few hundred ms: half the 30 Hz rate, and
+            # no silence longer than half the window.
             assert len(beats) >= 15, f"{len(beats)} commands in 1 s across a {step_s} s clock step"
-            assert max(b - a for a, b in zip(beats, beats[1:])) < 0.2  # never stalled
+            gaps = [b - a for a, b in zip([started, *beats], beats)]
+            assert max(gaps) < 0.5, f"silent for {max(gaps):.2f} s across a {step_s} s clock step"
             assert actuation(probe)[-1][1] == pytest.approx(-STOP_BRAKE), (vehicle(probe), graph.log("vehicle_interface")[-3000:])
     finally:
         running.set()

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backbone", help="for bag inputs: backbone name (overrides the extractor config)")
     parser.add_argument("--model-path", help="for bag inputs: local weights for the backbone (overrides the extractor config)")
     parser.add_argument("--device", help="for bag inputs: cpu, cuda, ... (overrides the extractor config)")
+    parser.add_argument("--precision", choices=("fp32", "int8"),
+                        help="for bag inputs: int8 runs onnxruntime's int8 graph (overrides the extractor config)")
     parser.add_argument("--image-topic", default=None, help="camera topic of bag inputs (default: the standard one)")
     parser.add_argument("--max-frames", type=int, default=None, help="analyse at most this many frames in all")
     parser.add_argument("--stride", type=int, default=1, help="analyse every this-many-th frame of each input (default 1)")

@@ -58,10 +58,7 @@ from sps_driving.core import topics
 from sps_driving.ros import msgs
 
 HOLD_S = 2.0  # s watched after each fault
-# s from a kill -9 to its successor's start: after the killed node's DDS participant has expired in
-# every process (lease 2 s, config/fastdds.xml), twice over. A successor started sooner can take the
-# dead participant's ports while its peers still hold it, and then large messages (images,
-# descriptors) may never reach it, as in Fast DDS issue 5469 (docs/vehicle.md).
+# s from a kill -9 to its successor's start, as the supervisor's first restart (config/respawn.yaml).
 RESTART_AFTER_KILL_S = 4.0
 STANDIN_SENT = "/pacmod3_standin/sent"  # the stand-in's frame to the car of every period
 READY_TIMEOUT_S = 60.0  # s to get back to driving between faults (a killed node's DDS endpoints must expire)
