@@ -1,14 +1,14 @@
 """`sps-driving faults`: the fault-injection matrix of the drive-by-wire path, against the live graph.
 
 Every node is a real process over DDS, the car included: the PACMod 3 stand-in
-(sps_driving.nodes.pacmod3_standin) latches the commands and re-sends them every 33 ms as the real
+(sps_driving.ros.nodes.pacmod3_standin) latches the commands and re-sends them every 33 ms as the real
 driver does, and publishes each period's frame to the car, which this process records with the
 time it arrived. For each fault: engage through the service, check that the car drives, inject
 the fault, watch what reaches the car for `hold_s`, restore, then check that the graph recovers:
 the safety driver's re-arm and engage, and the car drives again.
 
 The perception nodes (camera driver, selection, extractor, policy, safety monitor) run under the
-supervisor that the car launch runs them under (sps_driving.respawn): a killed one is started
+supervisor that the car launch runs them under (sps_driving.ros.respawn): a killed one is started
 again by it, not by this harness. A killed vehicle interface or failsafe is started again by this
 harness after RESTART_AFTER_KILL_S, as a person would restart it; nothing starts them by itself.
 
@@ -65,7 +65,7 @@ READY_TIMEOUT_S = 60.0  # s to get back to driving between faults (a killed node
 # s from a fault until the graph must drive again: the supervisor's first restart waits 4 s (config/
 # respawn.yaml) and the extractor then loads its model, 10-30 s on 2 CPU cores beside the graph.
 RECOVERY_TIMEOUT_S = 90.0
-# Run under sps_driving.respawn, as the car launch runs them; the others stop the car and are not.
+# Run under sps_driving.ros.respawn, as the car launch runs them; the others stop the car and are not.
 SUPERVISED = ("camera_driver", "selection", "extractor", "policy", "safety_monitor")
 SHORT = ("kill -9 vehicle_interface", "kill -9 safety_monitor", "SIGTERM vehicle_interface", "override", "NaN command",
          "second stop-request publisher", "clock step backwards", "shift to reverse", "second speed-report publisher")
@@ -746,7 +746,7 @@ def write_markdown(rows: list[dict], path: Path, command: str, hold_s: float, lo
         "Times to stop are from the fault to the first 33 ms frame the PACMod 3 stand-in sent to the car in the stop set",
         "(no accelerator, and the brake at 0.5 or more, or every system disabled); times to drive again from the fault to",
         "the car driving again after the safety driver's re-arm and engage. How they are measured and what each graph",
-        "contains: `sps_driving/faults.py`; what they mean for the safety driver: `docs/vehicle.md`. In the perception",
+        "contains: `sps_driving/tools/faults.py`; what they mean for the safety driver: `docs/vehicle.md`. In the perception",
         "graph the command age limit is 1 s instead of 0.25 s: two CPU cores run the whole perception graph at about",
         "10 frames/s, so its stops come about 1 s after the fault.",
         "",
