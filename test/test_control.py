@@ -422,6 +422,21 @@ def test_failsafe_takes_over_a_silent_interface_and_lets_go_on_takeover():
     assert quiet.tick(1.0) is None  # the car is not enabled: nothing to stop
 
 
+def test_failsafe_does_not_take_its_own_stall_for_the_interfaces_silence():
+    fs = Failsafe(silence_timeout_s=0.2, stop_brake=0.5)
+    fs.on_car(True, False)
+    fs.on_heartbeat(1.0)
+    assert fs.tick(1.01) is None
+    # This process was stopped for 2 s: the heartbeats sent meanwhile are not taken in yet.
+    assert fs.tick(3.0) is None and fs.trips == 0
+    fs.on_heartbeat(3.0)
+    assert fs.tick(3.03) is None and fs.state is FailsafeState.IDLE
+    # A vehicle interface that did go silent is still caught, one period later.
+    assert fs.tick(5.0) is None
+    command = fs.tick(5.03)
+    assert command is not None and command.brake == 0.5 and fs.state is FailsafeState.STOPPING and fs.trips == 1
+
+
 def test_standin_latches_resends_and_clears_enable_on_override():
     car = PacmodStandIn()
     for system in ("steering", "accel", "brake"):

@@ -11,7 +11,10 @@ takes over (an override, or the car disabled): then it sends disable a few times
 so the driver holds a disabled car. When the heartbeat comes back it goes quiet at once.
 
 It acts only after it has heard the vehicle interface at least once: a car enabled by something
-else before the stack ever ran is none of its business.
+else before the stack ever ran is none of its business. And it does not take a stall of its own
+for the vehicle interface's silence: after a period that came later than the silence limit (this
+process stopped, or starved of CPU), it judges on the next one, once the heartbeats sent meanwhile
+have been taken in.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Failsafe:
         self.state = FailsafeState.IDLE
         self.trips = 0
         self._heartbeat_s: float | None = None
+        self._tick_s: float | None = None
         self._car_enabled = False
         self._override = False
         self._steering_wheel_rad = 0.0
@@ -72,12 +76,14 @@ class Failsafe:
 
     def tick(self, now_s: float) -> FailsafeCommand | None:
         """What to send this period; None = nothing (the vehicle interface is in charge)."""
+        stalled = self._tick_s is not None and now_s - self._tick_s > self.silence_timeout_s
+        self._tick_s = now_s
         silent = self._heartbeat_s is not None and now_s - self._heartbeat_s > self.silence_timeout_s
         if not silent:
             self.state = FailsafeState.IDLE
             return None
         if self.state is FailsafeState.IDLE:
-            if not self._car_enabled or self._override:
+            if not self._car_enabled or self._override or stalled:
                 return None
             self.state = FailsafeState.STOPPING
             self.trips += 1
