@@ -3,7 +3,7 @@
     sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json
     sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 \\
         --json --out runs/bench/graph.json
-    sps-driving bench --eval --episodes 4 --repeats 2 --json --out runs/bench/eval.json
+    sps-driving bench --eval --episodes 2 --repeats 2 --json --out runs/bench/eval.json
     python -m sps_driving.tools.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
         --eval runs/bench/eval.json --out docs/results/bench_cpu.md
 
@@ -22,7 +22,7 @@ COMMANDS = {
     "dinov2": "sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json",
     "graph": ("sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 --json "
               "--out runs/bench/graph.json"),
-    "eval": "sps-driving bench --eval --episodes 4 --repeats 2 --json --out runs/bench/eval.json",
+    "eval": "sps-driving bench --eval --episodes 2 --repeats 2 --json --out runs/bench/eval.json",
 }
 
 
