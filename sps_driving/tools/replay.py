@@ -38,7 +38,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -140,6 +140,112 @@ def stopping_fraction(states, start_ns: int | None, end_ns: int | None) -> float
     return stopped / (end_ns - start_ns)
 
 
+@dataclass
+class _GraphOutputs:
+    """What the graph's outputs say, gathered in one pass over the records (`from_records`) for
+    `build_report`."""
+
+    first_seen: dict = field(default_factory=lambda: {topic: {} for topic in STAGES.values()})  # output -> {stamp: log time}
+    commands: dict = field(default_factory=dict)  # stamp -> the first policy command for it
+    compute: dict = field(default_factory=dict)  # stage -> {stamp: compute ms}
+    reported_drops: dict = field(default_factory=dict)  # stamp -> the first drop reported for it
+    policy_history: dict = field(default_factory=dict)  # a patch policy's frame history: frames, resets and cut windows by reason
+    extractor_runs: dict = field(default_factory=dict)  # what the extractor runs (backend, runtime, precision, threads), from its timing
+    failure_counts: dict = field(default_factory=dict)
+    safety_interventions: int = 0
+    vehicle_interventions: int = 0
+    stop_reasons: dict = field(default_factory=dict)
+    vehicle_states: list = field(default_factory=list)  # (time ns, stopping) of each vehicle-interface status
+
+    @classmethod
+    def from_records(cls, records: list, start_ns: int | None) -> _GraphOutputs:
+        """Each record by its topic; statuses only from `start_ns` on (start-up stops are left out)."""
+        outputs = cls()
+        for rec in records:
+            if rec.topic in outputs.first_seen:
+                outputs._add_stage_output(rec)
+            elif rec.topic == topics.STAGE_TIMING:
+                outputs._add_stage_timing(rec.msg)
+            elif rec.topic == topics.SAFETY_EVENTS:
+                outputs._add_safety_events(rec.msg)
+            elif rec.topic == topics.DIAGNOSTICS and start_ns is not None and rec.log_time_ns >= start_ns:
+                outputs._add_statuses(rec)
+        return outputs
+
+    def _add_stage_output(self, rec: Record) -> None:
+        """A stage's output: when it first came for its frame (latency) and, from the policy, the command."""
+        stamp = msgs.stamp_ns(rec.msg.header)
+        self.first_seen[rec.topic].setdefault(stamp, rec.log_time_ns)
+        if rec.topic == topics.POLICY_COMMAND:
+            self.commands.setdefault(stamp, msgs.command_from_message(rec.msg))
+
+    def _add_stage_timing(self, msg) -> None:
+        """A frame's compute time or drop by a stage, and what the policy and extractor report of themselves."""
+        for report in msgs.stage_reports(msg):
+            if report.stage == "policy":  # a patch policy's history counters (totals: the largest is the latest)
+                for key, value in report.values.items():
+                    if key.startswith(COUNTER_PREFIX):
+                        name = key[len(COUNTER_PREFIX):]
+                        self.policy_history[name] = max(self.policy_history.get(name, 0), int(value))
+            if report.compute_ms is not None:
+                self.compute.setdefault(report.stage, {})[msgs.stamp_ns(msg.header)] = report.compute_ms
+                if report.stage == "extractor":
+                    self.extractor_runs.update({k: v for k, v in report.values.items() if k in FACT_KEYS})
+            elif report.dropped:
+                self.reported_drops.setdefault(msgs.stamp_ns(msg.header), f"{report.stage}: {report.reason[:80]}")
+
+    def _add_safety_events(self, msg) -> None:
+        """The safety monitor's failure events, counted by failure."""
+        for _, _, _, values in msgs.diagnostic_values(msg):
+            failure = values.get("failure", "unknown")
+            self.failure_counts[failure] = self.failure_counts.get(failure, 0) + 1
+
+    def _add_statuses(self, rec: Record) -> None:
+        """The safety monitor's and vehicle interface's statuses: their intervention totals, and
+        whether (and why) the vehicle interface was stopping."""
+        for name, _, _, values in msgs.diagnostic_values(rec.msg):
+            if name == SAFETY_MONITOR:
+                self.safety_interventions = max(self.safety_interventions, int(values.get("interventions", 0)))
+            elif name == VEHICLE_INTERFACE:
+                self.vehicle_interventions = max(self.vehicle_interventions, int(values.get("interventions", 0)))
+                reasons = [r for r in values.get("stop_reasons", "").split(",") if r]
+                self.vehicle_states.append((rec.log_time_ns, bool(reasons)))
+                for reason in reasons:
+                    self.stop_reasons[reason] = self.stop_reasons.get(reason, 0) + 1
+
+
+def _latency_and_compute(frames: dict, outputs: _GraphOutputs) -> tuple[dict, dict]:
+    """(latency, compute) percentiles in ms: each stage's output and the command after the frame
+    entered the graph; each stage's compute, and the graph overhead: end-to-end latency minus the
+    compute on the critical path (extractor, policy)."""
+
+    def latencies(topic):
+        return {s: (t - frames[s]) / 1e6 for s, t in outputs.first_seen[topic].items() if s in frames}
+
+    latency_ms = {stage: percentiles(latencies(topic).values()) for stage, topic in STAGES.items()}
+    camera_to_command = latencies(topics.POLICY_COMMAND)
+    latency_ms["camera_to_command"] = percentiles(camera_to_command.values())
+    compute = outputs.compute
+    compute_ms = {stage: percentiles(by_stamp.values()) for stage, by_stamp in sorted(compute.items())}
+    overhead = [
+        total - compute.get("extractor", {}).get(s, math.nan) - compute.get("policy", {}).get(s, math.nan)
+        for s, total in camera_to_command.items()
+    ]
+    compute_ms["graph_overhead"] = percentiles(v for v in overhead if math.isfinite(v))
+    return latency_ms, compute_ms
+
+
+def _drops(frames: dict, outputs: _GraphOutputs, repeated_stamps: int) -> dict:
+    """{reason: images} for every image without a command: repeated stamps first, then by the
+    first drop a stage reported for the frame, or NO_OUTCOME."""
+    drops = {REPEATED_STAMP: repeated_stamps} if repeated_stamps else {}
+    for stamp in frames:
+        if stamp not in outputs.commands:
+            reason = outputs.reported_drops.get(stamp, NO_OUTCOME)
+            drops[reason] = drops.get(reason, 0) + 1
+    return drops
+
+
 def build_report(frames: dict, records: list, reference: dict, wall_s: float, repeated_stamps: int = 0) -> dict:
     """The replay report.
 
@@ -155,71 +261,11 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
     """
     start_ns = min(frames.values(), default=None)
     end_ns = max(frames.values(), default=None)
-    first_seen: dict = {topic: {} for topic in STAGES.values()}
-    commands = {}
-    compute: dict = {}
-    reported_drops: dict = {}  # stamp -> the first drop reported for it
-    policy_history: dict = {}  # a patch policy's frame history: frames, resets and cut windows by reason
-    extractor_runs: dict = {}  # what the extractor runs (backend, runtime, precision, threads), from its timing
-    failure_counts: dict = {}
-    safety_interventions = 0
-    vehicle_interventions = 0
-    stop_reasons: dict = {}
-    vehicle_states = []  # (time ns, stopping) of each vehicle-interface status
-    for rec in records:
-        if rec.topic in first_seen:
-            stamp = msgs.stamp_ns(rec.msg.header)
-            first_seen[rec.topic].setdefault(stamp, rec.log_time_ns)
-            if rec.topic == topics.POLICY_COMMAND:
-                commands.setdefault(stamp, msgs.command_from_message(rec.msg))
-        elif rec.topic == topics.STAGE_TIMING:
-            for report in msgs.stage_reports(rec.msg):
-                if report.stage == "policy":  # a patch policy's history counters (totals: the largest is the latest)
-                    for key, value in report.values.items():
-                        if key.startswith(COUNTER_PREFIX):
-                            name = key[len(COUNTER_PREFIX):]
-                            policy_history[name] = max(policy_history.get(name, 0), int(value))
-                if report.compute_ms is not None:
-                    compute.setdefault(report.stage, {})[msgs.stamp_ns(rec.msg.header)] = report.compute_ms
-                    if report.stage == "extractor":
-                        extractor_runs.update({k: v for k, v in report.values.items() if k in FACT_KEYS})
-                elif report.dropped:
-                    reported_drops.setdefault(msgs.stamp_ns(rec.msg.header), f"{report.stage}: {report.reason[:80]}")
-        elif rec.topic == topics.SAFETY_EVENTS:
-            for _, _, _, values in msgs.diagnostic_values(rec.msg):
-                failure = values.get("failure", "unknown")
-                failure_counts[failure] = failure_counts.get(failure, 0) + 1
-        elif rec.topic == topics.DIAGNOSTICS and start_ns is not None and rec.log_time_ns >= start_ns:
-            for name, _, _, values in msgs.diagnostic_values(rec.msg):
-                if name == SAFETY_MONITOR:
-                    safety_interventions = max(safety_interventions, int(values.get("interventions", 0)))
-                elif name == VEHICLE_INTERFACE:
-                    vehicle_interventions = max(vehicle_interventions, int(values.get("interventions", 0)))
-                    reasons = [r for r in values.get("stop_reasons", "").split(",") if r]
-                    vehicle_states.append((rec.log_time_ns, bool(reasons)))
-                    for reason in reasons:
-                        stop_reasons[reason] = stop_reasons.get(reason, 0) + 1
-
-    def latencies(topic):
-        return {s: (t - frames[s]) / 1e6 for s, t in first_seen[topic].items() if s in frames}
-
-    latency_ms = {stage: percentiles(latencies(topic).values()) for stage, topic in STAGES.items()}
-    camera_to_command = latencies(topics.POLICY_COMMAND)
-    latency_ms["camera_to_command"] = percentiles(camera_to_command.values())
-    compute_ms = {stage: percentiles(by_stamp.values()) for stage, by_stamp in sorted(compute.items())}
-    # Graph overhead: end-to-end latency minus the compute on the critical path (extractor, policy).
-    overhead = [
-        total - compute.get("extractor", {}).get(s, math.nan) - compute.get("policy", {}).get(s, math.nan)
-        for s, total in camera_to_command.items()
-    ]
-    compute_ms["graph_overhead"] = percentiles(v for v in overhead if math.isfinite(v))
-
+    outputs = _GraphOutputs.from_records(records, start_ns)
+    latency_ms, compute_ms = _latency_and_compute(frames, outputs)
+    commands = outputs.commands
     out_stamps = [s for s in commands if s in frames]
-    drops = {REPEATED_STAMP: repeated_stamps} if repeated_stamps else {}
-    for stamp in frames:
-        if stamp not in commands:
-            reason = reported_drops.get(stamp, NO_OUTCOME)
-            drops[reason] = drops.get(reason, 0) + 1
+    drops = _drops(frames, outputs, repeated_stamps)
     matched = match_reference(out_stamps, reference, int(REFERENCE_MATCH_S * 1e9))
     steering = errors((commands[s][0], ref[0]) for s, ref in matched.items())
     throttle = errors((commands[s][1], ref[1]) for s, ref in matched.items())
@@ -237,16 +283,16 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
         "throttle_mae": throttle["mae"],
         "throttle_rmse": throttle["rmse"],
         "throttle_max": throttle["max"],
-        "failures": failure_counts,
-        "interventions": safety_interventions + vehicle_interventions,
-        "interventions_safety": safety_interventions,
-        "interventions_override": vehicle_interventions,
-        "vehicle_stopping_fraction": stopping_fraction(vehicle_states, start_ns, end_ns),
-        "vehicle_stop_reasons": stop_reasons,
+        "failures": outputs.failure_counts,
+        "interventions": outputs.safety_interventions + outputs.vehicle_interventions,
+        "interventions_safety": outputs.safety_interventions,
+        "interventions_override": outputs.vehicle_interventions,
+        "vehicle_stopping_fraction": stopping_fraction(outputs.vehicle_states, start_ns, end_ns),
+        "vehicle_stop_reasons": outputs.stop_reasons,
         "latency_ms": latency_ms,
         "compute_ms": compute_ms,
-        "extractor": extractor_runs,
-        **({"policy_history": policy_history} if policy_history else {}),
+        "extractor": outputs.extractor_runs,
+        **({"policy_history": outputs.policy_history} if outputs.policy_history else {}),
     }
 
 
