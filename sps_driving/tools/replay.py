@@ -686,6 +686,110 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
     return params
 
 
+def _graph_topics(bag: Path, topic_map: dict) -> dict:
+    """{topic: message type} of the bag, its topics renamed by `topic_map` to the graph's; ReplayError
+    for a bag that cannot be read or that has no camera frames to play."""
+    from sps_driving.ros.bagio import BagError, topic_types
+
+    try:
+        bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
+    except BagError as exc:
+        raise ReplayError(str(exc)) from None
+    if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
+        raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
+    return bag_topics
+
+
+def _policy_checkpoint(checkpoint: Path | None, params_file: Path) -> Path:
+    """The policy folder, absolute: `checkpoint`, else the policy node's in the params file;
+    ReplayError when it holds no policy."""
+    if checkpoint is None:
+        import yaml
+
+        checkpoint = Path(yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"])
+        # A relative default (models/sps50_dinov2) names the package's folder wherever replay runs from.
+        if not checkpoint.is_absolute() and not checkpoint.exists():
+            checkpoint = params_file.resolve().parent.parent / checkpoint
+    checkpoint = Path(checkpoint).resolve()
+    if not (checkpoint / "config.json").is_file():
+        raise ReplayError(
+            f"no policy checkpoint at {checkpoint}: put policy.safetensors and config.json there "
+            "(`sps-driving train --out DIR`) or pass --checkpoint DIR"
+        )
+    return checkpoint
+
+
+def _input_types(bag_topics: dict, played: tuple, supplied: dict) -> dict:
+    """{topic: message type} this process publishes into the graph: the camera and the `played`
+    topics the bag has, each frame's CameraInfo, and the supplied state (`state_plan`)."""
+    input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
+    input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
+    input_types.update({topic: "geometry_msgs/msg/TwistStamped" for topic in supplied})  # msgs.twist_fields
+    return input_types
+
+
+def _wait_until_up(node, graph, startup_timeout_s: float, overlay: bool) -> None:
+    """Wait for the graph's nodes, then for each stage's input to have its reader (and this
+    recorder where it records it); ReplayError when they are not there in time."""
+    from sps_driving.ros.graph import wait_for_nodes, wait_for_topics
+
+    try:
+        wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
+        readers = {
+            topics.IMAGE: 2 if overlay else 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
+            topics.POLICY_COMMAND: 2,
+        }
+        wait_for_topics(node, readers, startup_timeout_s, graph)
+    except (TimeoutError, RuntimeError) as exc:
+        raise ReplayError(f"the graph did not start: {exc}") from exc
+
+
+def _play_through_graph(input_types: dict, parameters: dict, params_file: Path, log_dir: Path | None,
+                        startup_timeout_s: float, overlay: bool, playback) -> tuple[Player, float]:
+    """Start the graph with `parameters`, in a ROS domain of its own, and once it is up run
+    `playback(player)`; returns the player (what the graph published) and the playback wall time
+    `playback` returned, s. Raises ReplayError when the graph does not come up."""
+    import rclpy
+    from rclpy.node import Node
+
+    from sps_driving.ros.graph import Graph, isolate_ros
+
+    isolate_ros()  # before rclpy.init: this context joins the graph's private domain
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = Node("sps_replay", context=context)
+    player = Player(node, input_types)
+    graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
+    try:
+        with graph:
+            _wait_until_up(node, graph, startup_timeout_s, overlay)
+            wall_s = playback(player)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+    return player, wall_s
+
+
+def _write_records(out: Path, storage: str, records: list) -> None:
+    """Write the records into a new bag at `out`, in the order they were received."""
+    from sps_driving.ros.bagio import BagWriter
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with BagWriter(out, storage) as writer:
+        for rec in sorted(records, key=lambda r: r.log_time_ns):
+            writer.write(rec.topic, rec.msg, rec.log_time_ns)
+
+
+def _reference(bag: Path, car, reference_topic: str, frame_log_times: dict) -> tuple[dict, dict, str | None]:
+    """(reference commands {stamp: (steering, throttle)}, frames left out of them, where they came
+    from): the bag's reference topic, or the safety driver's driving from the car's labels `car`."""
+    if car is None:
+        reference = reference_commands(bag, reference_topic)
+        return reference, {}, reference_topic if reference else None
+    reference, excluded = human_reference(car, frame_log_times)
+    return reference, excluded, "pacmod3 reports: the safety driver's driving"
+
+
 def replay_bag(
     bag: Path,
     out: Path,
@@ -707,36 +811,17 @@ def replay_bag(
     bag topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
     with the vendor camera driver); `supplied_state` ({state input: value}) supplies state inputs
     the bag does not record (`state_plan`). Raises ReplayError."""
-    from sps_driving.ros.bagio import BagError, BagWriter, topic_types
-    from sps_driving.ros.graph import Graph, default_params_file, isolate_ros, wait_for_nodes, wait_for_topics
+    from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.ros.graph import default_params_file
 
     bag, out = Path(bag), Path(out)
     topic_map = dict(topic_map or {})
-    try:
-        bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
-    except BagError as exc:
-        raise ReplayError(str(exc)) from None
-    if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
-        raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
+    bag_topics = _graph_topics(bag, topic_map)
     params_file = Path(params_file) if params_file else default_params_file()
-    if checkpoint is None:
-        import yaml
-
-        checkpoint = Path(yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"])
-        # A relative default (models/sps50_dinov2) names the package's folder wherever replay runs from.
-        if not checkpoint.is_absolute() and not checkpoint.exists():
-            checkpoint = params_file.resolve().parent.parent / checkpoint
-    checkpoint = Path(checkpoint).resolve()
-    if not (checkpoint / "config.json").is_file():
-        raise ReplayError(
-            f"no policy checkpoint at {checkpoint}: put policy.safetensors and config.json there "
-            "(`sps-driving train --out DIR`) or pass --checkpoint DIR"
-        )
+    checkpoint = _policy_checkpoint(checkpoint, params_file)
     if out.exists():
         raise ReplayError(f"output bag {out} exists; pass another --out")
     has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
-    from sps_driving.core.policies.checkpoint import read_policy_config
-
     policy_config = read_policy_config(checkpoint)
     played = played_topics(policy_config, bag_topics)
     supplied, state_sources = state_plan(policy_config, bag_topics, supplied_state or {}, params_file, topic_map)
@@ -745,46 +830,13 @@ def replay_bag(
         car, unavailable = car_reference(bag, reference_topic, params_file), None
     except ValueError as exc:  # a car bag whose reports cannot tell the human's driving: replayed without a reference
         car, unavailable = None, str(exc)
-    input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
-    input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
-    input_types.update({topic: "geometry_msgs/msg/TwistStamped" for topic in supplied})  # msgs.twist_fields
-
-    import rclpy
-    from rclpy.node import Node
-
-    isolate_ros()  # before rclpy.init: this context joins the graph's private domain
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = Node("sps_replay", context=context)
-    player = Player(node, input_types)
     parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config, overlay, precision)
-    graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
-    try:
-        with graph:
-            try:
-                wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
-                # Each stage's input has its reader (and this recorder where it records it).
-                readers = {
-                    topics.IMAGE: 2 if overlay else 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
-                    topics.POLICY_COMMAND: 2,
-                }
-                wait_for_topics(node, readers, startup_timeout_s, graph)
-            except (TimeoutError, RuntimeError) as exc:
-                raise ReplayError(f"the graph did not start: {exc}") from exc
-            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played, supplied)
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with BagWriter(out, storage) as writer:
-        for rec in sorted(player.records, key=lambda r: r.log_time_ns):
-            writer.write(rec.topic, rec.msg, rec.log_time_ns)
-    if car is None:
-        reference, excluded = reference_commands(bag, reference_topic), {}
-        reference_source = reference_topic if reference else None
-    else:
-        reference, excluded = human_reference(car, player.frame_log_times)
-        reference_source = "pacmod3 reports: the safety driver's driving"
+    player, wall_s = _play_through_graph(
+        _input_types(bag_topics, played, supplied), parameters, params_file, log_dir, startup_timeout_s, overlay,
+        lambda player: play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played, supplied),
+    )
+    _write_records(out, storage, player.records)
+    reference, excluded, reference_source = _reference(bag, car, reference_topic, player.frame_log_times)
     report = build_report(player.frames, player.records, reference, wall_s, player.repeated_stamps)
     report.update(reference_source=reference_source, reference_excluded=excluded, state=state_sources)
     if unavailable:
