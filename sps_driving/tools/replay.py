@@ -474,6 +474,72 @@ class Player:
         return True
 
 
+def _in_log_time_order(bag: Path, wanted: list, topic_map: dict):
+    """The bag's messages on the `wanted` topics, each camera message (image, CameraInfo) held
+    back until the messages recorded at its own log time are out: a recorder writes the frame
+    first, then the speed of that instant."""
+    from sps_driving.ros.bagio import read_messages
+
+    held: list = []  # camera messages waiting for the rest of their log time
+    for item in read_messages(bag, wanted):
+        if held and item.log_time_ns > held[0].log_time_ns:
+            yield from held
+            held.clear()
+        if topic_map.get(item.topic, item.topic) in (topics.IMAGE, topics.CAMERA_INFO):
+            held.append(item)
+        else:
+            yield item
+    yield from held
+
+
+class _FramePublisher:
+    """Publishes the bag's messages into the graph for `play`, and keeps the stamps of the frames
+    played whose outcome is not awaited yet: a frame is in once both its image and its camera
+    info are."""
+
+    def __init__(self, player: Player, frame_timeout_s: float, has_info: bool, supplied: dict | None):
+        self.player = player
+        self.frame_timeout_s = frame_timeout_s
+        self.has_info = has_info
+        self.supplied = supplied
+        self.image_stamps: set[int] = set()
+        self.info_stamps: set[int] = set()
+
+    def begins_frame(self, msg) -> bool:
+        """Whether a camera message is the first of its frame: the next frame begins."""
+        return msgs.stamp_ns(msg.header) not in self.image_stamps | self.info_stamps
+
+    def await_complete_frames(self) -> None:
+        """Wait for the command of each frame that is in, up to the frame timeout each."""
+        for stamp in sorted(self.image_stamps & self.info_stamps):
+            self.player.wait_for(stamp, self.frame_timeout_s)
+            self.image_stamps.discard(stamp)
+            self.info_stamps.discard(stamp)
+
+    def publish(self, topic: str, item) -> None:
+        """Publish one bag message (`item`, on graph topic `topic`). A new frame's image goes out
+        after the supplied state with its stamp, and, for a bag without CameraInfo, is followed by
+        one made from the image."""
+        from sps_driving.ros.bagio import to_bag
+
+        player = self.player
+        if topic == topics.IMAGE and self.supplied and msgs.stamp_ns(item.msg.header) not in player.frames:
+            for state_topic, value in self.supplied.items():  # out before the image, as the car's reports would be
+                player.publish(state_topic, to_bag(msgs.twist_fields(value, msgs.stamp_ns(item.msg.header))))
+        published = player.publish(topic, item.msg)
+        if topic == topics.IMAGE:
+            stamp = msgs.stamp_ns(item.msg.header)
+            if published:
+                player.frame_log_times[stamp] = item.log_time_ns
+                self.image_stamps.add(stamp)
+                if not self.has_info:
+                    info = to_bag(msgs.camera_info_fields(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id, None))
+                    player.publish(topics.CAMERA_INFO, info)
+                    self.info_stamps.add(stamp)
+        elif topic == topics.CAMERA_INFO and published:
+            self.info_stamps.add(msgs.stamp_ns(item.msg.header))
+
+
 def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool, topic_map: dict,
          played=PLAYED, supplied: dict | None = None) -> float:
     """Publish the bag's camera and `played` topics (renamed by `topic_map`) and, before each new
@@ -485,68 +551,30 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
     busy cores the frame could otherwise reach the policy before the state it was recorded with."""
     from tqdm import tqdm
 
-    from sps_driving.ros.bagio import read_messages, to_bag
-
     bag_names = {graph_topic: bag_topic for bag_topic, graph_topic in topic_map.items()}
     wanted = [bag_names.get(t, t) for t in (topics.IMAGE, *played, *([topics.CAMERA_INFO] if has_info else []))]
+    publisher = _FramePublisher(player, frame_timeout_s, has_info, supplied)
     started = time.monotonic()
     first_log = None
-    info_stamps: set[int] = set()
-    image_stamps: set[int] = set()
     bar = tqdm(desc="replay", unit="frame", disable=None)
-
-    def await_complete_frames() -> None:
-        # A frame is in once both its image and its camera info are: wait for its command.
-        for stamp in sorted(image_stamps & info_stamps):
-            player.wait_for(stamp, frame_timeout_s)
-            image_stamps.discard(stamp)
-            info_stamps.discard(stamp)
-
-    held: list = []  # camera messages waiting for the rest of their log time
-
-    def in_order():
-        for item in read_messages(bag, wanted):
-            if held and item.log_time_ns > held[0].log_time_ns:
-                yield from held
-                held.clear()
-            if topic_map.get(item.topic, item.topic) in (topics.IMAGE, topics.CAMERA_INFO):
-                held.append(item)
-            else:
-                yield item
-        yield from held
-
-    for item in in_order():
+    for item in _in_log_time_order(bag, wanted, topic_map):
         topic = topic_map.get(item.topic, item.topic)
-        if lockstep and topic in (topics.IMAGE, topics.CAMERA_INFO):
-            if msgs.stamp_ns(item.msg.header) not in image_stamps | info_stamps:  # the next frame begins
-                await_complete_frames()
+        if lockstep and topic in (topics.IMAGE, topics.CAMERA_INFO) and publisher.begins_frame(item.msg):
+            publisher.await_complete_frames()
         if not lockstep:
             first_log = item.log_time_ns if first_log is None else first_log
             player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
-        if topic == topics.IMAGE and supplied and msgs.stamp_ns(item.msg.header) not in player.frames:
-            for state_topic, value in supplied.items():  # out before the image, as the car's reports would be
-                player.publish(state_topic, to_bag(msgs.twist_fields(value, msgs.stamp_ns(item.msg.header))))
-        published = player.publish(topic, item.msg)
+        publisher.publish(topic, item)
         if topic == topics.IMAGE:
             bar.update(1)
-            stamp = msgs.stamp_ns(item.msg.header)
-            if published:
-                player.frame_log_times[stamp] = item.log_time_ns
-                image_stamps.add(stamp)
-                if not has_info:
-                    info = to_bag(msgs.camera_info_fields(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id, None))
-                    player.publish(topics.CAMERA_INFO, info)
-                    info_stamps.add(stamp)
-        elif topic == topics.CAMERA_INFO and published:
-            info_stamps.add(msgs.stamp_ns(item.msg.header))
         if not lockstep:
             player.spin(0.0)
     if lockstep:
-        await_complete_frames()
+        publisher.await_complete_frames()
     bar.close()
     wall_s = time.monotonic() - started
-    if image_stamps and not lockstep:  # the newest frame is never skipped: wait for its outcome
-        player.wait_for(max(image_stamps), frame_timeout_s)
+    if publisher.image_stamps and not lockstep:  # the newest frame is never skipped: wait for its outcome
+        player.wait_for(max(publisher.image_stamps), frame_timeout_s)
     player.spin(0.5)  # trailing status and timing messages
     return wall_s
 
