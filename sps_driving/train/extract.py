@@ -635,6 +635,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "`train --orbital-fraction`; about 16x a frame's descriptors each); 0: none (default)")
 
 
+def _settings_from_args(args) -> ExtractSettings:
+    """The `extract:` settings of --config, with the topics and label source the options give over them."""
+    from dataclasses import replace
+
+    settings = ExtractSettings.from_yaml(args.config)
+    if args.camera_topic:
+        settings = replace(settings, camera_topic=args.camera_topic)
+    if args.command_topic:
+        settings = replace(settings, command_topic=args.command_topic)
+    if args.label_source:
+        settings = replace(settings, label_source=args.label_source)
+    return settings
+
+
+def _print_summary(out, report: dict, written: int, extractor, procs: Processes) -> None:
+    """What the cache at `out` holds and, input by input, what was written and dropped and where
+    its labels came from (handovers and interventions for the car's)."""
+    print(f"feature cache {out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
+          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}"
+          + (f", by {procs.world_size} processes" if procs.world_size > 1 else ""))
+    labels = json.loads((Path(out) / META_FILE).read_text())["labels"]
+    for source, counts in report.items():
+        dropped = {k: v for k, v in counts.items() if not k.startswith("written")}
+        unknown = {k[len("written_without_"):]: v for k, v in counts.items() if k.startswith("written_without_")}
+        print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else "")
+              + (f", of them without state {unknown}" if unknown else ""))
+        print(f"    labels from {labels[source]['from']}" + (f" (the bag also has {labels[source]['also_in_bag']})"
+                                                             if "also_in_bag" in labels[source] else ""))
+        if "handovers" in labels[source]:
+            guard = labels[source]["rules"]["handover_guard_s"]
+            print("    handovers: " + ", ".join(f"{kind} {n}" for kind, n in labels[source]["handovers"].items())
+                  + "; dropped " + ", ".join(f"near_{kind} {counts.get(f'near_{kind}', 0)}" for kind in HANDOVERS)
+                  + f" (within {guard:g} s), across_handover {counts.get('across_handover', 0)}")
+        if "interventions" in labels[source]:
+            print(f"    safety-driver interventions: {len(labels[source]['interventions'])}, "
+                  f"{counts.get('written_intervention', 0)} frames written from the "
+                  f"{labels[source]['rules']['intervention_window_s']:g} s after them")
+
+
 def run(args) -> int:
     from dataclasses import replace
 
@@ -642,13 +681,7 @@ def run(args) -> int:
 
     procs = None
     try:
-        settings = ExtractSettings.from_yaml(args.config)
-        if args.camera_topic:
-            settings = replace(settings, camera_topic=args.camera_topic)
-        if args.command_topic:
-            settings = replace(settings, command_topic=args.command_topic)
-        if args.label_source:
-            settings = replace(settings, label_source=args.label_source)
+        settings = _settings_from_args(args)
         check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
         if args.orbital_every < 0:
             raise ValueError(f"--orbital-every must be 0 (none) or a positive frame interval, got {args.orbital_every}")
@@ -678,24 +711,5 @@ def run(args) -> int:
     written = sum(c.get("written", 0) for c in report.values())
     if not procs.main:
         return 0 if written else 1
-    print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
-          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}"
-          + (f", by {procs.world_size} processes" if procs.world_size > 1 else ""))
-    labels = json.loads((Path(args.out) / META_FILE).read_text())["labels"]
-    for source, counts in report.items():
-        dropped = {k: v for k, v in counts.items() if not k.startswith("written")}
-        unknown = {k[len("written_without_"):]: v for k, v in counts.items() if k.startswith("written_without_")}
-        print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else "")
-              + (f", of them without state {unknown}" if unknown else ""))
-        print(f"    labels from {labels[source]['from']}" + (f" (the bag also has {labels[source]['also_in_bag']})"
-                                                             if "also_in_bag" in labels[source] else ""))
-        if "handovers" in labels[source]:
-            guard = labels[source]["rules"]["handover_guard_s"]
-            print("    handovers: " + ", ".join(f"{kind} {n}" for kind, n in labels[source]["handovers"].items())
-                  + "; dropped " + ", ".join(f"near_{kind} {counts.get(f'near_{kind}', 0)}" for kind in HANDOVERS)
-                  + f" (within {guard:g} s), across_handover {counts.get('across_handover', 0)}")
-        if "interventions" in labels[source]:
-            print(f"    safety-driver interventions: {len(labels[source]['interventions'])}, "
-                  f"{counts.get('written_intervention', 0)} frames written from the "
-                  f"{labels[source]['rules']['intervention_window_s']:g} s after them")
+    _print_summary(args.out, report, written, extractor, procs)
     return 0 if written else 1
