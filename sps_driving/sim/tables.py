@@ -304,45 +304,51 @@ def _markdown_table(header: list[str], table: list[list[str]], reports: dict) ->
     return lines
 
 
-def write_tables(rows: list[dict], out: Path, command: str, revision: str | None = None) -> None:
-    """OUT/table1.{csv,md}, table2.{csv,md}, details.md and accuracy_vs_rate.png from `rows`;
-    `revision`: the source revision they record (default: the checkout's now)."""
-    summary = summarize(rows)
-    if not summary:
-        return
-    revision = revision or source_revision()
-    reports = method_reports(rows)
-    labels = {s.name: s.label for s in SCENARIOS}
+def _provenance(rows: list[dict], command: str, revision: str) -> list[str]:
+    """The lines of a table's header that say how its rows were made: command, revision, settings
+    and layouts."""
     settings = sorted({(r["profile"], r["episode_s"], r["width"], r["height"]) for r in rows})
     seeds = sorted({r["seed"] for r in rows})
     layouts = f"{seeds[0]}..{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ", ".join(map(str, seeds))
-    for name, methods in table_methods(summary).items():
-        header, table = table_rows(summary, reports, methods)
-        with (out / f"{name}.csv").open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(table)
-        expected = TABLE1_METHODS if name == "table1" else TABLE2_METHODS
-        missing = [m for m in expected if m not in summary]
-        lines = [
-            f"# {'Table 1: methods' if name == 'table1' else 'Table 2: selection variants and rates'}"
-            " (closed loop, normalized success duration)",
-            "",
-            f"Command: `{command}`  ",
-            f"Git revision: {revision}  ",
-            "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
-            f"Layouts (episode seeds, shared by all scenarios and methods): {layouts}  ",
-            "Not yet run: " + (", ".join(missing) if missing else "none") + "  ",
-            "Score: time until the first failure / episode length; each cell the mean over layouts and training seeds. "
-            "Average: over the OOD rows, with its 95% bootstrap interval over scenarios, layouts and training seeds. "
-            "Gain: the paired difference to DA over the OOD (scenario, layout) cells both drove, 95% paired bootstrap "
-            "interval (sps_driving.sim.statistics). Obstacles passed: share of the road-side obstacles reached that were "
-            "passed without a collision failure; margin: smallest free gap to an obstacle minus the collision line. "
-            f"{MARK}: fewer than {CLAIM_LAYOUTS} layouts or {CLAIM_SEEDS} training seeds: indicative, not a claim.",
-            "",
-            *_markdown_table(header, table, reports),
-        ]
-        (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    return [
+        f"Command: `{command}`  ",
+        f"Git revision: {revision}  ",
+        "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
+        f"Layouts (episode seeds, shared by all scenarios and methods): {layouts}  ",
+    ]
+
+
+def _write_table(out: Path, name: str, methods: list[str], summary: dict, reports: dict, provenance: list[str]) -> None:
+    """OUT/NAME.csv and OUT/NAME.md: table1 (methods) or table2 (selection variants and rates) of
+    `methods`, the markdown with its provenance and the methods not yet run."""
+    header, table = table_rows(summary, reports, methods)
+    with (out / f"{name}.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(table)
+    expected = TABLE1_METHODS if name == "table1" else TABLE2_METHODS
+    missing = [m for m in expected if m not in summary]
+    lines = [
+        f"# {'Table 1: methods' if name == 'table1' else 'Table 2: selection variants and rates'}"
+        " (closed loop, normalized success duration)",
+        "",
+        *provenance,
+        "Not yet run: " + (", ".join(missing) if missing else "none") + "  ",
+        "Score: time until the first failure / episode length; each cell the mean over layouts and training seeds. "
+        "Average: over the OOD rows, with its 95% bootstrap interval over scenarios, layouts and training seeds. "
+        "Gain: the paired difference to DA over the OOD (scenario, layout) cells both drove, 95% paired bootstrap "
+        "interval (sps_driving.sim.statistics). Obstacles passed: share of the road-side obstacles reached that were "
+        "passed without a collision failure; margin: smallest free gap to an obstacle minus the collision line. "
+        f"{MARK}: fewer than {CLAIM_LAYOUTS} layouts or {CLAIM_SEEDS} training seeds: indicative, not a claim.",
+        "",
+        *_markdown_table(header, table, reports),
+    ]
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def _scenario_details(summary: dict) -> list[str]:
+    """details.md's opening: each method's scores, failures, obstacles, speed and drops by scenario."""
+    labels = {s.name: s.label for s in SCENARIOS}
     details = ["# Per-scenario details", "",
                "Score: mean over layouts and training seeds, 95% bootstrap interval over both. Obstacles: passed / "
                "reached; margin (m): smallest free gap to an obstacle minus the collision line, median and 5th percentile.",
@@ -365,36 +371,65 @@ def write_tables(rows: list[dict], out: Path, command: str, revision: str | None
                 f"{passes} | {margin} | {s['mean_speed_mps']:.1f} | {s['dropped_frames']} |"
             )
         details.append("")
+    return details
+
+
+def _paired_details(rows: list[dict], reports: dict) -> list[str]:
+    """details.md's section on each method's paired difference to DA beside the unpaired one;
+    none without a method paired with DA."""
     paired = {m: r.gain for m, r in reports.items() if r.gain is not None}
-    if paired:
-        ood = method_scores(rows, OOD_SCENARIO_NAMES)
-        details += ["## Paired differences against DA", "",
-                    "Over the OOD (scenario, layout) cells both methods drove with every checkpoint; 95% bootstrap "
-                    "intervals: paired (resampling scenarios, layouts within them, and each method's training seeds) and, "
-                    "for comparison, unpaired (every episode an independent draw; too narrow where checkpoints differ). "
-                    "Wins and losses: cells where the method's mean over its checkpoints beats DA's, or DA's beats it.", "",
-                    "| Method | Difference (points) | Paired 95% interval | Unpaired 95% interval | Scenarios | Layouts | "
-                    "Seeds (method / DA) | Wins | Losses |",
-                    "|---|---|---|---|---|---|---|---|---|"]
-        for method in sorted(paired, key=_method_sort_key):
-            d = paired[method]
-            _, low, high = unpaired_difference(ood[method], ood["DA"])
-            details.append(f"| {method} | {100 * d.mean:+.1f} | {format_interval(d.low, d.high, 100, '+.1f')} | "
-                           f"{format_interval(low, high, 100, '+.1f')} | {d.scenarios} | {d.layouts} | {d.seeds_a} / {d.seeds_b} | "
-                           f"{d.wins} | {d.losses} |")
-        details.append("")
+    if not paired:
+        return []
+    ood = method_scores(rows, OOD_SCENARIO_NAMES)
+    details = ["## Paired differences against DA", "",
+               "Over the OOD (scenario, layout) cells both methods drove with every checkpoint; 95% bootstrap "
+               "intervals: paired (resampling scenarios, layouts within them, and each method's training seeds) and, "
+               "for comparison, unpaired (every episode an independent draw; too narrow where checkpoints differ). "
+               "Wins and losses: cells where the method's mean over its checkpoints beats DA's, or DA's beats it.", "",
+               "| Method | Difference (points) | Paired 95% interval | Unpaired 95% interval | Scenarios | Layouts | "
+               "Seeds (method / DA) | Wins | Losses |",
+               "|---|---|---|---|---|---|---|---|---|"]
+    for method in sorted(paired, key=_method_sort_key):
+        d = paired[method]
+        _, low, high = unpaired_difference(ood[method], ood["DA"])
+        details.append(f"| {method} | {100 * d.mean:+.1f} | {format_interval(d.low, d.high, 100, '+.1f')} | "
+                       f"{format_interval(low, high, 100, '+.1f')} | {d.scenarios} | {d.layouts} | {d.seeds_a} / {d.seeds_b} | "
+                       f"{d.wins} | {d.losses} |")
+    details.append("")
+    return details
+
+
+def _seed_details(rows: list[dict]) -> list[str]:
+    """details.md's section on each checkpoint of a method with several training seeds; none
+    without such a method."""
     per_seed = seed_scores(rows)
-    if per_seed:
-        details += ["## Training seeds", "",
-                    "Each checkpoint of a method with several: its score over the layouts it drove, 95% bootstrap interval over "
-                    "layouts (in distribution) and over scenarios and layouts (OOD). The spread between seeds of one method "
-                    "is part of what the pooled intervals above resample.", "",
-                    "| Method | Training seed | In distribution [95%] | OOD average [95%] | OOD cells |", "|---|---|---|---|---|"]
-        for method in sorted(per_seed, key=_method_sort_key):
-            for seed, (in_distribution, ood) in per_seed[method].items():
-                details.append(f"| {method} | {seed} | {format_estimate(in_distribution)} | {format_estimate(ood)} | "
-                               f"{ood.cells if ood else 0} |")
-        details.append("")
+    if not per_seed:
+        return []
+    details = ["## Training seeds", "",
+               "Each checkpoint of a method with several: its score over the layouts it drove, 95% bootstrap interval over "
+               "layouts (in distribution) and over scenarios and layouts (OOD). The spread between seeds of one method "
+               "is part of what the pooled intervals above resample.", "",
+               "| Method | Training seed | In distribution [95%] | OOD average [95%] | OOD cells |", "|---|---|---|---|---|"]
+    for method in sorted(per_seed, key=_method_sort_key):
+        for seed, (in_distribution, ood) in per_seed[method].items():
+            details.append(f"| {method} | {seed} | {format_estimate(in_distribution)} | {format_estimate(ood)} | "
+                           f"{ood.cells if ood else 0} |")
+    details.append("")
+    return details
+
+
+def write_tables(rows: list[dict], out: Path, command: str, revision: str | None = None) -> None:
+    """OUT/table1.{csv,md}, table2.{csv,md}, details.md and accuracy_vs_rate.png from `rows`;
+    `revision`: the source revision they record (default: the checkout's now)."""
+    summary = summarize(rows)
+    if not summary:
+        return
+    revision = revision or source_revision()
+    reports = method_reports(rows)
+    provenance = _provenance(rows, command, revision)
+    for name, methods in table_methods(summary).items():
+        _write_table(out, name, methods, summary, reports, provenance)
+    details = [*_scenario_details(summary), *_paired_details(rows, reports), *_seed_details(rows)]
     (out / "details.md").write_text("\n".join(details))
     curves = rate_curves(summary)
     if any(len(points) > 1 for points in curves.values()):

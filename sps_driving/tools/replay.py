@@ -38,7 +38,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -140,6 +140,112 @@ def stopping_fraction(states, start_ns: int | None, end_ns: int | None) -> float
     return stopped / (end_ns - start_ns)
 
 
+@dataclass
+class _GraphOutputs:
+    """What the graph's outputs say, gathered in one pass over the records (`from_records`) for
+    `build_report`."""
+
+    first_seen: dict = field(default_factory=lambda: {topic: {} for topic in STAGES.values()})  # output -> {stamp: log time}
+    commands: dict = field(default_factory=dict)  # stamp -> the first policy command for it
+    compute: dict = field(default_factory=dict)  # stage -> {stamp: compute ms}
+    reported_drops: dict = field(default_factory=dict)  # stamp -> the first drop reported for it
+    policy_history: dict = field(default_factory=dict)  # a patch policy's frame history: frames, resets and cut windows by reason
+    extractor_runs: dict = field(default_factory=dict)  # what the extractor runs (backend, runtime, precision, threads), from its timing
+    failure_counts: dict = field(default_factory=dict)
+    safety_interventions: int = 0
+    vehicle_interventions: int = 0
+    stop_reasons: dict = field(default_factory=dict)
+    vehicle_states: list = field(default_factory=list)  # (time ns, stopping) of each vehicle-interface status
+
+    @classmethod
+    def from_records(cls, records: list, start_ns: int | None) -> _GraphOutputs:
+        """Each record by its topic; statuses only from `start_ns` on (start-up stops are left out)."""
+        outputs = cls()
+        for rec in records:
+            if rec.topic in outputs.first_seen:
+                outputs._add_stage_output(rec)
+            elif rec.topic == topics.STAGE_TIMING:
+                outputs._add_stage_timing(rec.msg)
+            elif rec.topic == topics.SAFETY_EVENTS:
+                outputs._add_safety_events(rec.msg)
+            elif rec.topic == topics.DIAGNOSTICS and start_ns is not None and rec.log_time_ns >= start_ns:
+                outputs._add_statuses(rec)
+        return outputs
+
+    def _add_stage_output(self, rec: Record) -> None:
+        """A stage's output: when it first came for its frame (latency) and, from the policy, the command."""
+        stamp = msgs.stamp_ns(rec.msg.header)
+        self.first_seen[rec.topic].setdefault(stamp, rec.log_time_ns)
+        if rec.topic == topics.POLICY_COMMAND:
+            self.commands.setdefault(stamp, msgs.command_from_message(rec.msg))
+
+    def _add_stage_timing(self, msg) -> None:
+        """A frame's compute time or drop by a stage, and what the policy and extractor report of themselves."""
+        for report in msgs.stage_reports(msg):
+            if report.stage == "policy":  # a patch policy's history counters (totals: the largest is the latest)
+                for key, value in report.values.items():
+                    if key.startswith(COUNTER_PREFIX):
+                        name = key[len(COUNTER_PREFIX):]
+                        self.policy_history[name] = max(self.policy_history.get(name, 0), int(value))
+            if report.compute_ms is not None:
+                self.compute.setdefault(report.stage, {})[msgs.stamp_ns(msg.header)] = report.compute_ms
+                if report.stage == "extractor":
+                    self.extractor_runs.update({k: v for k, v in report.values.items() if k in FACT_KEYS})
+            elif report.dropped:
+                self.reported_drops.setdefault(msgs.stamp_ns(msg.header), f"{report.stage}: {report.reason[:80]}")
+
+    def _add_safety_events(self, msg) -> None:
+        """The safety monitor's failure events, counted by failure."""
+        for _, _, _, values in msgs.diagnostic_values(msg):
+            failure = values.get("failure", "unknown")
+            self.failure_counts[failure] = self.failure_counts.get(failure, 0) + 1
+
+    def _add_statuses(self, rec: Record) -> None:
+        """The safety monitor's and vehicle interface's statuses: their intervention totals, and
+        whether (and why) the vehicle interface was stopping."""
+        for name, _, _, values in msgs.diagnostic_values(rec.msg):
+            if name == SAFETY_MONITOR:
+                self.safety_interventions = max(self.safety_interventions, int(values.get("interventions", 0)))
+            elif name == VEHICLE_INTERFACE:
+                self.vehicle_interventions = max(self.vehicle_interventions, int(values.get("interventions", 0)))
+                reasons = [r for r in values.get("stop_reasons", "").split(",") if r]
+                self.vehicle_states.append((rec.log_time_ns, bool(reasons)))
+                for reason in reasons:
+                    self.stop_reasons[reason] = self.stop_reasons.get(reason, 0) + 1
+
+
+def _latency_and_compute(frames: dict, outputs: _GraphOutputs) -> tuple[dict, dict]:
+    """(latency, compute) percentiles in ms: each stage's output and the command after the frame
+    entered the graph; each stage's compute, and the graph overhead: end-to-end latency minus the
+    compute on the critical path (extractor, policy)."""
+
+    def latencies(topic):
+        return {s: (t - frames[s]) / 1e6 for s, t in outputs.first_seen[topic].items() if s in frames}
+
+    latency_ms = {stage: percentiles(latencies(topic).values()) for stage, topic in STAGES.items()}
+    camera_to_command = latencies(topics.POLICY_COMMAND)
+    latency_ms["camera_to_command"] = percentiles(camera_to_command.values())
+    compute = outputs.compute
+    compute_ms = {stage: percentiles(by_stamp.values()) for stage, by_stamp in sorted(compute.items())}
+    overhead = [
+        total - compute.get("extractor", {}).get(s, math.nan) - compute.get("policy", {}).get(s, math.nan)
+        for s, total in camera_to_command.items()
+    ]
+    compute_ms["graph_overhead"] = percentiles(v for v in overhead if math.isfinite(v))
+    return latency_ms, compute_ms
+
+
+def _drops(frames: dict, outputs: _GraphOutputs, repeated_stamps: int) -> dict:
+    """{reason: images} for every image without a command: repeated stamps first, then by the
+    first drop a stage reported for the frame, or NO_OUTCOME."""
+    drops = {REPEATED_STAMP: repeated_stamps} if repeated_stamps else {}
+    for stamp in frames:
+        if stamp not in outputs.commands:
+            reason = outputs.reported_drops.get(stamp, NO_OUTCOME)
+            drops[reason] = drops.get(reason, 0) + 1
+    return drops
+
+
 def build_report(frames: dict, records: list, reference: dict, wall_s: float, repeated_stamps: int = 0) -> dict:
     """The replay report.
 
@@ -155,71 +261,11 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
     """
     start_ns = min(frames.values(), default=None)
     end_ns = max(frames.values(), default=None)
-    first_seen: dict = {topic: {} for topic in STAGES.values()}
-    commands = {}
-    compute: dict = {}
-    reported_drops: dict = {}  # stamp -> the first drop reported for it
-    policy_history: dict = {}  # a patch policy's frame history: frames, resets and cut windows by reason
-    extractor_runs: dict = {}  # what the extractor runs (backend, runtime, precision, threads), from its timing
-    failure_counts: dict = {}
-    safety_interventions = 0
-    vehicle_interventions = 0
-    stop_reasons: dict = {}
-    vehicle_states = []  # (time ns, stopping) of each vehicle-interface status
-    for rec in records:
-        if rec.topic in first_seen:
-            stamp = msgs.stamp_ns(rec.msg.header)
-            first_seen[rec.topic].setdefault(stamp, rec.log_time_ns)
-            if rec.topic == topics.POLICY_COMMAND:
-                commands.setdefault(stamp, msgs.command_from_message(rec.msg))
-        elif rec.topic == topics.STAGE_TIMING:
-            for report in msgs.stage_reports(rec.msg):
-                if report.stage == "policy":  # a patch policy's history counters (totals: the largest is the latest)
-                    for key, value in report.values.items():
-                        if key.startswith(COUNTER_PREFIX):
-                            name = key[len(COUNTER_PREFIX):]
-                            policy_history[name] = max(policy_history.get(name, 0), int(value))
-                if report.compute_ms is not None:
-                    compute.setdefault(report.stage, {})[msgs.stamp_ns(rec.msg.header)] = report.compute_ms
-                    if report.stage == "extractor":
-                        extractor_runs.update({k: v for k, v in report.values.items() if k in FACT_KEYS})
-                elif report.dropped:
-                    reported_drops.setdefault(msgs.stamp_ns(rec.msg.header), f"{report.stage}: {report.reason[:80]}")
-        elif rec.topic == topics.SAFETY_EVENTS:
-            for _, _, _, values in msgs.diagnostic_values(rec.msg):
-                failure = values.get("failure", "unknown")
-                failure_counts[failure] = failure_counts.get(failure, 0) + 1
-        elif rec.topic == topics.DIAGNOSTICS and start_ns is not None and rec.log_time_ns >= start_ns:
-            for name, _, _, values in msgs.diagnostic_values(rec.msg):
-                if name == SAFETY_MONITOR:
-                    safety_interventions = max(safety_interventions, int(values.get("interventions", 0)))
-                elif name == VEHICLE_INTERFACE:
-                    vehicle_interventions = max(vehicle_interventions, int(values.get("interventions", 0)))
-                    reasons = [r for r in values.get("stop_reasons", "").split(",") if r]
-                    vehicle_states.append((rec.log_time_ns, bool(reasons)))
-                    for reason in reasons:
-                        stop_reasons[reason] = stop_reasons.get(reason, 0) + 1
-
-    def latencies(topic):
-        return {s: (t - frames[s]) / 1e6 for s, t in first_seen[topic].items() if s in frames}
-
-    latency_ms = {stage: percentiles(latencies(topic).values()) for stage, topic in STAGES.items()}
-    camera_to_command = latencies(topics.POLICY_COMMAND)
-    latency_ms["camera_to_command"] = percentiles(camera_to_command.values())
-    compute_ms = {stage: percentiles(by_stamp.values()) for stage, by_stamp in sorted(compute.items())}
-    # Graph overhead: end-to-end latency minus the compute on the critical path (extractor, policy).
-    overhead = [
-        total - compute.get("extractor", {}).get(s, math.nan) - compute.get("policy", {}).get(s, math.nan)
-        for s, total in camera_to_command.items()
-    ]
-    compute_ms["graph_overhead"] = percentiles(v for v in overhead if math.isfinite(v))
-
+    outputs = _GraphOutputs.from_records(records, start_ns)
+    latency_ms, compute_ms = _latency_and_compute(frames, outputs)
+    commands = outputs.commands
     out_stamps = [s for s in commands if s in frames]
-    drops = {REPEATED_STAMP: repeated_stamps} if repeated_stamps else {}
-    for stamp in frames:
-        if stamp not in commands:
-            reason = reported_drops.get(stamp, NO_OUTCOME)
-            drops[reason] = drops.get(reason, 0) + 1
+    drops = _drops(frames, outputs, repeated_stamps)
     matched = match_reference(out_stamps, reference, int(REFERENCE_MATCH_S * 1e9))
     steering = errors((commands[s][0], ref[0]) for s, ref in matched.items())
     throttle = errors((commands[s][1], ref[1]) for s, ref in matched.items())
@@ -237,16 +283,16 @@ def build_report(frames: dict, records: list, reference: dict, wall_s: float, re
         "throttle_mae": throttle["mae"],
         "throttle_rmse": throttle["rmse"],
         "throttle_max": throttle["max"],
-        "failures": failure_counts,
-        "interventions": safety_interventions + vehicle_interventions,
-        "interventions_safety": safety_interventions,
-        "interventions_override": vehicle_interventions,
-        "vehicle_stopping_fraction": stopping_fraction(vehicle_states, start_ns, end_ns),
-        "vehicle_stop_reasons": stop_reasons,
+        "failures": outputs.failure_counts,
+        "interventions": outputs.safety_interventions + outputs.vehicle_interventions,
+        "interventions_safety": outputs.safety_interventions,
+        "interventions_override": outputs.vehicle_interventions,
+        "vehicle_stopping_fraction": stopping_fraction(outputs.vehicle_states, start_ns, end_ns),
+        "vehicle_stop_reasons": outputs.stop_reasons,
         "latency_ms": latency_ms,
         "compute_ms": compute_ms,
-        "extractor": extractor_runs,
-        **({"policy_history": policy_history} if policy_history else {}),
+        "extractor": outputs.extractor_runs,
+        **({"policy_history": outputs.policy_history} if outputs.policy_history else {}),
     }
 
 
@@ -428,6 +474,72 @@ class Player:
         return True
 
 
+def _in_log_time_order(bag: Path, wanted: list, topic_map: dict):
+    """The bag's messages on the `wanted` topics, each camera message (image, CameraInfo) held
+    back until the messages recorded at its own log time are out: a recorder writes the frame
+    first, then the speed of that instant."""
+    from sps_driving.ros.bagio import read_messages
+
+    held: list = []  # camera messages waiting for the rest of their log time
+    for item in read_messages(bag, wanted):
+        if held and item.log_time_ns > held[0].log_time_ns:
+            yield from held
+            held.clear()
+        if topic_map.get(item.topic, item.topic) in (topics.IMAGE, topics.CAMERA_INFO):
+            held.append(item)
+        else:
+            yield item
+    yield from held
+
+
+class _FramePublisher:
+    """Publishes the bag's messages into the graph for `play`, and keeps the stamps of the frames
+    played whose outcome is not awaited yet: a frame is in once both its image and its camera
+    info are."""
+
+    def __init__(self, player: Player, frame_timeout_s: float, has_info: bool, supplied: dict | None):
+        self.player = player
+        self.frame_timeout_s = frame_timeout_s
+        self.has_info = has_info
+        self.supplied = supplied
+        self.image_stamps: set[int] = set()
+        self.info_stamps: set[int] = set()
+
+    def begins_frame(self, msg) -> bool:
+        """Whether a camera message is the first of its frame: the next frame begins."""
+        return msgs.stamp_ns(msg.header) not in self.image_stamps | self.info_stamps
+
+    def await_complete_frames(self) -> None:
+        """Wait for the command of each frame that is in, up to the frame timeout each."""
+        for stamp in sorted(self.image_stamps & self.info_stamps):
+            self.player.wait_for(stamp, self.frame_timeout_s)
+            self.image_stamps.discard(stamp)
+            self.info_stamps.discard(stamp)
+
+    def publish(self, topic: str, item) -> None:
+        """Publish one bag message (`item`, on graph topic `topic`). A new frame's image goes out
+        after the supplied state with its stamp, and, for a bag without CameraInfo, is followed by
+        one made from the image."""
+        from sps_driving.ros.bagio import to_bag
+
+        player = self.player
+        if topic == topics.IMAGE and self.supplied and msgs.stamp_ns(item.msg.header) not in player.frames:
+            for state_topic, value in self.supplied.items():  # out before the image, as the car's reports would be
+                player.publish(state_topic, to_bag(msgs.twist_fields(value, msgs.stamp_ns(item.msg.header))))
+        published = player.publish(topic, item.msg)
+        if topic == topics.IMAGE:
+            stamp = msgs.stamp_ns(item.msg.header)
+            if published:
+                player.frame_log_times[stamp] = item.log_time_ns
+                self.image_stamps.add(stamp)
+                if not self.has_info:
+                    info = to_bag(msgs.camera_info_fields(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id, None))
+                    player.publish(topics.CAMERA_INFO, info)
+                    self.info_stamps.add(stamp)
+        elif topic == topics.CAMERA_INFO and published:
+            self.info_stamps.add(msgs.stamp_ns(item.msg.header))
+
+
 def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_info: bool, topic_map: dict,
          played=PLAYED, supplied: dict | None = None) -> float:
     """Publish the bag's camera and `played` topics (renamed by `topic_map`) and, before each new
@@ -439,68 +551,30 @@ def play(bag: Path, lockstep: bool, frame_timeout_s: float, player: Player, has_
     busy cores the frame could otherwise reach the policy before the state it was recorded with."""
     from tqdm import tqdm
 
-    from sps_driving.ros.bagio import read_messages, to_bag
-
     bag_names = {graph_topic: bag_topic for bag_topic, graph_topic in topic_map.items()}
     wanted = [bag_names.get(t, t) for t in (topics.IMAGE, *played, *([topics.CAMERA_INFO] if has_info else []))]
+    publisher = _FramePublisher(player, frame_timeout_s, has_info, supplied)
     started = time.monotonic()
     first_log = None
-    info_stamps: set[int] = set()
-    image_stamps: set[int] = set()
     bar = tqdm(desc="replay", unit="frame", disable=None)
-
-    def await_complete_frames() -> None:
-        # A frame is in once both its image and its camera info are: wait for its command.
-        for stamp in sorted(image_stamps & info_stamps):
-            player.wait_for(stamp, frame_timeout_s)
-            image_stamps.discard(stamp)
-            info_stamps.discard(stamp)
-
-    held: list = []  # camera messages waiting for the rest of their log time
-
-    def in_order():
-        for item in read_messages(bag, wanted):
-            if held and item.log_time_ns > held[0].log_time_ns:
-                yield from held
-                held.clear()
-            if topic_map.get(item.topic, item.topic) in (topics.IMAGE, topics.CAMERA_INFO):
-                held.append(item)
-            else:
-                yield item
-        yield from held
-
-    for item in in_order():
+    for item in _in_log_time_order(bag, wanted, topic_map):
         topic = topic_map.get(item.topic, item.topic)
-        if lockstep and topic in (topics.IMAGE, topics.CAMERA_INFO):
-            if msgs.stamp_ns(item.msg.header) not in image_stamps | info_stamps:  # the next frame begins
-                await_complete_frames()
+        if lockstep and topic in (topics.IMAGE, topics.CAMERA_INFO) and publisher.begins_frame(item.msg):
+            publisher.await_complete_frames()
         if not lockstep:
             first_log = item.log_time_ns if first_log is None else first_log
             player.spin(max(0.0, (item.log_time_ns - first_log) / 1e9 - (time.monotonic() - started)))
-        if topic == topics.IMAGE and supplied and msgs.stamp_ns(item.msg.header) not in player.frames:
-            for state_topic, value in supplied.items():  # out before the image, as the car's reports would be
-                player.publish(state_topic, to_bag(msgs.twist_fields(value, msgs.stamp_ns(item.msg.header))))
-        published = player.publish(topic, item.msg)
+        publisher.publish(topic, item)
         if topic == topics.IMAGE:
             bar.update(1)
-            stamp = msgs.stamp_ns(item.msg.header)
-            if published:
-                player.frame_log_times[stamp] = item.log_time_ns
-                image_stamps.add(stamp)
-                if not has_info:
-                    info = to_bag(msgs.camera_info_fields(item.msg.height, item.msg.width, stamp, item.msg.header.frame_id, None))
-                    player.publish(topics.CAMERA_INFO, info)
-                    info_stamps.add(stamp)
-        elif topic == topics.CAMERA_INFO and published:
-            info_stamps.add(msgs.stamp_ns(item.msg.header))
         if not lockstep:
             player.spin(0.0)
     if lockstep:
-        await_complete_frames()
+        publisher.await_complete_frames()
     bar.close()
     wall_s = time.monotonic() - started
-    if image_stamps and not lockstep:  # the newest frame is never skipped: wait for its outcome
-        player.wait_for(max(image_stamps), frame_timeout_s)
+    if publisher.image_stamps and not lockstep:  # the newest frame is never skipped: wait for its outcome
+        player.wait_for(max(publisher.image_stamps), frame_timeout_s)
     player.spin(0.5)  # trailing status and timing messages
     return wall_s
 
@@ -640,6 +714,110 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
     return params
 
 
+def _graph_topics(bag: Path, topic_map: dict) -> dict:
+    """{topic: message type} of the bag, its topics renamed by `topic_map` to the graph's; ReplayError
+    for a bag that cannot be read or that has no camera frames to play."""
+    from sps_driving.ros.bagio import BagError, topic_types
+
+    try:
+        bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
+    except BagError as exc:
+        raise ReplayError(str(exc)) from None
+    if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
+        raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
+    return bag_topics
+
+
+def _policy_checkpoint(checkpoint: Path | None, params_file: Path) -> Path:
+    """The policy folder, absolute: `checkpoint`, else the policy node's in the params file;
+    ReplayError when it holds no policy."""
+    if checkpoint is None:
+        import yaml
+
+        checkpoint = Path(yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"])
+        # A relative default (models/sps50_dinov2) names the package's folder wherever replay runs from.
+        if not checkpoint.is_absolute() and not checkpoint.exists():
+            checkpoint = params_file.resolve().parent.parent / checkpoint
+    checkpoint = Path(checkpoint).resolve()
+    if not (checkpoint / "config.json").is_file():
+        raise ReplayError(
+            f"no policy checkpoint at {checkpoint}: put policy.safetensors and config.json there "
+            "(`sps-driving train --out DIR`) or pass --checkpoint DIR"
+        )
+    return checkpoint
+
+
+def _input_types(bag_topics: dict, played: tuple, supplied: dict) -> dict:
+    """{topic: message type} this process publishes into the graph: the camera and the `played`
+    topics the bag has, each frame's CameraInfo, and the supplied state (`state_plan`)."""
+    input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
+    input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
+    input_types.update({topic: "geometry_msgs/msg/TwistStamped" for topic in supplied})  # msgs.twist_fields
+    return input_types
+
+
+def _wait_until_up(node, graph, startup_timeout_s: float, overlay: bool) -> None:
+    """Wait for the graph's nodes, then for each stage's input to have its reader (and this
+    recorder where it records it); ReplayError when they are not there in time."""
+    from sps_driving.ros.graph import wait_for_nodes, wait_for_topics
+
+    try:
+        wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
+        readers = {
+            topics.IMAGE: 2 if overlay else 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
+            topics.POLICY_COMMAND: 2,
+        }
+        wait_for_topics(node, readers, startup_timeout_s, graph)
+    except (TimeoutError, RuntimeError) as exc:
+        raise ReplayError(f"the graph did not start: {exc}") from exc
+
+
+def _play_through_graph(input_types: dict, parameters: dict, params_file: Path, log_dir: Path | None,
+                        startup_timeout_s: float, overlay: bool, playback) -> tuple[Player, float]:
+    """Start the graph with `parameters`, in a ROS domain of its own, and once it is up run
+    `playback(player)`; returns the player (what the graph published) and the playback wall time
+    `playback` returned, s. Raises ReplayError when the graph does not come up."""
+    import rclpy
+    from rclpy.node import Node
+
+    from sps_driving.ros.graph import Graph, isolate_ros
+
+    isolate_ros()  # before rclpy.init: this context joins the graph's private domain
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = Node("sps_replay", context=context)
+    player = Player(node, input_types)
+    graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
+    try:
+        with graph:
+            _wait_until_up(node, graph, startup_timeout_s, overlay)
+            wall_s = playback(player)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+    return player, wall_s
+
+
+def _write_records(out: Path, storage: str, records: list) -> None:
+    """Write the records into a new bag at `out`, in the order they were received."""
+    from sps_driving.ros.bagio import BagWriter
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with BagWriter(out, storage) as writer:
+        for rec in sorted(records, key=lambda r: r.log_time_ns):
+            writer.write(rec.topic, rec.msg, rec.log_time_ns)
+
+
+def _reference(bag: Path, car, reference_topic: str, frame_log_times: dict) -> tuple[dict, dict, str | None]:
+    """(reference commands {stamp: (steering, throttle)}, frames left out of them, where they came
+    from): the bag's reference topic, or the safety driver's driving from the car's labels `car`."""
+    if car is None:
+        reference = reference_commands(bag, reference_topic)
+        return reference, {}, reference_topic if reference else None
+    reference, excluded = human_reference(car, frame_log_times)
+    return reference, excluded, "pacmod3 reports: the safety driver's driving"
+
+
 def replay_bag(
     bag: Path,
     out: Path,
@@ -661,36 +839,17 @@ def replay_bag(
     bag topics to the graph's ({"/flir_camera/image_raw": "/camera/image_raw"} for a bag recorded
     with the vendor camera driver); `supplied_state` ({state input: value}) supplies state inputs
     the bag does not record (`state_plan`). Raises ReplayError."""
-    from sps_driving.ros.bagio import BagError, BagWriter, topic_types
-    from sps_driving.ros.graph import Graph, default_params_file, isolate_ros, wait_for_nodes, wait_for_topics
+    from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.ros.graph import default_params_file
 
     bag, out = Path(bag), Path(out)
     topic_map = dict(topic_map or {})
-    try:
-        bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
-    except BagError as exc:
-        raise ReplayError(str(exc)) from None
-    if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
-        raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
+    bag_topics = _graph_topics(bag, topic_map)
     params_file = Path(params_file) if params_file else default_params_file()
-    if checkpoint is None:
-        import yaml
-
-        checkpoint = Path(yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"])
-        # A relative default (models/sps50_dinov2) names the package's folder wherever replay runs from.
-        if not checkpoint.is_absolute() and not checkpoint.exists():
-            checkpoint = params_file.resolve().parent.parent / checkpoint
-    checkpoint = Path(checkpoint).resolve()
-    if not (checkpoint / "config.json").is_file():
-        raise ReplayError(
-            f"no policy checkpoint at {checkpoint}: put policy.safetensors and config.json there "
-            "(`sps-driving train --out DIR`) or pass --checkpoint DIR"
-        )
+    checkpoint = _policy_checkpoint(checkpoint, params_file)
     if out.exists():
         raise ReplayError(f"output bag {out} exists; pass another --out")
     has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
-    from sps_driving.core.policies.checkpoint import read_policy_config
-
     policy_config = read_policy_config(checkpoint)
     played = played_topics(policy_config, bag_topics)
     supplied, state_sources = state_plan(policy_config, bag_topics, supplied_state or {}, params_file, topic_map)
@@ -699,46 +858,13 @@ def replay_bag(
         car, unavailable = car_reference(bag, reference_topic, params_file), None
     except ValueError as exc:  # a car bag whose reports cannot tell the human's driving: replayed without a reference
         car, unavailable = None, str(exc)
-    input_types = {t: bag_topics[t] for t in (topics.IMAGE, *played) if t in bag_topics}
-    input_types[topics.CAMERA_INFO] = "sensor_msgs/msg/CameraInfo"
-    input_types.update({topic: "geometry_msgs/msg/TwistStamped" for topic in supplied})  # msgs.twist_fields
-
-    import rclpy
-    from rclpy.node import Node
-
-    isolate_ros()  # before rclpy.init: this context joins the graph's private domain
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = Node("sps_replay", context=context)
-    player = Player(node, input_types)
     parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config, overlay, precision)
-    graph = Graph(GRAPH_NODES, parameters=parameters, params_file=params_file, log_dir=log_dir)
-    try:
-        with graph:
-            try:
-                wait_for_nodes(node, GRAPH_NODES, startup_timeout_s, graph)
-                # Each stage's input has its reader (and this recorder where it records it).
-                readers = {
-                    topics.IMAGE: 2 if overlay else 1, topics.CAMERA_INFO: 2, topics.SELECTION: 2, topics.DESCRIPTORS: 2,
-                    topics.POLICY_COMMAND: 2,
-                }
-                wait_for_topics(node, readers, startup_timeout_s, graph)
-            except (TimeoutError, RuntimeError) as exc:
-                raise ReplayError(f"the graph did not start: {exc}") from exc
-            wall_s = play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played, supplied)
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with BagWriter(out, storage) as writer:
-        for rec in sorted(player.records, key=lambda r: r.log_time_ns):
-            writer.write(rec.topic, rec.msg, rec.log_time_ns)
-    if car is None:
-        reference, excluded = reference_commands(bag, reference_topic), {}
-        reference_source = reference_topic if reference else None
-    else:
-        reference, excluded = human_reference(car, player.frame_log_times)
-        reference_source = "pacmod3 reports: the safety driver's driving"
+    player, wall_s = _play_through_graph(
+        _input_types(bag_topics, played, supplied), parameters, params_file, log_dir, startup_timeout_s, overlay,
+        lambda player: play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played, supplied),
+    )
+    _write_records(out, storage, player.records)
+    reference, excluded, reference_source = _reference(bag, car, reference_topic, player.frame_log_times)
     report = build_report(player.frames, player.records, reference, wall_s, player.repeated_stamps)
     report.update(reference_source=reference_source, reference_excluded=excluded, state=state_sources)
     if unavailable:

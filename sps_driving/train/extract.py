@@ -326,6 +326,137 @@ def source_names(inputs: Sequence[Path]) -> list[str]:
     return names
 
 
+def _cache_meta(extractor, extractor_config: dict | None, inputs: list[Path], groups, orbital_every: int) -> dict:
+    """meta.json's description of the descriptors (backbone, extractor settings, grid, inputs) and,
+    for an extractor that drops tokens, of its patch groups. ValueError for patch groups without
+    such an extractor, such an extractor without them, or patch groups with orbital states."""
+    meta = {
+        "backbone": extractor.name,
+        "extractor": extractor_config or {"name": extractor.name},
+        "grid": {"rows": extractor.grid.rows, "cols": extractor.grid.cols},
+        "descriptor_dim": int(extractor.dim),
+        "inputs": [str(p) for p in inputs],
+    }
+    if getattr(extractor, "drops_tokens", False) != (groups is not None):
+        raise ValueError("an extractor that drops tokens (tokens kept) needs the keep-rate of the patch groups it computes "
+                         "(--keep-rate), and only such an extractor takes one")
+    if groups is not None:
+        if orbital_every:
+            raise ValueError("orbital states are dense descriptors of shifted inputs; a token-dropping cache cannot hold them")
+        meta["token_dropping"] = {**groups.config.to_dict(), "kept": groups.count, "groups": groups.grid.n // groups.count}
+        del meta["token_dropping"]["keep_probability"]
+    return meta
+
+
+def _orbital_reader(extractor, extractor_config: dict | None, device, every: int):
+    """(the reader of the frames' visible orbital states, its meta.json entry); `device`: the one
+    this process runs on under torchrun (None: as the extractor config says)."""
+    from sps_driving.core.orbital import visible_reader
+
+    # A twin extractor (an exported backend's) runs on this process's device, as the extractor does.
+    twin_config = extractor_config if device is None else {**(extractor_config or {}), "device": str(device)}
+    orbital = visible_reader(extractor, twin_config)
+    return orbital, {"offsets_px": orbital.offsets.tolist(), "family": orbital.families[0], "every": int(every)}
+
+
+class _Units:
+    """The extraction's units, (input, unit), in input order: `size` consecutive camera frames of
+    one input each, the last of an input all that remain (at least one unit per input)."""
+
+    def __init__(self, totals: list[int], size: int):
+        self.totals, self.size = totals, size
+        self.all = [(i, c) for i, total in enumerate(totals) for c in range(max(1, math.ceil(total / size)))]
+        self.last = {i: c for i, c in self.all}  # input -> its last unit
+
+    @staticmethod
+    def name(unit: tuple[int, int]) -> str:
+        return f"{unit[0]:05d}_{unit[1]:05d}"
+
+    def frames(self, unit: tuple[int, int]) -> int:
+        """The camera frames the unit plans for."""
+        i, c = unit
+        return self.totals[i] - c * self.size if c == self.last[i] else self.size
+
+    def count(self, unit: tuple[int, int]) -> int | None:
+        """The frames to read for the unit (None: all that remain of its input)."""
+        i, c = unit
+        return None if c == self.last[i] else self.size
+
+
+def _units_to_do(writer: UnitCacheWriter, mine: list, units: _Units, procs: Processes, out) -> tuple[set, int]:
+    """(this process's units not written yet, camera frames of the units all processes have
+    written already); says what is resumed and, under torchrun, what this process takes."""
+    todo = {unit for unit in mine if writer.done(units.name(unit)) is None}
+    done_units, done_frames = procs.all_sum(len(mine) - len(todo), sum(units.frames(u) for u in mine if u not in todo))
+    if procs.main and done_units:
+        tqdm.write(f"resuming {out}: {int(done_units)} of {len(units.all)} units ({int(done_frames)} frames) already written")
+    if procs.world_size > 1:
+        procs.log(f"extract: {len(mine)} of {len(units.all)} units ({sum(map(units.frames, mine))} camera frames)"
+                  + (f" from {units.name(mine[0])} on" if mine else "") + f", {len(mine) - len(todo)} already written")
+    return todo, int(done_frames)
+
+
+def _stretch_for(unit: tuple[int, int], stretch: _Stretch | None, todo: set, units: _Units, inputs: list[Path],
+                 kinds: list[str], settings: ExtractSettings, steering_ratio: float) -> _Stretch:
+    """The reading to take `unit` from: `stretch` when the unit is its next, else (closing
+    `stretch`) a new one over the consecutive units to do from `unit` on."""
+    i, c = unit
+    if stretch is not None and (stretch.input, stretch.next_unit) == unit:
+        return stretch
+    end = c
+    while (i, end + 1) in todo:
+        end += 1
+    if stretch is not None:
+        stretch.close()
+    return _Stretch(i, c, inputs[i], kinds[i], settings, steering_ratio, c * units.size,
+                    None if end == units.last[i] else (end + 1) * units.size)
+
+
+@dataclass(frozen=True)
+class _FrameStore:
+    """How `extract` stores each frame: descriptors of all `patches` (in `groups` for an extractor
+    that drops tokens), with the orbital states of every `orbital_every`-th frame of a unit when
+    there is an `orbital` reader."""
+
+    extractor: object
+    patches: np.ndarray
+    orbital: object = None
+    orbital_every: int = 0
+    groups: object = None
+
+    def write_unit(self, shards: UnitShards, stretch: _Stretch, count: int | None, source: str, first_of_input: bool,
+                   bar) -> tuple[int, int]:
+        """Store a unit's `count` frames (None: all that remain) read from `stretch` in its shards,
+        ticking `bar` (None: no bar) for each; returns (camera frames read, frames written). The
+        input's first unit also records what the reading found of the input as a whole."""
+        counts, seen = Counter(), 0
+        for frame in stretch.next(count):
+            # The unit's own written frames pick those with orbital states: the same whichever process writes it.
+            wants_orbital = self.orbital is not None and shards.frames % self.orbital_every == 0
+            _count_frame(shards, self.extractor, frame, self.patches, source, counts, self.orbital if wants_orbital else None,
+                         self.groups)
+            seen += 1
+            if bar is not None:
+                bar.update(1)
+        record = {"counts": dict(counts)}
+        if first_of_input:  # what is the input's, not its frames': counted once
+            record.update(counts=dict(counts + stretch.counts), labels=stretch.labels)
+        return seen, shards.finish(record)["frames"]
+
+
+def _close_cache(writer: UnitCacheWriter, units: _Units, mine: list, sources: list[str]) -> dict:
+    """Close the cache with the counts and label sources of every input, summed over its units
+    (whichever process wrote them); returns the counts."""
+    records = writer.records([units.name(u) for u in mine])
+    report, labels = {}, {}
+    for (i, c), record in zip(units.all, records):
+        report[sources[i]] = dict(Counter(report.get(sources[i], {})) + Counter(record["counts"]))
+        if c == 0:
+            labels[sources[i]] = record["labels"]
+    writer.close(records, {"counts": report, "labels": labels})
+    return report
+
+
 def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = None,
             settings: ExtractSettings = ExtractSettings(), overwrite: bool = False, params_file: Path | None = None,
             processes: Processes | None = None, orbital_every: int = 0, groups=None) -> dict:
@@ -352,83 +483,32 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
     totals = [message_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
               for path, kind in zip(inputs, kinds)]
     steering_ratio = float(car_facts(params_file)["steering_ratio"])
-    meta = {
-        "backbone": extractor.name,
-        "extractor": extractor_config or {"name": extractor.name},
-        "grid": {"rows": extractor.grid.rows, "cols": extractor.grid.cols},
-        "descriptor_dim": int(extractor.dim),
-        "inputs": [str(p) for p in inputs],
-    }
-    if getattr(extractor, "drops_tokens", False) != (groups is not None):
-        raise ValueError("an extractor that drops tokens (tokens kept) needs the keep-rate of the patch groups it computes "
-                         "(--keep-rate), and only such an extractor takes one")
-    if groups is not None:
-        if orbital_every:
-            raise ValueError("orbital states are dense descriptors of shifted inputs; a token-dropping cache cannot hold them")
-        meta["token_dropping"] = {**groups.config.to_dict(), "kept": groups.count, "groups": groups.grid.n // groups.count}
-        del meta["token_dropping"]["keep_probability"]
+    meta = _cache_meta(extractor, extractor_config, inputs, groups, orbital_every)
     orbital = None
     if orbital_every:
-        from sps_driving.core.orbital import visible_reader
-
-        # A twin extractor (an exported backend's) runs on this process's device, as the extractor does.
-        twin_config = extractor_config if processes is None else {**(extractor_config or {}), "device": str(procs.device)}
-        orbital = visible_reader(extractor, twin_config)
-        meta["orbital"] = {"offsets_px": orbital.offsets.tolist(), "family": orbital.families[0], "every": int(orbital_every)}
+        device = None if processes is None else procs.device
+        orbital, meta["orbital"] = _orbital_reader(extractor, extractor_config, device, orbital_every)
     plan = extraction_plan(meta, settings, steering_ratio, sources, kinds, totals)
     procs.agree("the extraction settings and inputs (their names and frame counts)", plan)
-    size = settings.shard_size
-    units = [(i, c) for i, total in enumerate(totals) for c in range(max(1, math.ceil(total / size)))]
-    last_unit = {i: c for i, c in units}
-
-    def name(unit):
-        return f"{unit[0]:05d}_{unit[1]:05d}"
-
-    def frames_of(unit):  # the camera frames the unit plans for (the last of an input: all that remain)
-        i, c = unit
-        return totals[i] - c * size if c == last_unit[i] else size
-
-    writer = UnitCacheWriter(out, meta, plan, [name(u) for u in units], sources, extractor.position_table(), size,
-                             overwrite, procs)
-    mine = [units[k] for k in shares(len(units), procs)]
-    todo = {unit for unit in mine if writer.done(name(unit)) is None}
-    done_units, done_frames = procs.all_sum(len(mine) - len(todo), sum(frames_of(u) for u in mine if u not in todo))
-    if procs.main and done_units:
-        tqdm.write(f"resuming {out}: {int(done_units)} of {len(units)} units ({int(done_frames)} frames) already written")
-    if procs.world_size > 1:
-        procs.log(f"extract: {len(mine)} of {len(units)} units ({sum(map(frames_of, mine))} camera frames)"
-                  + (f" from {name(mine[0])} on" if mine else "") + f", {len(mine) - len(todo)} already written")
-    bar = tqdm(total=sum(totals), initial=int(done_frames), desc="extract", unit="frame", disable=not procs.main)
-    all_patches = np.arange(extractor.grid.n, dtype=np.int64)
+    units = _Units(totals, settings.shard_size)
+    writer = UnitCacheWriter(out, meta, plan, [units.name(u) for u in units.all], sources, extractor.position_table(),
+                             units.size, overwrite, procs)
+    mine = [units.all[k] for k in shares(len(units.all), procs)]
+    todo, done_frames = _units_to_do(writer, mine, units, procs, out)
+    bar = tqdm(total=sum(totals), initial=done_frames, desc="extract", unit="frame", disable=not procs.main)
+    store = _FrameStore(extractor, np.arange(extractor.grid.n, dtype=np.int64), orbital, orbital_every, groups)
     stretch = None  # the reading of this process's consecutive unfinished units of one input
     started, written = time.perf_counter(), 0
-    for position in range(math.ceil(len(units) / procs.world_size)):  # rounds: one unit per process
+    for position in range(math.ceil(len(units.all) / procs.world_size)):  # rounds: one unit per process
         unit = mine[position] if position < len(mine) else None
         seen = 0
         if unit in todo:
             i, c = unit
-            if stretch is None or (stretch.input, stretch.next_unit) != unit:
-                end = c
-                while (i, end + 1) in todo:
-                    end += 1
-                if stretch is not None:
-                    stretch.close()
-                stretch = _Stretch(i, c, inputs[i], kinds[i], settings, steering_ratio, c * size,
-                                   None if end == last_unit[i] else (end + 1) * size)
-            counts = Counter()
-            shards = writer.unit(name(unit), f"shard_{i:05d}", c)
-            for frame in stretch.next(None if c == last_unit[i] else size):
-                # The unit's own written frames pick those with orbital states: the same whichever process writes it.
-                wants_orbital = orbital is not None and shards.frames % orbital_every == 0
-                _count_frame(shards, extractor, frame, all_patches, sources[i], counts, orbital if wants_orbital else None,
-                             groups)
-                seen += 1
-                if procs.world_size == 1:
-                    bar.update(1)
-            record = {"counts": dict(counts)}
-            if c == 0:  # what is the input's, not its frames': counted once
-                record.update(counts=dict(counts + stretch.counts), labels=stretch.labels)
-            written += shards.finish(record)["frames"]
+            stretch = _stretch_for(unit, stretch, todo, units, inputs, kinds, settings, steering_ratio)
+            shards = writer.unit(units.name(unit), f"shard_{i:05d}", c)
+            seen, frames = store.write_unit(shards, stretch, units.count(unit), sources[i], c == 0,
+                                            bar if procs.world_size == 1 else None)
+            written += frames
         if procs.world_size > 1:
             bar.update(int(procs.all_sum(seen)[0]))
     bar.close()
@@ -436,14 +516,7 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
         stretch.close()
     if procs.world_size > 1:
         procs.log(f"extract: {written} frames written in {time.perf_counter() - started:.0f} s")
-    records = writer.records([name(u) for u in mine])
-    report, labels = {}, {}
-    for (i, c), record in zip(units, records):
-        report[sources[i]] = dict(Counter(report.get(sources[i], {})) + Counter(record["counts"]))
-        if c == 0:
-            labels[sources[i]] = record["labels"]
-    writer.close(records, {"counts": report, "labels": labels})
-    return report
+    return _close_cache(writer, units, mine, sources)
 
 
 class _Stretch:
@@ -562,6 +635,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "`train --orbital-fraction`; about 16x a frame's descriptors each); 0: none (default)")
 
 
+def _settings_from_args(args) -> ExtractSettings:
+    """The `extract:` settings of --config, with the topics and label source the options give over them."""
+    from dataclasses import replace
+
+    settings = ExtractSettings.from_yaml(args.config)
+    if args.camera_topic:
+        settings = replace(settings, camera_topic=args.camera_topic)
+    if args.command_topic:
+        settings = replace(settings, command_topic=args.command_topic)
+    if args.label_source:
+        settings = replace(settings, label_source=args.label_source)
+    return settings
+
+
+def _print_summary(out, report: dict, written: int, extractor, procs: Processes) -> None:
+    """What the cache at `out` holds and, input by input, what was written and dropped and where
+    its labels came from (handovers and interventions for the car's)."""
+    print(f"feature cache {out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
+          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}"
+          + (f", by {procs.world_size} processes" if procs.world_size > 1 else ""))
+    labels = json.loads((Path(out) / META_FILE).read_text())["labels"]
+    for source, counts in report.items():
+        dropped = {k: v for k, v in counts.items() if not k.startswith("written")}
+        unknown = {k[len("written_without_"):]: v for k, v in counts.items() if k.startswith("written_without_")}
+        print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else "")
+              + (f", of them without state {unknown}" if unknown else ""))
+        print(f"    labels from {labels[source]['from']}" + (f" (the bag also has {labels[source]['also_in_bag']})"
+                                                             if "also_in_bag" in labels[source] else ""))
+        if "handovers" in labels[source]:
+            guard = labels[source]["rules"]["handover_guard_s"]
+            print("    handovers: " + ", ".join(f"{kind} {n}" for kind, n in labels[source]["handovers"].items())
+                  + "; dropped " + ", ".join(f"near_{kind} {counts.get(f'near_{kind}', 0)}" for kind in HANDOVERS)
+                  + f" (within {guard:g} s), across_handover {counts.get('across_handover', 0)}")
+        if "interventions" in labels[source]:
+            print(f"    safety-driver interventions: {len(labels[source]['interventions'])}, "
+                  f"{counts.get('written_intervention', 0)} frames written from the "
+                  f"{labels[source]['rules']['intervention_window_s']:g} s after them")
+
+
 def run(args) -> int:
     from dataclasses import replace
 
@@ -569,13 +681,7 @@ def run(args) -> int:
 
     procs = None
     try:
-        settings = ExtractSettings.from_yaml(args.config)
-        if args.camera_topic:
-            settings = replace(settings, camera_topic=args.camera_topic)
-        if args.command_topic:
-            settings = replace(settings, command_topic=args.command_topic)
-        if args.label_source:
-            settings = replace(settings, label_source=args.label_source)
+        settings = _settings_from_args(args)
         check_inputs([Path(p) for p in args.inputs], settings)  # before the slow backbone load
         if args.orbital_every < 0:
             raise ValueError(f"--orbital-every must be 0 (none) or a positive frame interval, got {args.orbital_every}")
@@ -605,24 +711,5 @@ def run(args) -> int:
     written = sum(c.get("written", 0) for c in report.values())
     if not procs.main:
         return 0 if written else 1
-    print(f"feature cache {args.out}: {written} frames from {len(report)} input(s), backbone {extractor.name}, "
-          f"grid {extractor.grid.rows}x{extractor.grid.cols}, D={extractor.dim}"
-          + (f", by {procs.world_size} processes" if procs.world_size > 1 else ""))
-    labels = json.loads((Path(args.out) / META_FILE).read_text())["labels"]
-    for source, counts in report.items():
-        dropped = {k: v for k, v in counts.items() if not k.startswith("written")}
-        unknown = {k[len("written_without_"):]: v for k, v in counts.items() if k.startswith("written_without_")}
-        print(f"  {source}: {counts.get('written', 0)} written" + (f", dropped {dropped}" if dropped else "")
-              + (f", of them without state {unknown}" if unknown else ""))
-        print(f"    labels from {labels[source]['from']}" + (f" (the bag also has {labels[source]['also_in_bag']})"
-                                                             if "also_in_bag" in labels[source] else ""))
-        if "handovers" in labels[source]:
-            guard = labels[source]["rules"]["handover_guard_s"]
-            print("    handovers: " + ", ".join(f"{kind} {n}" for kind, n in labels[source]["handovers"].items())
-                  + "; dropped " + ", ".join(f"near_{kind} {counts.get(f'near_{kind}', 0)}" for kind in HANDOVERS)
-                  + f" (within {guard:g} s), across_handover {counts.get('across_handover', 0)}")
-        if "interventions" in labels[source]:
-            print(f"    safety-driver interventions: {len(labels[source]['interventions'])}, "
-                  f"{counts.get('written_intervention', 0)} frames written from the "
-                  f"{labels[source]['rules']['intervention_window_s']:g} s after them")
+    _print_summary(args.out, report, written, extractor, procs)
     return 0 if written else 1

@@ -100,12 +100,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only print how many patches each concept matches at the threshold, then stop")
 
 
+def _print_matches(augmenter: LatentTextAugmenter, cache, table: ConceptTable, cache_path) -> None:
+    """How often each concept matches the cache's patches at the table's threshold (`match_report`)."""
+    report = match_report(augmenter, cache, batch_size=64)
+    print(f"threshold {table.threshold} (cosine) over {len(cache)} frames of {cache_path}:")
+    for concept, stats in report.items():
+        print(f"  {concept:>16}: {stats['patches_per_frame']:7.2f} patches/frame, "
+              f"in {stats['frame_fraction']:6.1%} of frames")
+
+
+def _finetune_config(args: argparse.Namespace, policy_config: dict, settings: FinetuneSettings):
+    """The training settings of the fine-tuning: the train config's, with the policy's own selection
+    and the fine-tuning's epochs, learning rate and patience over them."""
+    from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig
+
+    selection = policy_config["selection"]
+    return TrainConfig.from_yaml(
+        args.train_config or TRAIN_CONFIG,
+        cache=str(args.cache),
+        out=str(args.out),
+        variant=selection["variant"],
+        rate=selection["rate"],
+        seed=selection["seed"],
+        keep_probability=selection.get("keep_probability"),
+        epochs=args.epochs or settings.epochs,
+        lr=settings.lr,
+        early_stop_patience=settings.early_stop_patience,
+        device=args.device,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.core.resources import config_path
     from sps_driving.export.extractors import extractor_for_policy
     from sps_driving.train.cache import FeatureCache
-    from sps_driving.train.trainer import TRAIN_CONFIG, TrainConfig, train
+    from sps_driving.train.trainer import train
 
     concepts_path = args.concepts or config_path(CONCEPTS_NAME)
     try:
@@ -136,28 +166,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     if args.report_matches:
-        report = match_report(augmenter, cache, batch_size=64)
-        print(f"threshold {table.threshold} (cosine) over {len(cache)} frames of {args.cache}:")
-        for concept, stats in report.items():
-            print(f"  {concept:>16}: {stats['patches_per_frame']:7.2f} patches/frame, "
-                  f"in {stats['frame_fraction']:6.1%} of frames")
+        _print_matches(augmenter, cache, table, args.cache)
         return 0
 
-    selection = policy_config["selection"]
-    cfg = TrainConfig.from_yaml(
-        args.train_config or TRAIN_CONFIG,
-        cache=str(args.cache),
-        out=str(args.out),
-        variant=selection["variant"],
-        rate=selection["rate"],
-        seed=selection["seed"],
-        keep_probability=selection.get("keep_probability"),
-        epochs=args.epochs or settings.epochs,
-        lr=settings.lr,
-        early_stop_patience=settings.early_stop_patience,
-        device=args.device,
-    )
-    summary = train(cfg, descriptor_transform=augmenter, init_checkpoint=args.checkpoint)
+    summary = train(_finetune_config(args, policy_config, settings), descriptor_transform=augmenter,
+                    init_checkpoint=args.checkpoint)
     print(f"fine-tuned {args.checkpoint} with language-guided augmentation ({len(table.concepts)} concepts, "
           f"threshold {table.threshold}) for {summary['epochs_run']} epochs; best validation loss "
           f"{summary['best_validation_loss']:.6f} at epoch {summary['best_epoch']}; checkpoint {args.out}")
