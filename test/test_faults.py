@@ -5,6 +5,11 @@ camera_driver as real processes over DDS. The whole matrix (also the perception 
 `sps-driving faults`; its table is docs/results/faults.md."""
 
 import math
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +92,30 @@ def test_short_fault_matrix_ends_every_fault_in_a_held_stop_and_drives_again(tmp
     assert "clock_jump" in by_name["clock step backwards"]["vehicle_interface"]
     assert "gear_not_forward" in by_name["shift to reverse"]["vehicle_interface"]
     assert "duplicate_publisher" in by_name["second speed-report publisher"]["vehicle_interface"]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_busy_processes_end_with_a_killed_run():
+    script = textwrap.dedent("""
+        import time
+        from sps_driving.tools.faults import Load
+        with Load(2, 60.0) as load:
+            print(" ".join(str(p.pid) for p in load.processes), flush=True)
+            time.sleep(60)
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in run.stdout.readline().split()]
+    assert len(pids) == 2 and all(running(pid) for pid in pids)
+    run.kill()  # SIGKILL: no __exit__ runs
+    run.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(running(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in pids)

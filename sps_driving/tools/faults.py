@@ -577,7 +577,8 @@ BUSY_LOOP = "import sys, time\ndeadline = time.monotonic() + float(sys.argv[1])\
 
 class Load:
     """`count` busy processes beside the graph (each a CPU-bound loop, as another job on the car's
-    computer would be), ended with the run and after `limit_s` in any case."""
+    computer would be), ended with the run, with this process if it is killed, and after `limit_s`
+    in any case."""
 
     def __init__(self, count: int, limit_s: float):
         self.count, self.limit_s = count, limit_s
@@ -586,7 +587,10 @@ class Load:
     def __enter__(self) -> Load:
         import subprocess
 
-        self.processes = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(self.limit_s)]) for _ in range(self.count)]
+        from sps_driving.ros.process import stop_with_parent
+
+        self.processes = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(self.limit_s)], preexec_fn=stop_with_parent)
+                          for _ in range(self.count)]
         return self
 
     def __exit__(self, *exc) -> None:
