@@ -78,7 +78,7 @@ LISTENER = inspect.getsource(as_dict) + textwrap.dedent(
     import json, sys, time
     import rclpy
     from pacmod3_msgs.msg import GlobalRpt, SystemRptFloat
-    from sps_driving import msgs
+    from sps_driving.ros import msgs
 
     expected = {"/test/pacmod3/global_rpt": int(sys.argv[1]), "/test/pacmod3/system_rpt": int(sys.argv[2])}
     received = {topic: [] for topic in expected}
