@@ -586,119 +586,169 @@ def _warn_of_unreachable_labels(cache: FeatureCache, config: dict, procs: Proces
 
 
 def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
-    out, last_dir = Path(cfg.out), Path(cfg.out) / LAST_DIR
-    if not cfg.resume and (last_dir / STATE_JSON).exists():
-        raise FileExistsError(f"{out} already holds a training run: continue it with --resume or choose another --out")
-    cache = FeatureCache(cfg.cache)
-    selection = cfg.selection()
-    if cfg.architecture == POSITION_TABLE_ARCHITECTURE and selection.sparse_sequence and cache.position_table() is None:
-        raise ValueError(f"{selection.variant} needs the backbone's position table, and cache {cache.name} has none")
-    train_idx, val_idx, split, state_names = _training_frames(cfg, cache, procs, init_checkpoint)
-    config = policy_config(cfg, cache, split, train_idx, state_names, criterion_weights(cfg, state_names))
-    config["training"]["world_size"] = procs.world_size
-    augmenter = _orbital_augmenter(cfg, cache, train_idx, config)
-
-    torch.manual_seed(cfg.seed)  # identical initial weights in every process
-    policy = _starting_policy(cfg, config, cache, selection, train_idx, state_names, init_checkpoint).to(procs.device)
-    model = SelectedPolicy(policy)
-    optimizer, scheduler, state = _optimization(cfg, model)
-    if procs.world_size > 1:
-        model = DistributedDataParallel(model, device_ids=[procs.device.index] if procs.device.type == "cuda" else None)
-
-    _warn_of_unreachable_labels(cache, config, procs)
-
-    selector = policy_selector(config, cache.grid)
-    selection = CacheSelection(cache, selector)
-    if cache.token_dropping and isinstance(policy, PatchPolicy):
-        raise ValueError(f"cache {cache.name} holds token-dropped descriptors; the patch policy's windows draw their own "
-                         "selections of dense grids: train it on a dense cache")
-    # A patch policy trains on windows of frames (sps_driving.train.windows).
-    windows = TrainingWindows(cache, policy, selector, state_names) if isinstance(policy, PatchPolicy) else None
-    dataset = cache.dataset(train_idx) if windows is None else windows.dataset(train_idx)
-    sampler = DistributedSampler(dataset, num_replicas=procs.world_size, rank=procs.rank, shuffle=True, seed=cfg.seed)
-    # Whole batches from the dataset: one read per shard instead of one per frame.
-    batches = BatchSampler(sampler, batch_size=cfg.batch_size, drop_last=False)
-    loader = DataLoader(dataset, batch_size=None, sampler=batches, num_workers=cfg.num_workers)
-    scale = loss_scale(cfg.loss_weights, config["training"]["target_std"])
-    weights = torch.as_tensor(scale, dtype=torch.float32, device=procs.device)
-    frame_weights = torch.from_numpy(np.where(cache.intervention, cfg.intervention_weight, 1.0).astype(np.float32))
-    criterion_scale = loss_scale(config["training"]["criterion_weights"], config["training"]["target_std"])
-    states = torch.from_numpy(cache.state_values(state_names)) if state_names else None
-    val_frames = val_idx[procs.rank::procs.world_size]
-    val_variance = np.maximum(cache.targets[val_idx].astype(np.float64).var(axis=0), MIN_TARGET_STD ** 2)
+    run = _TrainingRun(cfg, procs, descriptor_transform, init_checkpoint)
+    epochs = tqdm(range(run.state["epoch"], cfg.epochs), desc="train", unit="epoch", disable=not procs.main,
+                  initial=run.state["epoch"], total=cfg.epochs)
     stopped_early = False
-
-    epochs = tqdm(range(state["epoch"], cfg.epochs), desc="train", unit="epoch", disable=not procs.main,
-                  initial=state["epoch"], total=cfg.epochs)
     for epoch in epochs:
-        sampler.set_epoch(epoch)
+        loss_sum, frames_seen = run.train_epoch(epoch)
+        errors = validation_errors(run.policy, run.cache, run.val_frames, run.selector, run.state_names,
+                                   cfg.batch_size, procs.device)
+        # One collective for the epoch's sums: the training loss and the validation errors of every process.
+        loss_sum, frames_seen, *errors = procs.all_sum(loss_sum, frames_seen, *errors.tolist())
+        run.end_epoch(epoch, loss_sum / frames_seen, errors, epochs)
+        if run.state["epochs_without_improvement"] >= cfg.early_stop_patience:
+            stopped_early = True
+            break
+    procs.barrier()
+    return run.summary(stopped_early)
+
+
+class _TrainingRun:
+    """One training run as its settings build it: the cache's frames and their split, the model and its
+    optimizer, the batches of an epoch, and the bookkeeping that ends each epoch (state, checkpoints)."""
+
+    def __init__(self, cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint):
+        self.cfg, self.procs, self.descriptor_transform = cfg, procs, descriptor_transform
+        self.out, self.last_dir = Path(cfg.out), Path(cfg.out) / LAST_DIR
+        if not cfg.resume and (self.last_dir / STATE_JSON).exists():
+            raise FileExistsError(f"{self.out} already holds a training run: "
+                                  "continue it with --resume or choose another --out")
+        self.cache = cache = FeatureCache(cfg.cache)
+        variant = cfg.selection()
+        if cfg.architecture == POSITION_TABLE_ARCHITECTURE and variant.sparse_sequence and cache.position_table() is None:
+            raise ValueError(f"{variant.variant} needs the backbone's position table, and cache {cache.name} has none")
+        self.train_idx, self.val_idx, split, self.state_names = _training_frames(cfg, cache, procs, init_checkpoint)
+        self.config = policy_config(cfg, cache, split, self.train_idx, self.state_names,
+                                    criterion_weights(cfg, self.state_names))
+        self.config["training"]["world_size"] = procs.world_size
+        self.augmenter = _orbital_augmenter(cfg, cache, self.train_idx, self.config)
+        self._build_model(variant, init_checkpoint)
+        _warn_of_unreachable_labels(cache, self.config, procs)
+        self._build_batches()
+        self._build_loss_terms()
+
+    def _build_model(self, variant: SelectionConfig, init_checkpoint) -> None:
+        cfg, procs = self.cfg, self.procs
+        torch.manual_seed(cfg.seed)  # identical initial weights in every process
+        self.policy = _starting_policy(cfg, self.config, self.cache, variant, self.train_idx, self.state_names,
+                                       init_checkpoint).to(procs.device)
+        self.model = SelectedPolicy(self.policy)
+        self.optimizer, self.scheduler, self.state = _optimization(cfg, self.model)
+        if procs.world_size > 1:
+            device_ids = [procs.device.index] if procs.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
+
+    def _build_batches(self) -> None:
+        cache, policy, procs = self.cache, self.policy, self.procs
+        self.selector = policy_selector(self.config, cache.grid)
+        self.selection = CacheSelection(cache, self.selector)
+        if cache.token_dropping and isinstance(policy, PatchPolicy):
+            raise ValueError(f"cache {cache.name} holds token-dropped descriptors; the patch policy's windows draw "
+                             "their own selections of dense grids: train it on a dense cache")
+        # A patch policy trains on windows of frames (sps_driving.train.windows).
+        self.windows = (TrainingWindows(cache, policy, self.selector, self.state_names)
+                        if isinstance(policy, PatchPolicy) else None)
+        dataset = cache.dataset(self.train_idx) if self.windows is None else self.windows.dataset(self.train_idx)
+        self.sampler = DistributedSampler(dataset, num_replicas=procs.world_size, rank=procs.rank, shuffle=True,
+                                          seed=self.cfg.seed)
+        # Whole batches from the dataset: one read per shard instead of one per frame.
+        batches = BatchSampler(self.sampler, batch_size=self.cfg.batch_size, drop_last=False)
+        self.loader = DataLoader(dataset, batch_size=None, sampler=batches, num_workers=self.cfg.num_workers)
+
+    def _build_loss_terms(self) -> None:
+        cache, device, target_std = self.cache, self.procs.device, self.config["training"]["target_std"]
+        self.weights = torch.as_tensor(loss_scale(self.cfg.loss_weights, target_std), dtype=torch.float32,
+                                       device=device)
+        self.frame_weights = torch.from_numpy(
+            np.where(cache.intervention, self.cfg.intervention_weight, 1.0).astype(np.float32))
+        self.criterion_scale = loss_scale(self.config["training"]["criterion_weights"], target_std)
+        self.states = torch.from_numpy(cache.state_values(self.state_names)) if self.state_names else None
+        self.val_frames = self.val_idx[self.procs.rank::self.procs.world_size]
+        self.val_variance = np.maximum(cache.targets[self.val_idx].astype(np.float64).var(axis=0),
+                                       MIN_TARGET_STD ** 2)
+
+    def train_epoch(self, epoch: int) -> tuple[float, int]:
+        """One pass over this process's training batches: (sum of the batch losses times their sizes, frames)."""
+        cfg, procs = self.cfg, self.procs
+        self.sampler.set_epoch(epoch)
         generator = torch.Generator(device=procs.device).manual_seed(draw_seed(cfg.seed, epoch, procs.rank))
         torch.manual_seed(draw_seed(cfg.seed, epoch, procs.rank, 1))  # dropout: a resumed run draws the same
-        model.train()
+        self.model.train()
         loss_sum, frames_seen = 0.0, 0
-        for grids, target, _, index in tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
-            if windows is not None:  # a loss on every readout of each window
-                loss = windows.loss(model, grids, target, index, generator, weights, frame_weights, procs.device,
-                                    descriptor_transform)
-            else:
-                grids, target = grids.to(procs.device), target.to(procs.device)
-                frame_states = None if states is None else states[index].to(procs.device)
-                if descriptor_transform is not None:
-                    grids = descriptor_transform(grids, generator)
-                if augmenter is not None:
-                    grids = augmenter(grids, index, generator)
-                keep = selection.training(index, generator, procs.device)
-                loss = (l2_loss(model(grids, keep, frame_states), target, weights) * frame_weights[index].to(procs.device)).mean()
-            optimizer.zero_grad(set_to_none=True)
+        for grids, target, _, index in tqdm(self.loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
+            loss = self._batch_loss(grids, target, index, generator)
+            self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            optimizer.step()
+            self.optimizer.step()
             loss_sum += float(loss.detach()) * len(grids)
             frames_seen += len(grids)
+        return loss_sum, frames_seen
 
-        errors = validation_errors(policy, cache, val_frames, selector, state_names, cfg.batch_size, procs.device)
-        loss_sum, frames_seen, *errors = procs.all_sum(loss_sum, frames_seen, *errors.tolist())
-        train_loss, val_loss = loss_sum / frames_seen, criterion(errors, len(val_idx), criterion_scale)
+    def _batch_loss(self, grids, target, index, generator) -> torch.Tensor:
+        device = self.procs.device
+        if self.windows is not None:  # a loss on every readout of each window
+            return self.windows.loss(self.model, grids, target, index, generator, self.weights, self.frame_weights,
+                                     device, self.descriptor_transform)
+        grids, target = grids.to(device), target.to(device)
+        frame_states = None if self.states is None else self.states[index].to(device)
+        if self.descriptor_transform is not None:
+            grids = self.descriptor_transform(grids, generator)
+        if self.augmenter is not None:
+            grids = self.augmenter(grids, index, generator)
+        keep = self.selection.training(index, generator, device)
+        losses = l2_loss(self.model(grids, keep, frame_states), target, self.weights)
+        return (losses * self.frame_weights[index].to(device)).mean()
+
+    def end_epoch(self, epoch: int, train_loss: float, errors: list, epochs: tqdm) -> None:
+        """Judge the epoch on its validation errors, step the scheduler, keep its record and save checkpoints."""
+        val_loss = criterion(errors, len(self.val_idx), self.criterion_scale)
         # Fraction of the validation targets' variance left unexplained (1 = no better than their mean).
-        fvu = dict(zip(("steering", "throttle"), (np.asarray(errors) / len(val_idx) / val_variance).tolist()))
+        fvu = dict(zip(("steering", "throttle"), (np.asarray(errors) / len(self.val_idx) / self.val_variance).tolist()))
         if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
             raise FloatingPointError(f"training diverged in epoch {epoch} (non-finite loss); try a lower --lr")
-        scheduler.step(val_loss)
+        state = self.state
+        self.scheduler.step(val_loss)
+        lr = self.optimizer.param_groups[0]["lr"]
         improved = val_loss < state["best_validation_loss"]
         state.update(epoch=epoch + 1)
         state["history"].append({"epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss,
-                                 "validation_error_fraction": fvu, "lr": optimizer.param_groups[0]["lr"]})
+                                 "validation_error_fraction": fvu, "lr": lr})
         if improved:
             state.update(best_validation_loss=val_loss, best_epoch=epoch, epochs_without_improvement=0)
         else:
             state["epochs_without_improvement"] += 1
-        if procs.main:
-            record = {**config, "validation_loss": val_loss, "validation_error_fraction": fvu,
-                      "provenance": {"epoch": epoch, "created_unix": time.time(), "torch": torch.__version__,
-                                     "command": "sps-driving " + shlex.join(sys.argv[1:])}}
-            if improved:
-                save_policy(policy, record, out)
-            save_policy(policy, record, last_dir)
-            save_training_state(last_dir, optimizer, scheduler, state)
-            epochs.set_postfix(train=f"{train_loss:.5f}", val=f"{val_loss:.5f}", best=f"{state['best_validation_loss']:.5f}")
+        if self.procs.main:
+            self._save(epoch, val_loss, fvu, improved)
+            epochs.set_postfix(train=f"{train_loss:.5f}", val=f"{val_loss:.5f}",
+                               best=f"{state['best_validation_loss']:.5f}")
             tqdm.write(f"epoch {epoch}: train {train_loss:.6f}  validation {val_loss:.6f}  (error/variance: steering "
                        f"{fvu['steering']:.3f}, throttle {fvu['throttle']:.3f})  "
-                       f"lr {optimizer.param_groups[0]['lr']:.2e}" + ("  (best)" if improved else ""))
-        if state["epochs_without_improvement"] >= cfg.early_stop_patience:
-            stopped_early = True
-            break
-    procs.barrier()
-    return {
-        "out": str(out),
-        "best_validation_loss": state["best_validation_loss"],
-        "best_epoch": state["best_epoch"],
-        "epochs_run": state["epoch"],
-        "stopped_early": stopped_early,
-        "train_frames": int(len(train_idx)),
-        "validation_frames": int(len(val_idx)),
-        "state_inputs": list(state_names),
-        "world_size": procs.world_size,
-        "history": state["history"],
-    }
+                       f"lr {lr:.2e}" + ("  (best)" if improved else ""))
+
+    def _save(self, epoch: int, val_loss: float, fvu: dict, improved: bool) -> None:
+        record = {**self.config, "validation_loss": val_loss, "validation_error_fraction": fvu,
+                  "provenance": {"epoch": epoch, "created_unix": time.time(), "torch": torch.__version__,
+                                 "command": "sps-driving " + shlex.join(sys.argv[1:])}}
+        if improved:
+            save_policy(self.policy, record, self.out)
+        save_policy(self.policy, record, self.last_dir)
+        save_training_state(self.last_dir, self.optimizer, self.scheduler, self.state)
+
+    def summary(self, stopped_early: bool) -> dict:
+        state = self.state
+        return {
+            "out": str(self.out),
+            "best_validation_loss": state["best_validation_loss"],
+            "best_epoch": state["best_epoch"],
+            "epochs_run": state["epoch"],
+            "stopped_early": stopped_early,
+            "train_frames": int(len(self.train_idx)),
+            "validation_frames": int(len(self.val_idx)),
+            "state_inputs": list(self.state_names),
+            "world_size": self.procs.world_size,
+            "history": state["history"],
+        }
 
 
 # ---- command line -----------------------------------------------------------------------------
