@@ -170,34 +170,19 @@ def collect_round(config: dict, settings: dict, index: int, policy_dir: Path, ou
     episode is a unit of the cache (sps_driving.train.cache.UnitCacheWriter): a cut-short round
     redoes only the episodes it had not finished, and under torchrun the episodes go round the
     processes, each rolling out on its own device."""
-    from sps_driving.core.policies.checkpoint import CONFIG_FILE, WEIGHTS_FILE
     from sps_driving.sim.render import get_renderer
-    from sps_driving.train.cache import META_FILE, UnitCacheWriter
-    from sps_driving.train.extract import ExtractSettings
 
     procs = processes
-    policy = PolicyDriver(str(policy_dir), str(procs.device), backbone_config=settings["backbone_config"], all_patches=True)
-    differ = descriptor_differences(policy.extraction.settings.config, extractor_record)
-    if differ:
-        raise ValueError(f"policy {policy_dir} computes other descriptors than the initial cache ({differ}): "
-                         f"their data cannot train one policy")
-    extractor, scenario, b = policy.extractor, settings["scenario"], beta(settings, index)
+    policy = _round_policy(settings, policy_dir, extractor_record, procs)
+    b = beta(settings, index)
     seeds = [episode_seed(settings["seed"] + index, i) for i in range(settings["episodes_per_round"])]
-    bags, cache = round_dir(out, index) / "bags", round_cache(out, settings, index)
-    meta = {
-        "backbone": extractor.name,
-        "extractor": extractor_record,  # the initial cache's record: the descriptors are checked to be the same kind
-        "grid": {"rows": extractor.grid.rows, "cols": extractor.grid.cols},
-        "descriptor_dim": int(extractor.dim),
-    }
-    plan = {**meta, "policy": file_digest(policy_dir / CONFIG_FILE, policy_dir / WEIGHTS_FILE), "beta": b,
-            "mixing": settings["mixing"], "scenario": scenario, "seeds": seeds, "sim_config": digest(config)}
     units = [f"{i:05d}" for i in range(len(seeds))]
-    complete = procs.first(lambda: (cache / META_FILE).is_file())  # without its rollouts.json: made anew
-    writer = UnitCacheWriter(cache, meta, plan, units, [_source(i) for i in range(len(seeds))], extractor.position_table(),
-                             ExtractSettings.from_yaml().shard_size, overwrite=complete, processes=procs)
-    renderer, storage = get_renderer(config), config["collect"]["storage"]
-    mine = list(range(procs.rank, len(seeds), procs.world_size))
+    writer = _round_writer(config, settings, index, policy, policy_dir, out, extractor_record, seeds, units, procs)
+    bags, renderer = round_dir(out, index) / "bags", get_renderer(config)
+
+    def rollout(i: int, sinks: list) -> dict:
+        return rollout_episode(config, settings["scenario"], seeds[i], i, policy, b, settings["mixing"], renderer, sinks)
+
     bar = tqdm(total=len(seeds), desc=f"dagger round {index} rollouts", unit="episode", disable=not procs.main)
     for first in range(0, len(seeds), procs.world_size):  # rounds of one episode per process
         i, ran = first + procs.rank, 0
@@ -206,25 +191,56 @@ def collect_round(config: dict, settings: dict, index: int, policy_dir: Path, ou
             sink = CacheSink(shards, _source(i))
             if keep_bags:
                 shutil.rmtree(bags / _source(i), ignore_errors=True)  # a cut-short episode's
-                with bagio.BagWriter(bags / _source(i), storage=storage) as bag:
-                    result = rollout_episode(config, scenario, seeds[i], i, policy, b, settings["mixing"], renderer,
-                                             [sink, BagSink(bag, config)])
+                with bagio.BagWriter(bags / _source(i), storage=config["collect"]["storage"]) as bag:
+                    result = rollout(i, [sink, BagSink(bag, config)])
             else:
-                result = rollout_episode(config, scenario, seeds[i], i, policy, b, settings["mixing"], renderer, [sink])
+                result = rollout(i, [sink])
             shards.finish({"counts": dict(sink.counts), "episode": _finite({**result, "seed": seeds[i]}), "bag": keep_bags})
             ran = 1
         bar.update(int(procs.all_sum(ran)[0]))
     bar.close()
-    records = writer.records([units[i] for i in mine])
+    records = writer.records([units[i] for i in range(procs.rank, len(seeds), procs.world_size)])
     episodes = [record["episode"] for record in records]
     writer.close(records, {
         "inputs": [str(bags / _source(i)) for i, record in enumerate(records) if record["bag"]],
         "counts": {_source(i): record["counts"] for i, record in enumerate(records)},
         "dagger": {"round": index, "beta": b, "mixing": settings["mixing"], "policy": run_path(out, policy_dir),
-                   "scenario": scenario, "seeds": seeds, "extraction_runtime": policy.extraction.facts}})
+                   "scenario": settings["scenario"], "seeds": seeds, "extraction_runtime": policy.extraction.facts}})
     frames = sum(e["frames"] for e in episodes)
     return {"beta": b, "seeds": seeds, "frames": frames, "written": sum(record["frames"] for record in records),
             "expert_share": sum(e["expert_steps"] for e in episodes) / max(frames, 1), "episodes": episodes}
+
+
+def _round_policy(settings: dict, policy_dir: Path, extractor_record: dict, procs: Processes) -> PolicyDriver:
+    """The policy that drives a round's rollouts, checked to compute the initial cache's kind of descriptors."""
+    policy = PolicyDriver(str(policy_dir), str(procs.device), backbone_config=settings["backbone_config"], all_patches=True)
+    differ = descriptor_differences(policy.extraction.settings.config, extractor_record)
+    if differ:
+        raise ValueError(f"policy {policy_dir} computes other descriptors than the initial cache ({differ}): "
+                         f"their data cannot train one policy")
+    return policy
+
+
+def _round_writer(config: dict, settings: dict, index: int, policy: PolicyDriver, policy_dir: Path, out: Path,
+                  extractor_record: dict, seeds: list[int], units: list[str], procs: Processes):
+    """The round cache's writer, one unit per episode; its plan names what the rollouts depend on, so
+    that a rerun with another plan starts the cache anew and one with the same plan resumes it."""
+    from sps_driving.core.policies.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+    from sps_driving.train.cache import META_FILE, UnitCacheWriter
+    from sps_driving.train.extract import ExtractSettings
+
+    extractor, cache = policy.extractor, round_cache(out, settings, index)
+    meta = {
+        "backbone": extractor.name,
+        "extractor": extractor_record,  # the initial cache's record: the descriptors are checked to be the same kind
+        "grid": {"rows": extractor.grid.rows, "cols": extractor.grid.cols},
+        "descriptor_dim": int(extractor.dim),
+    }
+    plan = {**meta, "policy": file_digest(policy_dir / CONFIG_FILE, policy_dir / WEIGHTS_FILE), "beta": beta(settings, index),
+            "mixing": settings["mixing"], "scenario": settings["scenario"], "seeds": seeds, "sim_config": digest(config)}
+    complete = procs.first(lambda: (cache / META_FILE).is_file())  # without its rollouts.json: made anew
+    return UnitCacheWriter(cache, meta, plan, units, [_source(i) for i in range(len(seeds))], extractor.position_table(),
+                           ExtractSettings.from_yaml().shard_size, overwrite=complete, processes=procs)
 
 
 def descriptor_differences(record: dict, other: dict) -> list[str]:
@@ -504,60 +520,16 @@ def run_dagger(args, processes: Processes | None = None) -> dict:
     """The run of `args`; under torchrun (`processes`) every process takes part in every step:
     its share of the rollouts and development episodes, training by DistributedDataParallel;
     process 0 writes the records."""
-    from sps_driving.core.policies.checkpoint import read_policy_config
-    from sps_driving.train.cache import FeatureCache
-
-    out = Path(args.out)
-    config = load_sim_config(args.sim_config)
-    if args.episode_s is not None:
-        config["episode_s"] = float(args.episode_s)
-    if args.width is not None:
-        set_render_width(config, args.width)
-    get_scenario(config["collect"]["scenario"])
+    out, config = Path(args.out), _sim_config(args)
     train_settings = training_settings(args.train_config, args.init_policy)
     settings = run_settings(args, config, train_settings)
     procs = processes or Processes()
     procs.agree("the DAgger settings (simulator, training and extraction settings included)", settings)
     run = Run(out, settings, command_line(args))
-    collisions = colliding_collections(settings["init_cache"], args.seed, args.rounds)
-    if collisions:
-        raise ValueError(f"--seed {args.seed}: rounds {args.seed}..{args.seed + args.rounds - 1} would collect on layouts "
-                         f"of the initial cache ({', '.join(collisions)}): choose another --seed")
-    init_cache = FeatureCache(settings["init_cache"])  # checks the caches, and that they train together
-    repeated = sorted({round_cache(out, settings, i).name for i in range(args.rounds)}
-                      & {Path(c).name for c in settings["init_cache"]})
-    if repeated:
-        raise ValueError(f"--init-cache already holds {', '.join(repeated)}, the name of a round's cache: "
-                         f"choose another --seed")
-    extractor_record = init_cache.meta.get("extractor") or {"backbone": init_cache.backbone}
-    if args.init_policy:
-        policy_config = read_policy_config(args.init_policy)
-        differ = descriptor_differences(policy_config.get("extractor") or {"backbone": policy_config.get("backbone")},
-                                        extractor_record)
-        if differ:
-            raise ValueError(f"--init-policy {args.init_policy} was trained on other descriptors than --init-cache "
-                             f"{init_cache.name} ({differ})")
+    extractor_record = _checked_extractor_record(args, settings, out)
     procs.first(run.start)
 
-    initial_dir = out / "initial"
-    initial = procs.first(_read_done, initial_dir)
-    if initial is None:
-        start = time.perf_counter()
-        if args.init_policy:
-            policy_dir, trained = Path(args.init_policy).resolve(), None
-        else:
-            policy_dir = initial_dir / "policy"
-            trained = train_policy(train_settings, [Path(c) for c in settings["init_cache"]], policy_dir, None, args.device,
-                                   out, procs)
-        seconds = {"train": time.perf_counter() - start}
-        start = time.perf_counter()
-        dev = dev_evaluate(config, settings, policy_dir, initial_dir / "dev", args.workers, procs)
-        seconds["dev"] = time.perf_counter() - start
-        # The policy named relative to the run folder, or absolute (--init-policy): a rerun finds it either way.
-        inside = policy_dir.resolve().is_relative_to(out.resolve())
-        initial = procs.first(lambda: _finish(initial_dir, {
-            "policy": run_path(out, policy_dir) if inside else str(policy_dir.resolve()), "train": trained, "dev": dev,
-            "seconds": seconds}))
+    initial = _initial(args, config, settings, train_settings, out, procs)
     best_name, best, rounds, since_best, stopped = "initial", initial, [], 0, None
     caches, latest = [Path(c) for c in settings["init_cache"]], out / initial["policy"]
     procs.first(run.publish, initial, rounds, caches, best_name, None)
@@ -588,6 +560,69 @@ def run_dagger(args, processes: Processes | None = None) -> dict:
     if procs.main:
         tqdm.write(f"dagger: {stopped}; best: {best_name} (dev score {best['dev']['score']:.3f}), now {out / BEST_POLICY}")
     return provenance
+
+
+def _sim_config(args) -> dict:
+    """The simulator's settings with the run's --episode-s and --width, its scenario checked."""
+    config = load_sim_config(args.sim_config)
+    if args.episode_s is not None:
+        config["episode_s"] = float(args.episode_s)
+    if args.width is not None:
+        set_render_width(config, args.width)
+    get_scenario(config["collect"]["scenario"])
+    return config
+
+
+def _checked_extractor_record(args, settings: dict, out: Path) -> dict:
+    """The initial cache's extractor record, after checking that the rounds' layouts and caches do
+    not collide with the initial cache's and that --init-policy reads the same descriptors."""
+    from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.train.cache import FeatureCache
+
+    collisions = colliding_collections(settings["init_cache"], args.seed, args.rounds)
+    if collisions:
+        raise ValueError(f"--seed {args.seed}: rounds {args.seed}..{args.seed + args.rounds - 1} would collect on layouts "
+                         f"of the initial cache ({', '.join(collisions)}): choose another --seed")
+    init_cache = FeatureCache(settings["init_cache"])  # checks the caches, and that they train together
+    repeated = sorted({round_cache(out, settings, i).name for i in range(args.rounds)}
+                      & {Path(c).name for c in settings["init_cache"]})
+    if repeated:
+        raise ValueError(f"--init-cache already holds {', '.join(repeated)}, the name of a round's cache: "
+                         f"choose another --seed")
+    extractor_record = init_cache.meta.get("extractor") or {"backbone": init_cache.backbone}
+    if args.init_policy:
+        policy_config = read_policy_config(args.init_policy)
+        differ = descriptor_differences(policy_config.get("extractor") or {"backbone": policy_config.get("backbone")},
+                                        extractor_record)
+        if differ:
+            raise ValueError(f"--init-policy {args.init_policy} was trained on other descriptors than --init-cache "
+                             f"{init_cache.name} ({differ})")
+    return extractor_record
+
+
+def _initial(args, config: dict, settings: dict, train_settings: dict, out: Path, procs: Processes) -> dict:
+    """The initial policy's summary: --init-policy, or one trained on the initial cache; with its
+    development evaluation. A rerun reads it from the run folder."""
+    initial_dir = out / "initial"
+    initial = procs.first(_read_done, initial_dir)
+    if initial is not None:
+        return initial
+    start = time.perf_counter()
+    if args.init_policy:
+        policy_dir, trained = Path(args.init_policy).resolve(), None
+    else:
+        policy_dir = initial_dir / "policy"
+        trained = train_policy(train_settings, [Path(c) for c in settings["init_cache"]], policy_dir, None, args.device,
+                               out, procs)
+    seconds = {"train": time.perf_counter() - start}
+    start = time.perf_counter()
+    dev = dev_evaluate(config, settings, policy_dir, initial_dir / "dev", args.workers, procs)
+    seconds["dev"] = time.perf_counter() - start
+    # The policy named relative to the run folder, or absolute (--init-policy): a rerun finds it either way.
+    inside = policy_dir.resolve().is_relative_to(out.resolve())
+    return procs.first(lambda: _finish(initial_dir, {
+        "policy": run_path(out, policy_dir) if inside else str(policy_dir.resolve()), "train": trained, "dev": dev,
+        "seconds": seconds}))
 
 
 def run_round(config: dict, settings: dict, train_settings: dict, index: int, latest: Path, caches: list[Path], out: Path,
