@@ -213,6 +213,33 @@ def test_touched_patches_and_size_of_a_known_mask():
     assert touched_patches(mask, option) == (0, 0) and size_in_patches(mask, option) is None
 
 
+def test_the_report_tells_obstacles_out_of_view_apart_from_sizes():
+    """roi.md's obstacle tables: the touched patches' median (range), and a bounding-box cell that
+    counts the obstacles outside an option's region of interest, or says none was in view."""
+    from sps_driving.sim.roi_options import DISTANCES_M, OPTIONS, markdown
+
+    def obstacle(rows, size):
+        return (rows, 3), (40, 20), size
+
+    found = {d: [obstacle(1, (2.0, 1.0)), obstacle(3, (4.0, 1.0)), obstacle(2, None)] for d in DISTANCES_M}
+    found[DISTANCES_M[-1]] = [obstacle(1, None)]
+    timing = {"encode_ms": [2.0, 1.0], "descriptors_ms": [30.0], "total_ms": [40.0, 32.0], "k": 256,
+              "runtime": "onnxruntime", "threads": 2}
+    result = {"revision": "r", "date": "d", "machine": "m", "layouts": 2, "obstacle_count": 3, "rounds": 2,
+              "camera": {"hfov_deg": 90, "pitch_deg": 0}, "min_radius_m": 90,
+              "band": {"rows": [0.4, 0.6], "cols": [0.1, 0.9], "lateral_m": 5.0, "height_m": 1.8, "horizon_row": 0.45},
+              "render_heights": {224: 140, 448: 280, 896: 560}, "render_ms": {224: 1.0, 448: 2.0, 896: 4.0},
+              "obstacles": {option.name: found for option in OPTIONS}, "load_before": (1, 1, 1), "load_after": (1, 1, 1),
+              "timing": {option.name: timing for option in OPTIONS}}
+    lines = markdown(result, "cmd").splitlines()
+    touched = lines.index("Touched patches, rows x columns: median (range) over the obstacles.")
+    assert lines[touched + 4].startswith("| a | 2 (1-3) x 3 (3-3) |")
+    boxes = lines.index("Bounding box, width x height: rendered px, and patches of the option; medians.")
+    assert lines[boxes + 4] == ("| a | " + " | ".join(["40 x 20 px, 3.00 x 1.00 patches (1 not in view)"] * 2)
+                                + " | not in view |")
+    assert "| a | 256 | 1.0 | 30.0 | 32.0 | 1.00 | 36 (32-40) | 1.0 |" in lines
+
+
 def test_the_rendered_obstacle_is_where_the_camera_projects_it():
     """The two measurements of the ROI tool agree: an obstacle's pixels (the frame with it minus the
     frame without it) lie around where the renderer's camera projects its centre, and shrink with

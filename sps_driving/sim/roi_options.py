@@ -232,9 +232,13 @@ def _median_range(values) -> str:
 
 
 def markdown(result: dict, command: str) -> str:
-    band, camera = result["band"], result["camera"]
-    roi = ", ".join(f"{v:g}" for v in ROAD_BAND)
-    lines = [
+    lines = [*_method_section(result, command), *_band_section(result), *_options_section(result),
+             *_obstacle_sections(result), *_timing_section(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _method_section(result: dict, command: str) -> list[str]:
+    return [
         "# Region of interest: obstacle size in patches and extraction time",
         "",
         f"Revision {result['revision']}, {result['date']}, {result['machine']}. Command:",
@@ -249,6 +253,13 @@ def markdown(result: dict, command: str) -> str:
         "about 3.4 m closer to the obstacle's rear). Obstacle pixels: those that change when it is removed (two renders).",
         "A patch is touched when its rectangle in the frame overlaps an obstacle pixel (what the backbone reads there",
         "depends on the obstacle). Method: `sps_driving/sim/roi_options.py`.",
+    ]
+
+
+def _band_section(result: dict) -> list[str]:
+    band, camera = result["band"], result["camera"]
+    roi = ", ".join(f"{v:g}" for v in ROAD_BAND)
+    return [
         "",
         "## Where the road is: the band",
         "",
@@ -267,6 +278,11 @@ def markdown(result: dict, command: str) -> str:
         f"of the columns (`roi: [{', '.join(f'{v:g}' for v in NARROW_BAND)}]`): one lane width on each side of the ego lane"
         " from 6 m ahead on a straight",
         "road, the ego lane's lines from 4 m.",
+    ]
+
+
+def _options_section(result: dict) -> list[str]:
+    lines = [
         "",
         "## Options",
         "",
@@ -280,32 +296,43 @@ def markdown(result: dict, command: str) -> str:
         scale = f"{option.input_size[1] / (right - left):.2f} x {option.input_size[0] / (bottom - top):.2f}"
         lines.append(f"| {option.name}: {option.what} | {option.render_width}x{height} | {where} | "
                      f"{option.input_size[1]}x{option.input_size[0]} ({option.grid[0]}x{option.grid[1]}) | {scale} |")
+    return lines
+
+
+def _obstacle_sections(result: dict) -> list[str]:
     obstacles = result["obstacles"]
     header = ["| option | " + " | ".join(f"{d:g} m" for d in DISTANCES_M) + " |", "|---|" + "---|" * len(DISTANCES_M)]
-    lines += ["", "## Obstacle size", "", "Touched patches, rows x columns: median (range) over the obstacles.", "", *header]
+    lines = ["", "## Obstacle size", "", "Touched patches, rows x columns: median (range) over the obstacles.", "", *header]
     for option in OPTIONS:
-        cells = []
-        for distance in DISTANCES_M:
-            rows, cols = zip(*(touched for touched, _, _ in obstacles[option.name][distance]))
-            cells.append(f"{_median_range(rows)} x {_median_range(cols)}")
+        cells = [_touched_cell(obstacles[option.name][distance]) for distance in DISTANCES_M]
         lines.append(f"| {option.name} | " + " | ".join(cells) + " |")
     lines += ["", "Bounding box, width x height: rendered px, and patches of the option; medians.", "", *header]
     for option in OPTIONS:
-        cells = []
-        for distance in DISTANCES_M:
-            seen = [(box, size) for _, box, size in obstacles[option.name][distance] if size is not None]
-            missing = len(obstacles[option.name][distance]) - len(seen)
-            if not seen:
-                cells.append("not in view")
-                continue
-            boxes, sizes = np.array([box for box, _ in seen]), np.array([size for _, size in seen])
-            cells.append(f"{np.median(boxes[:, 0]):.0f} x {np.median(boxes[:, 1]):.0f} px, "
-                         f"{np.median(sizes[:, 0]):.2f} x {np.median(sizes[:, 1]):.2f} patches"
-                         + (f" ({missing} not in view)" if missing else ""))
+        cells = [_bounding_box_cell(obstacles[option.name][distance]) for distance in DISTANCES_M]
         lines.append(f"| {option.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _touched_cell(found: list) -> str:
+    rows, cols = zip(*(touched for touched, _, _ in found))
+    return f"{_median_range(rows)} x {_median_range(cols)}"
+
+
+def _bounding_box_cell(found: list) -> str:
+    seen = [(box, size) for _, box, size in found if size is not None]
+    if not seen:
+        return "not in view"
+    missing = len(found) - len(seen)
+    boxes, sizes = np.array([box for box, _ in seen]), np.array([size for _, size in seen])
+    return (f"{np.median(boxes[:, 0]):.0f} x {np.median(boxes[:, 1]):.0f} px, "
+            f"{np.median(sizes[:, 0]):.2f} x {np.median(sizes[:, 1]):.2f} patches"
+            + (f" ({missing} not in view)" if missing else ""))
+
+
+def _timing_section(result: dict) -> list[str]:
     timing = result["timing"]
     runtime = next(iter(timing.values()))["runtime"]
-    lines += [
+    lines = [
         "",
         f"## Extraction time per frame: all patches, {runtime}, fp32, {TIMING_THREADS} threads",
         "",
@@ -326,7 +353,7 @@ def markdown(result: dict, command: str) -> str:
         lines.append(f"| {option.name} | {t['k']} | {min(t['encode_ms']):.1f} | {min(t['descriptors_ms']):.1f} | "
                      f"{min(t['total_ms']):.1f} | {min(t['total_ms']) / today:.2f} | {_median_range(t['total_ms'])} | "
                      f"{result['render_ms'][option.render_width]:.1f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def measure(layouts: int, rounds: int) -> dict:
