@@ -34,17 +34,35 @@ class Expert:
         self.integral = 0.0
 
     def command(self, world: World) -> Command:
-        e, params, lane = self.e, world.params, world.lane
+        params, lane = world.params, world.lane
         v = max(world.state.speed, 0.5)
-        dt = world.dt
+        lower, upper, blocking = self._lateral_bounds(world, v)
+        vy_max = self.e["max_lateral_speed_mps"]
+        vy = float(np.clip(np.clip(self._desired_lateral_speed(world), lower, upper), -vy_max, vy_max))
+
+        # Heading loop: desired heading error from the lateral speed; tan(delta) from yaw-rate demand.
+        psi_des = math.asin(max(min(vy / v, 0.5), -0.5))
+        kappa = world.road.curvature_at(lane.s)
+        yaw_rate = v * kappa + self.e["k_heading_per_s"] * (psi_des - lane.heading_error)
+        steering = math.atan(params.wheelbase_m * yaw_rate / v)
+        return Command(
+            float(np.clip(steering, -params.max_steer_rad, params.max_steer_rad)),
+            float(np.clip(self._throttle(world, v, blocking), -1.0, 1.0)),
+        )
+
+    def _desired_lateral_speed(self, world: World) -> float:
+        """PI lane keeping: the lateral speed (m/s) toward the lane centre."""
+        e, y = self.e, world.lane.lateral
+        self.integral = float(np.clip(self.integral + y * world.dt, -e["integral_limit_m_s"], e["integral_limit_m_s"]))
+        return -e["k_lateral_per_s"] * y - e["k_integral_per_s2"] * self.integral
+
+    def _lateral_bounds(self, world: World, v: float) -> tuple[float, float, list]:
+        """Lateral barriers: h >= 0 kept by dh/dt >= -gamma h gives bounds (lower, upper) on the
+        lateral speed, from the lane's edges and every obstacle near; and the obstacles the lane
+        leaves no room to pass, as (ds, pose, model), for the longitudinal barrier."""
+        e, params, lane = self.e, world.params, world.lane
         ego_half_len, ego_half_w = params.length_m / 2.0, params.width_m / 2.0
         y = lane.lateral
-
-        # PI lane keeping -> desired lateral speed.
-        self.integral = float(np.clip(self.integral + y * dt, -e["integral_limit_m_s"], e["integral_limit_m_s"]))
-        vy_des = -e["k_lateral_per_s"] * y - e["k_integral_per_s2"] * self.integral
-
-        # Lateral barriers: h >= 0 kept by  dh/dt >= -gamma h  -> bounds on the lateral speed.
         gamma = e["cbf_gamma_per_s"]
         keep_lo, keep_hi = e["lane_keep_m"]
         lower, upper = -gamma * (y - keep_lo), gamma * (keep_hi - y)
@@ -76,30 +94,22 @@ class Expert:
                     blocking.append((ds, pose, model))
         if lower > upper:
             lower = upper = 0.5 * (lower + upper)
-        vy_max = e["max_lateral_speed_mps"]
-        vy = float(np.clip(np.clip(vy_des, lower, upper), -vy_max, vy_max))
+        return lower, upper, blocking
 
-        # Heading loop: desired heading error from the lateral speed; tan(delta) from yaw-rate demand.
-        psi_des = math.asin(max(min(vy / v, 0.5), -0.5))
-        kappa = world.road.curvature_at(lane.s)
-        yaw_rate = v * kappa + e["k_heading_per_s"] * (psi_des - lane.heading_error)
-        steering = math.atan(params.wheelbase_m * yaw_rate / v)
-
-        # Longitudinal: cruise speed limited by the curvature ahead, then the following barrier.
+    def _throttle(self, world: World, v: float, blocking: list) -> float:
+        """Longitudinal: cruise speed limited by the curvature ahead, then the following barrier for
+        each blocking obstacle; as a fraction of the car's acceleration (+) or deceleration (-)."""
+        e, params, lane, speed = self.e, world.params, world.lane, world.state.speed
         preview = world.road.max_curvature(lane.s, lane.s + e["preview_s"] * v)
         target = min(world.episode.cruise_speed, math.sqrt(self.config["traffic"]["max_lateral_accel_mps2"] / max(preview, 1e-6)))
-        accel = e["k_speed_per_s"] * (target - world.state.speed)
+        accel = e["k_speed_per_s"] * (target - speed)
         for ds, pose, model in blocking:
-            gap = ds - ego_half_len - model.length_m / 2.0 - e["follow_gap_m"]
-            h = gap - e["follow_time_s"] * world.state.speed
+            gap = ds - params.length_m / 2.0 - model.length_m / 2.0 - e["follow_gap_m"]
+            h = gap - e["follow_time_s"] * speed
             # dh/dt = (v_obstacle - v) - T a >= -gamma h
-            a_max = (pose.ds_dt - world.state.speed + e["cbf_long_gamma_per_s"] * h) / e["follow_time_s"]
+            a_max = (pose.ds_dt - speed + e["cbf_long_gamma_per_s"] * h) / e["follow_time_s"]
             accel = min(accel, a_max)
-        throttle = accel / (params.max_accel_mps2 if accel >= 0 else params.max_decel_mps2)
-        return Command(
-            float(np.clip(steering, -params.max_steer_rad, params.max_steer_rad)),
-            float(np.clip(throttle, -1.0, 1.0)),
-        )
+        return accel / (params.max_accel_mps2 if accel >= 0 else params.max_decel_mps2)
 
 
 class Disturbance:
