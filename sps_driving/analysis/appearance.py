@@ -127,10 +127,7 @@ def render_poses(config: dict, base, targets, seed: int, steps) -> tuple[list[np
 
 def run_appearance(args, settings: OrbitalSettings) -> int:
     """The --orbital --appearance measurement on layouts the world renders."""
-    from tqdm import tqdm
-
     from sps_driving.analysis.orbital_plot import APPEARANCE_FIGURE, plot_appearance
-    from sps_driving.core.orbital import OrbitalReader
     from sps_driving.sim.config import load_sim_config
     from sps_driving.sim.scenarios import get_scenario
 
@@ -146,31 +143,9 @@ def run_appearance(args, settings: OrbitalSettings) -> int:
     except (OSError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    families = ("raw",) if extractor.unmasked else FAMILIES
-    patch_px = extractor.input_size[0] // extractor.grid.rows
-    visible, hidden = orbital_offsets(patch_px)
-    family_reader = OrbitalReader(extractor, np.concatenate([np.zeros((1, 2), np.int64), visible, hidden]), families)
-    token_reader = OrbitalReader(extractor, np.zeros((1, 2), np.int64), families)
-    steps = tuple(int(s) for s in settings.appearance_steps)
-    orbit = {family: FamilyTotals(extractor.grid.n, settings) for family in families}
-    shifts = {(t.name, mode): {family: ShiftTotals() for family in families} for t in targets for mode in SCENERY_MODES}
-    rng = np.random.default_rng(settings.seed)
     seeds = range(first_seed, first_seed + episodes)
-    with tqdm(total=len(seeds) * len(steps), desc="appearance", unit="pose") as progress:
-        for seed in seeds:
-            base_frames, target_frames = render_poses(config, base, targets, seed, steps)
-            for pose, image in enumerate(base_frames):
-                states = family_reader.read(image)
-                tokens = {key: token_reader.read(frames[pose]) for key, frames in target_frames.items()}
-                for family in families:
-                    day = Family.from_views(states[family], len(visible))
-                    errors = family_errors(day, settings, rng)
-                    orbit[family].add(errors)
-                    for key, shifted in tokens.items():
-                        shifts[key][family].add(appearance_errors(day, errors["fits"], shifted[family][0]))
-                progress.update()
-    results = {f"{name} ({mode})": {family: totals.summary() for family, totals in by_family.items()}
-               for (name, mode), by_family in shifts.items()}
+    steps = tuple(int(s) for s in settings.appearance_steps)
+    orbit, results = _measure_appearance(config, extractor, settings, base, targets, seeds, steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot_appearance(results, out / APPEARANCE_FIGURE)
@@ -188,11 +163,48 @@ def run_appearance(args, settings: OrbitalSettings) -> int:
         "figures": [APPEARANCE_FIGURE],
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    _print_coverage(results)
+    print(f"written to {out}")
+    return 0
+
+
+def _measure_appearance(config: dict, extractor, settings: OrbitalSettings, base, targets, seeds, steps) -> tuple[dict, dict]:
+    """Each family's orbit on the base scenario's poses, and how much of each target's appearance
+    shift at the same poses it covers: (orbit totals by family, {"target (mode)": {family: summary}})."""
+    from tqdm import tqdm
+
+    from sps_driving.core.orbital import OrbitalReader
+
+    families = ("raw",) if extractor.unmasked else FAMILIES
+    patch_px = extractor.input_size[0] // extractor.grid.rows
+    visible, hidden = orbital_offsets(patch_px)
+    family_reader = OrbitalReader(extractor, np.concatenate([np.zeros((1, 2), np.int64), visible, hidden]), families)
+    token_reader = OrbitalReader(extractor, np.zeros((1, 2), np.int64), families)
+    orbit = {family: FamilyTotals(extractor.grid.n, settings) for family in families}
+    shifts = {(t.name, mode): {family: ShiftTotals() for family in families} for t in targets for mode in SCENERY_MODES}
+    rng = np.random.default_rng(settings.seed)
+    with tqdm(total=len(seeds) * len(steps), desc="appearance", unit="pose") as progress:
+        for seed in seeds:
+            base_frames, target_frames = render_poses(config, base, targets, seed, steps)
+            for pose, image in enumerate(base_frames):
+                states = family_reader.read(image)
+                tokens = {key: token_reader.read(frames[pose]) for key, frames in target_frames.items()}
+                for family in families:
+                    day = Family.from_views(states[family], len(visible))
+                    errors = family_errors(day, settings, rng)
+                    orbit[family].add(errors)
+                    for key, shifted in tokens.items():
+                        shifts[key][family].add(appearance_errors(day, errors["fits"], shifted[family][0]))
+                progress.update()
+    results = {f"{name} ({mode})": {family: totals.summary() for family, totals in by_family.items()}
+               for (name, mode), by_family in shifts.items()}
+    return orbit, results
+
+
+def _print_coverage(results: dict) -> None:
     for key, by_family in results.items():
         print(f"{key}: " + "; ".join(
             f"{family} Manifold covers {100 * (r['coverage']['manifold'] or 0):.1f}% of the shift "
             f"(Observed {100 * (r['coverage']['observed'] or 0):.1f}%, visible mean {100 * (r['coverage']['mean'] or 0):.1f}%, "
             f"random {100 * (r['coverage']['random'] or 0):.1f}%), shift = {r['shift_over_orbit']:.1f} x orbit"
             for family, r in by_family.items()))
-    print(f"written to {out}")
-    return 0
