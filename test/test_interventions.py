@@ -8,8 +8,9 @@ import pytest
 from sps_driving import cli
 from sps_driving.core import topics
 from sps_driving.ros.bagio import BagWriter, to_bag
+from sps_driving.ros.engagement import OLD_VEHICLE_STATUS
 from sps_driving.ros.msgs import Fields, Level, header_fields, twist_fields
-from sps_driving.tools.interventions import OLD_VEHICLE_STATUS, analyze
+from sps_driving.tools.interventions import analyze
 
 S = 1_000_000_000
 MS = 1_000_000

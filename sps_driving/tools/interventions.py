@@ -1,10 +1,7 @@
 """`sps-driving interventions BAG`: safety-driver interventions in a recorded field test.
 
-Reads the drive-by-wire state from a bag (a rosbag2 folder, sqlite3 or mcap, or a bare .mcap or
-.db3 file: sps_driving.ros.bagio) without ROS: PACMod 3 reports in the ROS 2 `pacmod3_msgs` layout
-(`GlobalRpt`, every `SystemRptFloat` / `SystemRptInt` report, the `std_msgs/Bool` on
-/pacmod/enabled) or, on cars run with the `topics` backend, the vehicle interface's status (its
-`vehicle_interface` status on /diagnostics, or /vehicle_interface/status in older bags). Only a
+Reads the engagement history from a bag (a rosbag2 folder, sqlite3 or mcap, or a bare .mcap or
+.db3 file) without ROS: sps_driving.ros.engagement says which reports it reads. Only a
 safety-driver override (pedal or wheel) is an intervention; the other ends of autonomy are
 disengagements by cause: a fault, a timeout, or a disable (the operator's button or the stack) with
 none of those (core.monitor.AutonomyLog decides, from the reports within CAUSE_WINDOW_S of each).
@@ -21,121 +18,12 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sps_driving.core import topics
-from sps_driving.core.monitor import AutonomyLog
-
-GLOBAL_RPT = "pacmod3_msgs/msg/GlobalRpt"
-SYSTEM_RPTS = ("pacmod3_msgs/msg/SystemRptFloat", "pacmod3_msgs/msg/SystemRptInt")
-SPEED_RPT = "pacmod3_msgs/msg/VehicleSpeedRpt"
-BOOL = "std_msgs/msg/Bool"
-TWIST = "geometry_msgs/msg/TwistStamped"
-DIAGNOSTICS = "diagnostic_msgs/msg/DiagnosticArray"
-VEHICLE_INTERFACE = "vehicle_interface"  # its status name on /diagnostics
-
-# The report flags that show a fault or a timeout, per report type (pacmod3_msgs, ROS 2).
-GLOBAL_FAULTS = ("pacmod_sys_fault_active", "config_fault_active")
-GLOBAL_TIMEOUTS = ("user_can_timeout", "steering_can_timeout", "brake_can_timeout", "subsystem_can_timeout", "vehicle_can_timeout")
-SYSTEM_FAULTS = ("command_output_fault", "input_output_fault", "output_reported_fault", "pacmod_fault", "vehicle_fault")
-SYSTEM_TIMEOUTS = ("command_timeout",)
-# The vehicle interface's `last_event` values by the cause they show; any other is a disable.
-EVENT_CAUSES = {
-    "override": "override",
-    "fault": "fault",
-    "can_timeout": "timeout",
-    "engage_timeout": "timeout",
-}
-# Recordings from before the vehicle interface's status moved to /diagnostics.
-OLD_VEHICLE_STATUS = "/vehicle_interface/status"
+from sps_driving.ros.engagement import autonomy_log
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bag", type=Path, help="a rosbag2 folder (sqlite3 or mcap), a .mcap file or a .db3 file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-
-
-def selected_topics(types: dict[str, str]) -> dict[str, str]:
-    """{topic: role} of the topics that carry engagement or speed."""
-    roles = {}
-    for topic, msgtype in types.items():
-        if msgtype == GLOBAL_RPT:
-            roles[topic] = "global"
-        elif msgtype in SYSTEM_RPTS:
-            roles[topic] = "system"
-        elif msgtype == SPEED_RPT:
-            roles[topic] = "speed_rpt"
-        elif msgtype == BOOL and topic == topics.PACMOD_ENABLED:
-            roles[topic] = "enabled"
-        elif msgtype == TWIST and topic == topics.VEHICLE_TWIST:
-            roles[topic] = "twist"
-    if not any(r in ("global", "system", "enabled") for r in roles.values()):
-        for topic in (topics.DIAGNOSTICS, OLD_VEHICLE_STATUS):
-            if types.get(topic) == DIAGNOSTICS:
-                roles[topic] = "vehicle_interface"
-    # One speed source: the twist when both are recorded.
-    if "twist" in roles.values():
-        roles = {t: r for t, r in roles.items() if r != "speed_rpt"}
-    return roles
-
-
-def _set_flags(msg, names: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(name for name in names if getattr(msg, name))
-
-
-def _on_vehicle_interface_status(log: AutonomyLog, time_ns: int, topic: str, msg) -> None:
-    """The vehicle interface's own view: `engagement` and the `last_event` that led to it. On
-    /diagnostics its status is found by name; its old topic carries nothing else."""
-    from sps_driving.ros.msgs import diagnostic_values
-
-    for name, _, _, values in diagnostic_values(msg):
-        if "engagement" not in values or (topic == topics.DIAGNOSTICS and name != VEHICLE_INTERFACE):
-            continue
-        engaged = values["engagement"] == "engaged"
-        event = values.get("last_event", "")
-        cause = "" if engaged else EVENT_CAUSES.get(event, "")
-        label = f"last_event={event}"
-        log.on_report(
-            time_ns, f"{topic} {name}", engaged, cause == "override",
-            faults=(label,) if cause == "fault" else (), timeouts=(label,) if cause == "timeout" else (),
-            override_field=label, disabled_field=f"engagement={values['engagement']}, {label}",
-        )
-
-
-def autonomy_log(bag: Path) -> tuple[AutonomyLog, dict[str, str]]:
-    """The bag's engagement history (finished), from its reports by log time, and {topic: role}
-    of the topics it was read from. ValueError when the bag has no engagement reports."""
-    from sps_driving.ros.bagio import read_messages, topic_types
-
-    roles = selected_topics(topic_types(bag))
-    if not any(r in ("global", "system", "enabled", "vehicle_interface") for r in roles.values()):
-        raise ValueError(
-            f"{bag} has no engagement reports: expected {GLOBAL_RPT}, {' or '.join(SYSTEM_RPTS)}, {BOOL} on "
-            f"{topics.PACMOD_ENABLED} or the vehicle interface status on {topics.DIAGNOSTICS} or {OLD_VEHICLE_STATUS}"
-        )
-    from tqdm import tqdm
-
-    log = AutonomyLog()
-    for item in tqdm(read_messages(bag, topics=list(roles)), desc="reading reports", unit="msg", disable=None):
-        role, msg, t = roles[item.topic], item.msg, item.log_time_ns
-        if role == "global":
-            log.on_report(
-                t, item.topic, bool(msg.enabled), bool(msg.override_active),
-                _set_flags(msg, GLOBAL_FAULTS), _set_flags(msg, GLOBAL_TIMEOUTS),
-            )
-        elif role == "system":  # a system's own `enabled` is not the car's: GlobalRpt says any system
-            log.on_report(
-                t, item.topic, None, bool(msg.override_active),
-                _set_flags(msg, SYSTEM_FAULTS), _set_flags(msg, SYSTEM_TIMEOUTS),
-            )
-        elif role == "enabled":
-            log.on_report(t, item.topic, bool(msg.data), None, disabled_field="data=false")
-        elif role == "vehicle_interface":
-            _on_vehicle_interface_status(log, t, item.topic, msg)
-        elif role == "twist":
-            log.on_speed(t, float(msg.twist.linear.x))
-        elif role == "speed_rpt" and msg.vehicle_speed_valid:
-            log.on_speed(t, float(msg.vehicle_speed))
-    log.finish()
-    return log, roles
 
 
 def analyze(bag: Path) -> dict:

@@ -18,7 +18,7 @@ Only the human's driving is the expert: a frame while the stack drove (PACMod en
 an override) is left out unless `label_stack_driving`; so are frames in reverse (the shift
 report's gear, when recorded, or a negative speed) and at standstill (below `min_speed_mps`).
 Who drove when comes from the engagement history `sps-driving interventions` reads
-(sps_driving.tools.interventions.autonomy_log, by log time, so a frame is placed by its log time);
+(sps_driving.ros.engagement.autonomy_log, by log time, so a frame is placed by its log time);
 its safety-driver overrides are the interventions, and the frames within
 `intervention_window_s` after each are marked: the states where the stack failed, labelled by
 the human who took over (what human-gated DAgger trains on).
@@ -48,7 +48,7 @@ REPORTS = {
     "speed_mps": (topics.PACMOD_SPEED_RPT, VEHICLE_SPEED_RPT),
 }
 GEAR_REPORT = (topics.PACMOD_SHIFT_RPT, SYSTEM_RPT_INT)  # optional: the gear, for the reverse rule
-# Reports that say whether the stack drives (sps_driving.tools.interventions reads them).
+# Reports that say whether the stack drives (sps_driving.ros.engagement reads them).
 ENGAGEMENT_REPORTS = ((topics.PACMOD_GLOBAL_RPT, "pacmod3_msgs/msg/GlobalRpt"), (topics.PACMOD_ENABLED, "std_msgs/msg/Bool"))
 HANDOVERS = ("engage", "disengage", "override")
 # Why a frame gets no label, in the order the rules are applied.
@@ -253,8 +253,8 @@ def read_car_labels(bag: Path, rules: CarLabelRules, steering_ratio: float) -> C
     """The PACMod 3 reports and the engagement history of `bag`. ValueError when it lacks reports
     labels need (`missing_reports`)."""
     from sps_driving.ros.bagio import read_messages, topic_types
+    from sps_driving.ros.engagement import autonomy_log
     from sps_driving.ros.msgs import speed_from_message, stamp_ns
-    from sps_driving.tools.interventions import autonomy_log
 
     present = topic_types(bag)
     missing = missing_reports(present, rules)
