@@ -8,8 +8,8 @@ import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
 from sps_driving.core.backbones import resolve_config
+from sps_driving.core.backbones.dinov2 import random_dinov2
 from sps_driving.core.flops import ViTShape, dinov2_flops
-from sps_driving.export.cli import random_dinov2
 from sps_driving.tools import bench
 from sps_driving.tools.peak import _matmul_model, _quantized, measure_peak, vit_gemm_shapes
 

@@ -1,5 +1,5 @@
 """Patch state families (PMTT): orbital offsets and shifts, the state reader (a tiny random DINOv2
-of the real architecture: 2 layers, 64 channels, `sps_driving.export.cli.random_dinov2`), the
+of the real architecture: 2 layers, 64 channels, `sps_driving.core.backbones.dinov2.random_dinov2`), the
 Manifold and its coverage on synthetic families c + U z + noise of known rank, the streamed
 analysis and its command (the embedded DINOv2 at a 56x84 input), the appearance measurement,
 orbital states in feature caches, and Manifold augmentation in training."""
@@ -41,7 +41,7 @@ SETTINGS = OrbitalSettings(rank=2, cap=2.0, max_rank=6)
 
 
 def tiny_dinov2(**config):
-    from sps_driving.export.cli import random_dinov2
+    from sps_driving.core.backbones.dinov2 import random_dinov2
 
     return random_dinov2("tiny", resolve_config({"input_size": list(INPUT), "backend": "torch", **config}))
 

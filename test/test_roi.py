@@ -66,7 +66,7 @@ def test_roi_null_is_todays_preprocessing_bit_for_bit():
 @pytest.fixture(scope="module")
 def tiny_dinov2():
     """A tiny random DINOv2 (2 layers, 64-d) with the roi, and its onnxruntime export opened with it."""
-    from sps_driving.export.cli import random_dinov2
+    from sps_driving.core.backbones.dinov2 import random_dinov2
 
     return lambda roi: random_dinov2("tiny", resolve_config({"input_size": list(INPUT), "roi": roi, "backend": "torch"}))
 

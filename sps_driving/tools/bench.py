@@ -305,10 +305,9 @@ def dinov2_extractors(args) -> tuple[list, object]:
     """[(path, extractor)] of --dinov2-paths with the policy's extraction settings (its descriptor
     keys; tokens and precision the path's), and the ViT's shape (sps_driving.core.flops)."""
     from sps_driving.core.backbones import resolve_config
-    from sps_driving.core.backbones.dinov2 import load_dinov2
+    from sps_driving.core.backbones.dinov2 import load_dinov2, random_dinov2
     from sps_driving.core.flops import ViTShape
     from sps_driving.core.policies.checkpoint import read_policy_config
-    from sps_driving.export.cli import random_dinov2
     from sps_driving.export.extractors import open_extractor, policy_extraction
 
     recorded = policy_extraction(read_policy_config(args.policy or shipped_policy()))

