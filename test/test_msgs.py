@@ -208,7 +208,8 @@ def test_stop_request_round_trip_and_refusals():
 
 
 def test_standin_frame_round_trip():
+    from sps_driving.ros.nodes.pacmod3_standin import sent_from_message, sent_message
     from sps_driving.sim.pacmod import Sent
 
     sent = Sent(1.0, {"steering": True, "accel": False}, {"steering": -0.5, "accel": 0.25})
-    assert msgs.sent_from_message(msgs.sent_message(sent, 3), 2.0) == Sent(2.0, sent.enable, sent.command)
+    assert sent_from_message(sent_message(sent, 3), 2.0) == Sent(2.0, sent.enable, sent.command)

@@ -17,6 +17,7 @@ from std_srvs.srv import SetBool
 from sps_driving.core import topics
 from sps_driving.ros import msgs
 from sps_driving.ros.graph import Graph, wait_for_nodes
+from sps_driving.ros.nodes.pacmod3_standin import sent_from_message
 
 pytestmark = pytest.mark.ros
 
@@ -62,7 +63,7 @@ def test_commands_reach_the_car_as_can_signals_and_reports_as_the_driver_parses_
             window_s = time.monotonic()
             probe.received[SENT].clear()
             probe.spin_until(lambda: False, 1.0, every=tick)
-            sends = [msgs.sent_from_message(m, t) for t, m in probe.received[SENT]]
+            sends = [sent_from_message(m, t) for t, m in probe.received[SENT]]
         finally:
             probe.close()
     assert len(sends) > 15

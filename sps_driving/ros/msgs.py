@@ -494,24 +494,3 @@ def pacmod_commands(command, stamp: int) -> dict:
         "brake": SystemCmdFloat(command=command.brake, **flags),
         "turn": SystemCmdInt(command=SystemCmdInt.TURN_HAZARDS if command.hazards else SystemCmdInt.TURN_NONE, **flags),
     }
-
-
-def sent_message(sent, stamp: int):
-    """The PACMod stand-in's frame to the car of one period (sps_driving.sim.pacmod.Sent) as a
-    JointState: names "<system>.enable" and "<system>.command", positions their values."""
-    from sensor_msgs.msg import JointState
-
-    names, values = [], []
-    for system in sent.enable:
-        names += [f"{system}.enable", f"{system}.command"]
-        values += [float(sent.enable[system]), float(sent.command[system])]
-    return JointState(header=_header(stamp, "pacmod"), name=names, position=values)
-
-
-def sent_from_message(msg, time_s: float):
-    """sim.pacmod.Sent from `sent_message`, with `time_s` as its time (when it was received)."""
-    from sps_driving.sim.pacmod import Sent
-
-    values = dict(zip(msg.name, msg.position))
-    systems = [name[: -len(".enable")] for name in msg.name if name.endswith(".enable")]
-    return Sent(time_s, {s: bool(values[f"{s}.enable"]) for s in systems}, {s: float(values[f"{s}.command"]) for s in systems})

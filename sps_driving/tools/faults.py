@@ -369,10 +369,12 @@ class Harness:
             return stage_summary(dict(self.stages), time.monotonic())
 
     def _on_sent(self, msg) -> None:
+        from sps_driving.ros.nodes.pacmod3_standin import sent_from_message
+
         # When the stand-in sent it (its stamp, on this machine's system clock), on this process's
         # steady clock: a frame this busy process takes in late still counts when it went out.
         sent_s = time.monotonic() - (time.time_ns() - msgs.stamp_ns(msg.header)) / 1e9
-        sent = msgs.sent_from_message(msg, sent_s)
+        sent = sent_from_message(msg, sent_s)
         with self.lock:
             self.sent.append(sent)
 

@@ -8,7 +8,7 @@ Fault injection, each a std_srvs/SetBool service of this node: ~/override (the s
 the wheel and pedals; false lets go), ~/fault (a PACMod system fault), ~/can_timeout (CAN timeout
 flags in the global report), ~/pause_reports (reports stop while true) and ~/reverse (the gear in
 reverse while true). What the driver re-sends to the car every period, as the PACMod reads it
-from the driver's CAN frames (sps_driving.sim.pacmod_can), goes out on ~/sent (msgs.sent_message),
+from the driver's CAN frames (sps_driving.sim.pacmod_can), goes out on ~/sent (sent_message),
 so a test can see it; the reports are what the driver parses from the car's frames (values in
 steps of 0.001, the speed in steps of 0.01 m/s).
 """
@@ -27,7 +27,7 @@ from sps_driving.core import topics
 from sps_driving.ros import msgs
 from sps_driving.ros.nodes.common import Param, declare, now_ns, run
 from sps_driving.sim import pacmod_can
-from sps_driving.sim.pacmod import SHIFT_FORWARD, SHIFT_REVERSE, TURN_NONE, PacmodStandIn, SystemReport
+from sps_driving.sim.pacmod import SHIFT_FORWARD, SHIFT_REVERSE, TURN_NONE, PacmodStandIn, Sent, SystemReport
 
 PARAMETERS = {
     "rate_hz": Param(30.0, "re-send and report rate (the driver re-sends every 33 ms)", "Hz", above=0.0),
@@ -36,6 +36,23 @@ PARAMETERS = {
     "initial_speed_mps": Param(0.0, "speed at start", "m/s", min=0.0),
 }
 REPORTS = {"steering": topics.PACMOD_STEERING_RPT, "accel": topics.PACMOD_ACCEL_RPT, "brake": topics.PACMOD_BRAKE_RPT}
+
+
+def sent_message(sent: Sent, stamp: int) -> JointState:
+    """The frame to the car of one period as published on ~/sent: a JointState with names
+    "<system>.enable" and "<system>.command", positions their values."""
+    names, values = [], []
+    for system in sent.enable:
+        names += [f"{system}.enable", f"{system}.command"]
+        values += [float(sent.enable[system]), float(sent.command[system])]
+    return JointState(header=msgs.to_ros(msgs.header_fields(stamp, "pacmod")), name=names, position=values)
+
+
+def sent_from_message(msg: JointState, time_s: float) -> Sent:
+    """The Sent of a ~/sent message, with `time_s` as its time (when it was received)."""
+    values = dict(zip(msg.name, msg.position))
+    systems = [name[: -len(".enable")] for name in msg.name if name.endswith(".enable")]
+    return Sent(time_s, {s: bool(values[f"{s}.enable"]) for s in systems}, {s: float(values[f"{s}.command"]) for s in systems})
 
 
 class PacmodStandInNode(Node):
@@ -108,7 +125,7 @@ class PacmodStandInNode(Node):
         self._last_s = now_s
         sent = self.model.step(now_s, dt)
         reports = self.model.reports()
-        self.sent_pub.publish(msgs.sent_message(sent, now_ns(self)))
+        self.sent_pub.publish(sent_message(sent, now_ns(self)))
         if reports is not None:
             self._publish(reports)
 
