@@ -6,9 +6,9 @@ from setuptools import find_packages, setup
 
 package_name = "sps_driving"
 
-# One executable per node, listed in sps_driving/ros/nodes/__init__.py: read here as a file, since the
+# One executable per node, listed in sps_driving/ros/executables.py: read here as a file, since the
 # package (and its dependencies) need not be importable at build time.
-NODES = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sps_driving", "ros", "nodes", "__init__.py"))["NODES"]
+NODES = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sps_driving", "ros", "executables.py"))["NODES"]
 
 setup(
     name=package_name,

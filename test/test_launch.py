@@ -36,7 +36,7 @@ def setup_entry_points() -> dict:
 
 
 def test_setup_builds_an_executable_for_every_node_and_the_tools_start_only_those():
-    from sps_driving.ros.nodes import NODES
+    from sps_driving.ros.executables import NODES
     from sps_driving.sim.graph_eval import GRAPH_NODES as SIM_NODES
     from sps_driving.tools.replay import GRAPH_NODES as REPLAY_NODES
 
@@ -220,7 +220,7 @@ def test_remaps_name_real_topics_and_let_a_vendor_camera_replace_ours(launch):
 
 
 def test_params_file_sections_are_nodes_the_graph_can_start():
-    from sps_driving.ros.nodes import NODES
+    from sps_driving.ros.executables import NODES
 
     sections, every_node = params_file_sections()
     assert set(sections) <= set(NODES) and set(NODES) <= set(setup_entry_points())

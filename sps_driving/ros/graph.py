@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from sps_driving.core.resources import config_path
-from sps_driving.ros.nodes import NODES
+from sps_driving.ros.executables import NODES
 
 PACKAGE = "sps_driving"
 # The nodes that stop the car: never started again by a supervisor (sps_driving.ros.respawn); that the
