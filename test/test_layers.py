@@ -1,5 +1,5 @@
 """The layers of the package, read from the source (scripts/structure.py; imports inside functions
-included): no module imports another's private name, no import circle, core imports nothing
+included): no module imports another's private name, no import circle between modules nor between rooms, core imports nothing
 outside core, and everything core reaches stays out of sps_driving/export (export builds from
 core, never the other way) and out of ROS."""
 
@@ -66,6 +66,15 @@ def test_no_module_imports_a_private_name_of_another():
 
 def test_no_import_circles_between_modules():
     assert not structure.circles(PACKAGE.module_graph())
+
+
+def test_rooms_import_one_way_but_for_a_package_and_its_own_sub_package():
+    """Between rooms (sub-packages) imports run one way, so the rooms stand on floors. The one kind
+    of circle allowed is a package's own modules with one of its sub-packages (core.orbital reads
+    DINOv2 states from core.backbones, which uses core's image helpers)."""
+    for circle in structure.circles(PACKAGE.room_graph()):
+        outer, inner = sorted(circle)[0], sorted(circle)[-1]
+        assert len(circle) == 2 and inner.startswith(outer + "."), f"rooms in a circle: {circle}"
 
 
 def test_core_imports_nothing_outside_core():
