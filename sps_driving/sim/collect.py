@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from sps_driving.core import topics
 from sps_driving.ros import bagio, msgs
-from sps_driving.sim.config import load_sim_config, set_render_width
+from sps_driving.sim.config import command_sim_config
 from sps_driving.sim.episodes import Frame, drive_episode, follow_label
 from sps_driving.sim.expert import Command, Disturbance, Expert
 from sps_driving.sim.scenarios import get_scenario
@@ -91,11 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    config = load_sim_config(args.sim_config)
-    if args.episode_s is not None:
-        config["episode_s"] = float(args.episode_s)
-    if args.width is not None:
-        set_render_width(config, args.width)
+    config = command_sim_config(args.sim_config, args.episode_s, args.width)
     if args.episodes < 1:
         raise SystemExit("--episodes must be at least 1")
     if args.seed < 0:

@@ -26,6 +26,17 @@ def load_sim_config(path: str | Path | None = None, profile: str | None = None) 
     return apply_profile(config, profile) if profile else config
 
 
+def command_sim_config(path: str | Path | None, episode_s: float | None, width: int | None) -> dict:
+    """The world config a command runs: its --sim-config, with its --episode-s (s) and --width (px)
+    where given."""
+    config = load_sim_config(path)
+    if episode_s is not None:
+        config["episode_s"] = float(episode_s)
+    if width is not None:
+        set_render_width(config, width)
+    return config
+
+
 def apply_profile(config: dict, profile: str) -> dict:
     profiles = config.get("profiles", {})
     if profile not in profiles:

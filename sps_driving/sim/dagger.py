@@ -60,7 +60,7 @@ from tqdm import tqdm
 from sps_driving.core.resources import portable_path, source_revision
 from sps_driving.ros import bagio
 from sps_driving.sim.collect import COLLECTION_EPISODES, BagSink, episode_seed
-from sps_driving.sim.config import load_sim_config, set_render_width
+from sps_driving.sim.config import command_sim_config
 from sps_driving.sim.episodes import Frame, PolicyDriver, drive_episode, driving_state, run_episodes
 from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, read_results
@@ -564,11 +564,7 @@ def run_dagger(args, processes: Processes | None = None) -> dict:
 
 def _sim_config(args) -> dict:
     """The simulator's settings with the run's --episode-s and --width, its scenario checked."""
-    config = load_sim_config(args.sim_config)
-    if args.episode_s is not None:
-        config["episode_s"] = float(args.episode_s)
-    if args.width is not None:
-        set_render_width(config, args.width)
+    config = command_sim_config(args.sim_config, args.episode_s, args.width)
     get_scenario(config["collect"]["scenario"])
     return config
 
