@@ -15,12 +15,13 @@ from pathlib import Path
 
 from sps_driving.core import topics
 from sps_driving.core.monitor import AutonomyLog
+from sps_driving.core.state import PACMOD_SPEED_REPORT, TWIST
 
 GLOBAL_RPT = "pacmod3_msgs/msg/GlobalRpt"
-SYSTEM_RPTS = ("pacmod3_msgs/msg/SystemRptFloat", "pacmod3_msgs/msg/SystemRptInt")
-SPEED_RPT = "pacmod3_msgs/msg/VehicleSpeedRpt"
+SYSTEM_RPT_FLOAT = "pacmod3_msgs/msg/SystemRptFloat"
+SYSTEM_RPT_INT = "pacmod3_msgs/msg/SystemRptInt"
+SYSTEM_RPTS = (SYSTEM_RPT_FLOAT, SYSTEM_RPT_INT)
 BOOL = "std_msgs/msg/Bool"
-TWIST = "geometry_msgs/msg/TwistStamped"
 DIAGNOSTICS = "diagnostic_msgs/msg/DiagnosticArray"
 VEHICLE_INTERFACE = "vehicle_interface"  # its status name on /diagnostics
 
@@ -40,7 +41,6 @@ EVENT_CAUSES = {
 OLD_VEHICLE_STATUS = "/vehicle_interface/status"
 
 
-
 def selected_topics(types: dict[str, str]) -> dict[str, str]:
     """{topic: role} of the topics that carry engagement or speed."""
     roles = {}
@@ -49,7 +49,7 @@ def selected_topics(types: dict[str, str]) -> dict[str, str]:
             roles[topic] = "global"
         elif msgtype in SYSTEM_RPTS:
             roles[topic] = "system"
-        elif msgtype == SPEED_RPT:
+        elif msgtype == PACMOD_SPEED_REPORT:
             roles[topic] = "speed_rpt"
         elif msgtype == BOOL and topic == topics.PACMOD_ENABLED:
             roles[topic] = "enabled"

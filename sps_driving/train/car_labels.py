@@ -35,21 +35,19 @@ import numpy as np
 
 from sps_driving.core import topics
 from sps_driving.core.control import from_pacmod
-from sps_driving.core.state import nearest
+from sps_driving.core.state import PACMOD_SPEED_REPORT, nearest
+from sps_driving.ros.engagement import BOOL, GLOBAL_RPT, SYSTEM_RPT_FLOAT, SYSTEM_RPT_INT, autonomy_log
 
-SYSTEM_RPT_FLOAT = "pacmod3_msgs/msg/SystemRptFloat"
-SYSTEM_RPT_INT = "pacmod3_msgs/msg/SystemRptInt"
-VEHICLE_SPEED_RPT = "pacmod3_msgs/msg/VehicleSpeedRpt"
 # The reports every label is made of: name -> (topic, message type).
 REPORTS = {
     "steering_wheel_rad": (topics.PACMOD_STEERING_RPT, SYSTEM_RPT_FLOAT),
     "accel": (topics.PACMOD_ACCEL_RPT, SYSTEM_RPT_FLOAT),
     "brake": (topics.PACMOD_BRAKE_RPT, SYSTEM_RPT_FLOAT),
-    "speed_mps": (topics.PACMOD_SPEED_RPT, VEHICLE_SPEED_RPT),
+    "speed_mps": (topics.PACMOD_SPEED_RPT, PACMOD_SPEED_REPORT),
 }
 GEAR_REPORT = (topics.PACMOD_SHIFT_RPT, SYSTEM_RPT_INT)  # optional: the gear, for the reverse rule
 # Reports that say whether the stack drives (sps_driving.ros.engagement reads them).
-ENGAGEMENT_REPORTS = ((topics.PACMOD_GLOBAL_RPT, "pacmod3_msgs/msg/GlobalRpt"), (topics.PACMOD_ENABLED, "std_msgs/msg/Bool"))
+ENGAGEMENT_REPORTS = ((topics.PACMOD_GLOBAL_RPT, GLOBAL_RPT), (topics.PACMOD_ENABLED, BOOL))
 HANDOVERS = ("engage", "disengage", "override")
 # Why a frame gets no label, in the order the rules are applied.
 DROP_REASONS = ("stack_driving", *(f"near_{kind}" for kind in HANDOVERS), "report_gap", "across_handover", "speed_invalid",
@@ -253,7 +251,6 @@ def read_car_labels(bag: Path, rules: CarLabelRules, steering_ratio: float) -> C
     """The PACMod 3 reports and the engagement history of `bag`. ValueError when it lacks reports
     labels need (`missing_reports`)."""
     from sps_driving.ros.bagio import read_messages, topic_types
-    from sps_driving.ros.engagement import autonomy_log
     from sps_driving.ros.msgs import speed_from_message, stamp_ns
 
     present = topic_types(bag)
