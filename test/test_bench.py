@@ -225,3 +225,19 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
     assert "graph / standalone" in text and "camera->command p99" in text and "a timing copy" in text
     assert "FLOPs per frame: extractor" in text and "% of the fp32 peak" in text
     assert "| 0.5 | kept | fp32 |" in bench_report.render(None, result, None)
+
+
+def test_run_to_run_table_has_a_row_per_run_with_its_own_speedups():
+    def run(revision, dense_ms, kept_ms):
+        rows = [{"path": "onnxruntime", "rate": 1.0, "extractor_ms": dense_ms, "extractor_speedup": 1.0,
+                 "peak_fraction": {"extractor": 100 / dense_ms}},
+                {"path": "onnxruntime-kept", "rate": 0.5, "extractor_ms": kept_ms, "extractor_speedup": dense_ms / kept_ms,
+                 "peak_fraction": {"extractor": 0.5}}]
+        return {"revision": revision, "load_average": [0.5, 1.0, 1.5], "peak": {"fp32": {"peak_gflops": 210.0}},
+                "dinov2": {"rows": rows}}
+
+    lines = bench_report.run_to_run_section([run("aaa", 120.0, 60.0), run("bbb", 140.0, 56.0)])
+    table = [line for line in lines if line.startswith("| aaa") or line.startswith("| bbb")]
+    assert table[0] == ("| aaa | 0.50 | 210 | 120.0 | 83 |  | 2.00x |  |  |  |")
+    assert table[1] == ("| bbb | 0.50 | 210 | 140.0 | 71 |  | 2.50x |  |  |  |")
+    assert "run 2 times" in lines[2]

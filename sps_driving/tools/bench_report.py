@@ -1,11 +1,16 @@
-"""docs/results/bench_cpu.md from the JSON of three benchmark runs, with the commands that made them.
+"""docs/results/bench_cpu.md from the JSON of the benchmark runs, with the commands that made them.
 
     sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json
+    python -m sps_driving.tools.op_profile --frames 20 --out runs/bench/ops.json
     sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 \\
         --json --out runs/bench/graph.json
     sps-driving bench --eval --episodes 2 --repeats 2 --json --out runs/bench/eval.json
     python -m sps_driving.tools.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
-        --eval runs/bench/eval.json --out docs/results/bench_cpu.md
+        --eval runs/bench/eval.json --ops runs/bench/ops.json --out docs/results/bench_cpu.md
+
+`--dinov2` takes further runs of the same command after the first: the first is the table, and
+every run goes into a run-to-run table of its dense fp32 time, efficiency and speed-ups, so a
+reader sees how much the machine moved between runs.
 
 Only tables of what the runs measured, each with its revision, machine load and command; the
 reading (where the fp32 backbone stands against the peak and why, what becomes the default) is
@@ -23,6 +28,7 @@ COMMANDS = {
     "graph": ("sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 --json "
               "--out runs/bench/graph.json"),
     "eval": "sps-driving bench --eval --episodes 2 --repeats 2 --json --out runs/bench/eval.json",
+    "ops": "python -m sps_driving.tools.op_profile --frames 20 --out runs/bench/ops.json",
 }
 
 
@@ -56,6 +62,29 @@ def dinov2_section(result: dict) -> list[str]:
     return lines
 
 
+# (path, rate) of the speed-ups compared run to run: int8, token dropping and both
+RUN_TO_RUN = (("onnxruntime-int8", 1.0), ("onnxruntime-kept", 0.5), ("onnxruntime-kept", 0.3),
+              ("onnxruntime-kept-int8", 0.5), ("onnxruntime-kept-int8", 0.3))
+
+
+def run_to_run_section(results: list[dict]) -> list[str]:
+    """One row per run of the same command: what moves with the machine (times) and what should not (ratios)."""
+    lines = ["### Run to run", "",
+             f"The same command run {len(results)} times; the table above is the first run. Speed-ups are side by side "
+             "within each run.", "",
+             "| revision | load average | fp32 peak GFLOP/s | dense fp32 extractor ms (rate 1) | % of peak | "
+             + " | ".join(f"{path.removeprefix('onnxruntime-')} {rate:g} speed-up" for path, rate in RUN_TO_RUN) + " |",
+             "|---" * (5 + len(RUN_TO_RUN)) + "|"]
+    for result in results:
+        rows = {(row["path"], row["rate"]): row for row in result["dinov2"]["rows"]}
+        dense = rows[("onnxruntime", 1.0)]
+        speedups = [f"{rows[key]['extractor_speedup']:.2f}x" if key in rows else "" for key in RUN_TO_RUN]
+        lines.append(f"| {result.get('revision', 'unknown')} | {result['load_average'][0]:.2f} | "
+                     f"{result['peak']['fp32']['peak_gflops']:.0f} | {dense['extractor_ms']:.1f} | "
+                     f"{100 * dense['peak_fraction']['extractor']:.0f} | " + " | ".join(speedups) + " |")
+    return lines
+
+
 def graph_section(result: dict) -> list[str]:
     lines = ["## The extractor in the live graph, lockstep replay of the bundled drive", "",
              f"`{COMMANDS['graph']}` ({_load(result)}; {result['frames']} frames, {result['repeats']} repeat(s) each, "
@@ -80,6 +109,30 @@ def graph_section(result: dict) -> list[str]:
     return lines
 
 
+def ops_section(result: dict) -> list[str]:
+    from sps_driving.tools.op_profile import calibration_rate
+
+    profile = result["profile"]
+    lines = ["## Where the dense fp32 backbone's time goes, by operator", "",
+             f"`{COMMANDS['ops']}` ({_load(result)}; {profile['frames']} profiled frames of the encode graph on "
+             f"{result['threads']} thread(s), {result['tokens']} tokens, onnxruntime's profiler). A profiled frame took "
+             f"{profile['frame_ms']:.1f} ms (median); {100 * profile['product_share']:.0f}% of the kernel time is in "
+             "matrix products.", "",
+             "| operator | ms a frame | share of kernel time |", "|---|---|---|"]
+    lines += [f"| {entry['op']} | {entry['ms']:.2f} | {100 * entry['share']:.1f}% |" for entry in profile["ops"]]
+    lines += ["", "| product | batch x M x K x N | nodes a frame | ms a frame | GFLOP a frame | GFLOP/s in the model | "
+              "calibration GFLOP/s at this shape | model / calibration |", "|---|---|---|---|---|---|---|---|"]
+    for entry in profile["products"]:
+        calibrated = calibration_rate(result["peak"], entry)
+        ratio = f"{entry['gflops'] / calibrated:.2f}" if calibrated else ""
+        lines.append(f"| {entry['op']} | {entry['batch']}x{entry['m']}x{entry['k']}x{entry['n']} | {entry['nodes_per_frame']} | "
+                     f"{entry['ms']:.1f} | {entry['gflop']:.2f} | {entry['gflops']:.0f} | "
+                     f"{f'{calibrated:.0f}' if calibrated else ''} | {ratio} |")
+    lines += ["", "Calibration: onnxruntime's MatMul alone at the same (M, K, N), the best of repeated runs, measured in "
+              "the same run (sps_driving/tools/peak.py)."]
+    return lines
+
+
 def eval_section(result: dict) -> list[str]:
     from sps_driving.sim.throughput import STAGES
 
@@ -97,7 +150,9 @@ def eval_section(result: dict) -> list[str]:
     return lines
 
 
-def render(dinov2: dict | None, graph: dict | None, throughput: dict | None) -> str:
+def render(dinov2: dict | None, graph: dict | None, throughput: dict | None, repeats: list[dict] = (),
+           ops: dict | None = None) -> str:
+    """The report; `repeats` are further runs of the dinov2 command, shown beside `dinov2` run to run."""
     lines = ["# CPU timing of the extractor the car runs", "",
              "What the road-band extractor costs on this machine's CPU: alone by path (fp32 and int8, dense and token "
              "dropping) and rate, in the live graph, and in evaluation. Made by `python -m sps_driving.tools.bench_report` "
@@ -105,18 +160,25 @@ def render(dinov2: dict | None, graph: dict | None, throughput: dict | None) -> 
     for section, result in ((dinov2_section, dinov2), (graph_section, graph), (eval_section, throughput)):
         if result is not None:
             lines += [""] + section(result)
+        if section is dinov2_section and dinov2 is not None and repeats:
+            lines += [""] + run_to_run_section([dinov2, *repeats])
+        if section is dinov2_section and ops is not None:
+            lines += [""] + ops_section(ops)
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dinov2", type=Path, help="JSON of `sps-driving bench` (its dinov2 rows)")
+    parser.add_argument("--dinov2", type=Path, nargs="+",
+                        help="JSON of `sps-driving bench` (its dinov2 rows); further runs of it go run to run")
     parser.add_argument("--graph", type=Path, help="JSON of `sps-driving bench --graph`")
     parser.add_argument("--eval", type=Path, help="JSON of `sps-driving bench --eval`")
+    parser.add_argument("--ops", type=Path, help="JSON of `python -m sps_driving.tools.op_profile`")
     parser.add_argument("--out", type=Path, required=True, help="markdown file to write")
     args = parser.parse_args(argv)
-    loaded = [json.loads(path.read_text()) if path else None for path in (args.dinov2, args.graph, args.eval)]
-    args.out.write_text(render(*loaded))
+    dinov2_runs = [json.loads(path.read_text()) for path in args.dinov2 or ()]
+    graph, throughput, ops = (json.loads(path.read_text()) if path else None for path in (args.graph, args.eval, args.ops))
+    args.out.write_text(render(dinov2_runs[0] if dinov2_runs else None, graph, throughput, dinov2_runs[1:], ops))
     print(f"wrote {args.out}")
     return 0
 
