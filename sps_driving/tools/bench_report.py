@@ -157,13 +157,13 @@ def render(dinov2: dict | None, graph: dict | None, throughput: dict | None, rep
              "What the road-band extractor costs on this machine's CPU: alone by path (fp32 and int8, dense and token "
              "dropping) and rate, in the live graph, and in evaluation. Made by `python -m sps_driving.tools.bench_report` "
              "from the runs below (sps_driving/tools/bench_report.py)."]
-    for section, result in ((dinov2_section, dinov2), (graph_section, graph), (eval_section, throughput)):
+    if dinov2 is not None:
+        lines += [""] + dinov2_section(dinov2)
+        if repeats:
+            lines += [""] + run_to_run_section([dinov2, *repeats])
+    for section, result in ((ops_section, ops), (graph_section, graph), (eval_section, throughput)):
         if result is not None:
             lines += [""] + section(result)
-        if section is dinov2_section and dinov2 is not None and repeats:
-            lines += [""] + run_to_run_section([dinov2, *repeats])
-        if section is dinov2_section and ops is not None:
-            lines += [""] + ops_section(ops)
     return "\n".join(lines) + "\n"
 
 

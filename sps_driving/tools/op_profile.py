@@ -110,9 +110,11 @@ def profile_graph(graph: Path, inputs: dict[str, np.ndarray], threads: int, fram
     return summarize(events, warmup)
 
 
-def run(frames: int, warmup: int, seed: int, policy=None, calibration_seconds: float = 0.4) -> dict:
+def run(frames: int, warmup: int, seed: int, policy=None) -> dict:
     from sps_driving.core.backbones import resolve_config
+    from sps_driving.core.backbones.dinov2 import load_dinov2
     from sps_driving.core.backbones.runtimes import BACKBONE_FILE
+    from sps_driving.core.flops import ViTShape
     from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.core.resources import shipped_policy, source_revision
     from sps_driving.export.extractors import open_extractor, policy_extraction
@@ -121,10 +123,12 @@ def run(frames: int, warmup: int, seed: int, policy=None, calibration_seconds: f
     recorded = policy_extraction(read_policy_config(policy or shipped_policy()))
     extractor = open_extractor(resolve_config({**recorded, "backend": "onnxruntime", "precision": "fp32", "tokens": "all",
                                                "device": "cpu"})).extractor
+    shape = ViTShape.of(load_dinov2(recorded.get("model_path")))
     tokens = 1 + extractor.grid.n
     image = np.random.default_rng(seed).integers(0, 256, (600, 960, 3), dtype=np.uint8)
+    peak = measure_peak(extractor.threads, vit_gemm_shapes(tokens, shape.hidden, shape.mlp_hidden))
     result = {"revision": source_revision(), "load_average": list(os.getloadavg()), "threads": extractor.threads,
-              "tokens": tokens, "peak": measure_peak(extractor.threads, vit_gemm_shapes(tokens, 384, 1536), calibration_seconds)}
+              "tokens": tokens, "peak": peak}
     result["profile"] = profile_graph(extractor.export_dir / BACKBONE_FILE, {"pixel_values": extractor.pixels(image)},
                                       extractor.threads, frames, warmup)
     return result
