@@ -32,7 +32,8 @@ steps:
     outs: ["{work}/drives"]
     estimate_min: 0.1
   cache:
-    run: extract {work}/drives/episode_00000 {work}/drives/episode_00001 {work}/drives/episode_00002 --out {work}/cache --extractor-config pixels.yaml
+    run: extract {work}/drives/episode_00000 {work}/drives/episode_00001 {work}/drives/episode_00002
+      --out {work}/cache --extractor-config pixels.yaml
     deps: ["{work}/drives", pixels.yaml]
     outs: ["{work}/cache"]
     estimate_min: 0.1
@@ -43,7 +44,8 @@ steps:
     estimate_min: 0.2
     unit_min: 0.01
   eval:
-    run: eval --policy {results}/policy --name No-FM --episodes 2 --episode-s 2 --scenarios rural-summer-dry-day-car urban-summer-dry-night-car --workers 1 --no-failure-strips --out {results}/eval
+    run: eval --policy {results}/policy --name No-FM --episodes 2 --episode-s 2 --workers 1 --no-failure-strips
+      --scenarios rural-summer-dry-day-car urban-summer-dry-night-car --out {results}/eval
     deps: ["{results}/policy"]
     outs: ["{results}/eval"]
     estimate_min: 0.2
@@ -188,7 +190,7 @@ def test_budget_starts_only_what_fits(tmp_path):
     messages = []
     assert runner.run_plan(load_plan(root / "plan.yaml"), budget_min=5, log=messages.append) == 0
     assert not (root / "work").exists() and not runner.read_records(load_plan(root / "plan.yaml"))
-    assert "drives needs about 30.0 min, 5.0 min of the budget left: not started (5 step(s) left)" in messages[-1]
+    assert "drives needs about 30.0 min" in messages[-1] and "not started (5 step(s) left)" in messages[-1]
 
 
 def test_code_key_follows_the_code_a_step_runs_not_the_repository():
@@ -209,3 +211,24 @@ def test_a_bad_plan_is_a_clear_error(tmp_path, change, message):
     (tmp_path / "plan.yaml").write_text(change(PLAN))
     with pytest.raises(ValueError, match=message):
         load_plan(tmp_path / "plan.yaml")
+
+
+@pytest.mark.slow
+def test_the_gpu_script_runs_a_plan_from_seeds_and_brings_back_only_the_results_folder(tmp_path):
+    import tarfile
+
+    root = tmp_path / "gpu"
+    root.mkdir()
+    git(root, "init", "-q")
+    (root / "plan.yaml").write_text(PLAN)
+    (root / "pixels.yaml").write_text(PIXELS)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(SOURCE_ROOT / "scripts" / "campaign_gpu.sh"), str(root / "plan.yaml")], env=env, check=True,
+                   capture_output=True)
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = archive.getnames()
+    assert "results/eval/results.jsonl" in names and "results/policy/policy.safetensors" in names
+    assert not any(name.startswith("work") for name in names)  # drives and caches stay there
+    assert len(rows(root / "results" / "eval" / "results.jsonl")) == 4
+    assert (out / "results.tar.gz").stat().st_size < 64 * 1024 * 1024

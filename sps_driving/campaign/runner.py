@@ -91,7 +91,7 @@ def tree_digest(path: Path) -> str:
 def measured_minutes(plan: Plan, step: Step, key: str | None = None) -> float:
     """Minutes the step's attempts took (those of attempt `key`, or of its last key), ends only."""
     ends = [r for r in read_records(plan) if r["step"] == step.name and r["event"] == "end"]
-    key = key or (ends[-1]["key"] if ends else None)
+    key = key if key is not None else (ends[-1]["key"] if ends else None)
     return sum(r["seconds"] for r in ends if r["key"] == key) / 60.0
 
 
@@ -142,8 +142,10 @@ def states(plan: Plan) -> list[StepState]:
         else:
             state, reason = LEFT, _describe(changed[step.name])
         done = state in (DONE, ABSENT)
-        left = 0.0 if done else remaining_minutes(plan, step, spent if step.name in changed else 0.0)
-        result[step.name] = StepState(step, state, spent if done or state == RUNNING else 0.0, left, reason)
+        if not done:  # what attempts with the inputs it has now have spent on it (none: its inputs are still to be made)
+            spent = 0.0 if reason.startswith("after ") else measured_minutes(plan, step, attempt_key(plan, step))
+        left = 0.0 if done else remaining_minutes(plan, step, spent)
+        result[step.name] = StepState(step, state, spent, left, reason)
     return list(result.values())
 
 
@@ -221,9 +223,11 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
         code = engine.reproduce(plan, step, {} if deadline is None else {DEADLINE_ENV: str(deadline)})
         if commit:
             commit_results(plan, f"{step.name} " + ("done" if code == 0 else f"stopped (exit {code}), finished units kept"))
+        if code != 0 and deadline is not None and time.time() >= deadline:
+            log(f"campaign {plan.name}: {step.name} stopped at the budget's end; it resumes next time")
+            return 0
         if code != 0:
-            log(f"campaign {plan.name}: {step.name} ended with exit {code}"
-                + (" at the budget's end; it resumes next time" if deadline and time.time() >= deadline else ""))
+            log(f"campaign {plan.name}: {step.name} ended with exit {code}")
             return code
     return 0
 
@@ -253,11 +257,15 @@ def run_step(plan: Plan, step: Step) -> int:
                 path.unlink()
     argv = list(step.argv) + resume_flags(plan, step)
     folder = engine.results_dir(plan)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / RUNNING_FILE).write_text(json.dumps({"step": step.name, "pid": os.getpid(), "started": time.time()}))
     append_record(plan, {"step": step.name, "key": key, "event": "start", "time": time.time(), "argv": argv})
     began = time.time()
     deadline = float(os.environ[DEADLINE_ENV]) if DEADLINE_ENV in os.environ else None
-    process = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", *argv], cwd=plan.root)
+    # Outputs that record when they were made record when this attempt key first started: the same on any machine.
+    first = next(r["time"] for r in read_records(plan) if r["step"] == step.name and r["key"] == key)
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(int(first))}
+    process = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", *argv], cwd=plan.root, env=env)
     try:
         code = process.wait(None if deadline is None else max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
