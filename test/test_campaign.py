@@ -232,3 +232,31 @@ def test_the_gpu_script_runs_a_plan_from_seeds_and_brings_back_only_the_results_
     assert not any(name.startswith("work") for name in names)  # drives and caches stay there
     assert len(rows(root / "results" / "eval" / "results.jsonl")) == 4
     assert (out / "results.tar.gz").stat().st_size < 64 * 1024 * 1024
+
+
+def test_collect_resume_drives_again_only_the_episodes_cut_short_and_gives_the_same_bags(tmp_path):
+    from sps_driving.cli import main
+
+    args = ["collect", "--episodes", "2", "--episode-s", "1", "--width", "64", "--seed", "3"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    manifest = json.loads((cut / "collect.json").read_text())
+    (cut / "collect.json").write_text(json.dumps({**manifest, "results": manifest["results"][:1]}))  # killed in episode 1
+    for file in (cut / "episode_00001").iterdir():
+        file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(SystemExit, match="--resume"):
+        main([*args, "--out", str(cut)])
+    assert main([*args, "--out", str(cut), "--resume"]) == 0
+    assert runner.tree_digest(cut) == runner.tree_digest(tmp_path / "whole")
+
+
+def test_a_results_line_cut_by_a_kill_stays_apart_from_the_next(tmp_path):
+    from sps_driving.sim.results import EvalSettings, Recorder, read_results
+
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"method": "A", "scenario": "s", "seed": 0}\n{"method": "A", "scen')
+    record = Recorder(EvalSettings("A", None, "quick", 1, 1.0, 64, 40), path, 1)
+    record({"scenario": "s", "seed": 1})
+    record.close()
+    assert [row["seed"] for row in read_results(path)] == [0, 1]
