@@ -260,3 +260,16 @@ def test_a_results_line_cut_by_a_kill_stays_apart_from_the_next(tmp_path):
     record({"scenario": "s", "seed": 1})
     record.close()
     assert [row["seed"] for row in read_results(path)] == [0, 1]
+
+
+def test_a_lock_file_cut_by_a_kill_is_replaced_by_its_copy_from_before_the_step(reference, tmp_path):
+    root = tmp_path / "cut_lock"
+    shutil.copytree(reference, root)
+    plan = load_plan(root / "plan.yaml")
+    lock = root / "results" / engine.LOCK_FILE
+    whole = lock.read_text()
+    engine.lock_copy(plan).parent.mkdir(parents=True, exist_ok=True)
+    engine.lock_copy(plan).write_text(whole)
+    lock.write_text(whole[: len(whole) // 2] + "\n  - {")  # DVC killed while it wrote the lock
+    assert all(s.state == runner.DONE for s in runner.states(plan))
+    assert lock.read_text() == whole

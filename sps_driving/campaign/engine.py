@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,8 +103,27 @@ def stage_target(plan: Plan, step: Step) -> str:
     return f"{plan.results}/{PIPELINE_FILE}:{step.name}"
 
 
+def lock_copy(plan: Plan) -> Path:
+    return plan.root / ".dvc" / "tmp" / f"{plan.name}.{LOCK_FILE}"
+
+
+def repair_lock(plan: Plan) -> None:
+    """A dvc.lock cut by a kill while DVC wrote it is replaced by its copy from before that step
+    (the step then runs again with the same key: it resumes and is recorded)."""
+    path = results_dir(plan) / LOCK_FILE
+    try:
+        yaml.safe_load(path.read_text()) if path.is_file() else None
+    except yaml.YAMLError:
+        copy = lock_copy(plan)
+        if copy.is_file():
+            shutil.copyfile(copy, path)
+        else:
+            path.unlink()
+
+
 def changes(plan: Plan) -> dict[str, list]:
     """DVC's status of every step that is not up to date: {step: [its changes as `dvc status --json` says them]}."""
+    repair_lock(plan)
     result = dvc(plan.root, "status", "--json", f"{plan.results}/{PIPELINE_FILE}", capture_output=True)
     found = json.loads(result.stdout or "{}")
     return {name.rpartition(":")[2]: entries for name, entries in found.items()}
@@ -119,5 +139,9 @@ def reproduce(plan: Plan, step: Step, env_extra: dict | None = None) -> int:
     """Run one step through DVC (its upstream steps are not looked at: the caller orders them);
     DVC records its hashes in dvc.lock when the step's command succeeds. Returns the exit code."""
     env = {**environment(plan.root), **(env_extra or {})}
+    lock = results_dir(plan) / LOCK_FILE
+    if lock.is_file():
+        lock_copy(plan).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lock, lock_copy(plan))
     return subprocess.run([sys.executable, "-m", "dvc", "repro", "--quiet", "--single-item", stage_target(plan, step)],
                           cwd=plan.root, env=env).returncode
