@@ -25,6 +25,7 @@ COMMANDS = {
     "compare": ("sps_driving.sim.compare", "method A against method B over eval results, paired, with 95% intervals"),
     "tables": ("sps_driving.sim.tables", "Tables 1 and 2 and the per-scenario details from eval results"),
     "dagger": ("sps_driving.sim.dagger", "on-policy data: roll out, label with the expert, aggregate, retrain (DAgger)"),
+    "campaign": ("sps_driving.campaign.command", "a long experiment as a declared plan: run it (resumes after any stop) or show its state"),
     "analyze": ("sps_driving.analysis.analyze", "redundancy analysis of patch descriptors"),
     "export": ("sps_driving.tools.export", "export the extractor to ONNX / TensorRT"),
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -88,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flat", action="store_true", help="with --episodes 1: write the bag at --out itself (no episode folder)")
     parser.add_argument("--no-disturbance", action="store_true", help="clean expert drives: no perturbed start, no pushes")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a cut-short collection into --out: keep its finished episodes, redo the rest")
 
 
 def run(args) -> int:
@@ -96,8 +99,8 @@ def run(args) -> int:
         raise SystemExit("--episodes must be at least 1")
     if args.seed < 0:
         raise SystemExit(f"--seed must be at least 0, got {args.seed}: collection layouts stay apart from evaluation ones")
-    if args.flat and args.episodes != 1:
-        raise SystemExit("--flat writes a single bag: use it with --episodes 1")
+    if args.flat and (args.episodes != 1 or args.resume):
+        raise SystemExit("--flat writes a single bag: use it with --episodes 1 and without --resume")
     collect = config["collect"]
     scenario = args.scenario or collect["scenario"]
     try:
@@ -110,14 +113,28 @@ def run(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     else:
         out.mkdir(parents=True, exist_ok=True)
+    # The manifest is written after every episode: a resumed run keeps the episodes it lists.
+    finished = json.loads((out / "collect.json").read_text())["results"] if args.resume and (out / "collect.json").is_file() else []
     summaries = []
     for index in tqdm(range(args.episodes), desc=f"collect {scenario}", unit="episode"):
         bag_dir = out if args.flat else out / f"episode_{index:05d}"
-        if bag_dir.exists():
-            raise SystemExit(f"{bag_dir} exists; collect into a new folder")
+        if index < len(finished) and bag_dir.is_dir():
+            summaries.append(finished[index])
+            continue
+        if bag_dir.exists() and not args.resume:
+            raise SystemExit(f"{bag_dir} exists; collect into a new folder, or continue it with --resume")
+        shutil.rmtree(bag_dir, ignore_errors=True)  # an episode cut short is driven again
         summaries.append(record_episode(config, scenario, episode_seed(args.seed, index), bag_dir, index, storage, not args.no_disturbance))
+        _write_manifest(out, args, config, scenario, storage, summaries)
+    interventions = sum(s["interventions"] for s in summaries)
+    print(f"{args.episodes} episode bag(s) in {out} ({scenario}); expert interventions: {interventions}")
+    return 0
+
+
+def _write_manifest(out: Path, args, config: dict, scenario: str, storage: str, summaries: list) -> None:
+    command = [word for word in sys.argv[1:] if word != "--resume"]  # a resumed collection is the same collection
     manifest = {
-        "command": "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["collect"] else None,
+        "command": "sps-driving " + " ".join(command) if command[:1] == ["collect"] else None,
         "scenario": scenario,
         "seed": args.seed,
         "episodes": args.episodes,
@@ -127,7 +144,6 @@ def run(args) -> int:
         "storage": storage,
         "results": summaries,
     }
-    (out / "collect.json").write_text(json.dumps(manifest, indent=1))
-    interventions = sum(s["interventions"] for s in summaries)
-    print(f"{args.episodes} episode bag(s) in {out} ({scenario}); expert interventions: {interventions}")
-    return 0
+    written = out / "collect.json.part"  # replaced in one step: a kill never leaves half a manifest
+    written.write_text(json.dumps(manifest, indent=1))
+    written.replace(out / "collect.json")

@@ -105,6 +105,9 @@ class Recorder:
                       "width": settings.width, "height": settings.height, "first_seed": settings.first_seed,
                       "policy": None if settings.policy_dir is None else portable_path(settings.policy_dir),
                       "training_seed": settings.training_seed, **extra}
+        if path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            with path.open("a") as cut:
+                cut.write("\n")  # a row cut by a killed run stays on its own line (and is rerun)
         self.sink = path.open("a")
         self.bar = tqdm(total=total, desc=f"eval {settings.method}", unit="episode")
         self.rows: list[dict] = []

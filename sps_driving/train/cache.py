@@ -230,7 +230,9 @@ def _write_meta(directory: Path, meta: dict, extra_meta: dict | None, grid: Patc
         "position_table": POSITION_TABLE_FILE if has_position_table else None,
         "state": list(STATE_NAMES),
         "intervention": True,
-        "created_unix": time.time(),
+        # SOURCE_DATE_EPOCH (the reproducible-builds convention; `campaign` sets it): a cache rebuilt from
+        # the same drives is then the original byte for byte.
+        "created_unix": float(os.environ.get("SOURCE_DATE_EPOCH", time.time())),
     }
     if meta.get("orbital"):
         meta["orbital"] = {**meta["orbital"], "frames": orbital_frames}

@@ -1,0 +1,296 @@
+"""What `sps-driving campaign` does around DVC: each step's state (done, running, left, or done with
+its outputs absent on this machine), its measured time, the estimate of what is left, running
+the steps that fit a budget, committing what finished, and the step itself as DVC runs it.
+
+A step's record (RESULTS/steps.jsonl, one JSON line per start and per end, flushed) holds its
+attempt key: the hash of its code key and of the content of what it reads (the hashes dvc.lock
+recorded for outputs of earlier steps, the files' own contents for the rest). A step started
+again with the same key resumes (its command's own resume: `train --resume` from its last epoch,
+`eval` from its last finished cell, `collect --resume`, `extract` and `dagger` by their rerun);
+with another key its old outputs are removed first, so no run ever continues from other inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sps_driving.campaign import engine
+from sps_driving.campaign.plan import Plan, Step
+
+RECORD_FILE = "steps.jsonl"
+RUNNING_FILE = "running.json"
+DEADLINE_ENV = "SPS_DRIVING_CAMPAIGN_DEADLINE"  # unix time at which a running step is stopped (--budget)
+STOPPED_AT_BUDGET = 75  # exit code of a step stopped at its deadline (its finished units are kept)
+STOP_GRACE_S = 20.0  # s between asking a stopped step to end and killing it
+DONE, ABSENT, RUNNING, LEFT = "done", "done, not here", "running", "left"
+
+
+# ---- records ----------------------------------------------------------------------------------
+
+
+def read_records(plan: Plan) -> list[dict]:
+    path = engine.results_dir(plan) / RECORD_FILE
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+    return rows
+
+
+def append_record(plan: Plan, record: dict) -> None:
+    path = engine.results_dir(plan) / RECORD_FILE
+    with path.open("a+b") as sink:
+        sink.seek(0, os.SEEK_END)
+        if sink.tell() and (sink.seek(-1, os.SEEK_END), sink.read(1))[1] != b"\n":
+            sink.write(b"\n")  # a line cut by a kill stays on its own
+        sink.write((json.dumps(record) + "\n").encode())
+        sink.flush()
+
+
+def attempt_key(plan: Plan, step: Step) -> str:
+    """sha256 of the step's code key and of what it reads (module docstring)."""
+    lock = engine.locked(plan)
+    sha = hashlib.sha256(step.code_key().encode())
+    for dep in step.deps:
+        producer = plan.producer(dep)
+        recorded = None
+        if producer is not None:
+            entries = lock.get(producer.name, {}).get("outs", [])
+            recorded = next((e.get("md5") for e in entries if dep == e["path"] or dep.startswith(e["path"] + "/")), None)
+            recorded = None if recorded is None else f"{recorded}:{dep}"
+        sha.update(f"{dep}\0{recorded or tree_digest(plan.root / dep)}\0".encode())
+    return sha.hexdigest()
+
+
+def tree_digest(path: Path) -> str:
+    """sha256 of a file's contents, or of a folder's relative names and contents; "missing" if absent."""
+    if not path.exists():
+        return "missing"
+    sha = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        sha.update(str(file.relative_to(path)).encode() + b"\0")
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                sha.update(block)
+    return sha.hexdigest()
+
+
+def measured_minutes(plan: Plan, step: Step, key: str | None = None) -> float:
+    """Minutes the step's attempts took (those of attempt `key`, or of its last key), ends only."""
+    ends = [r for r in read_records(plan) if r["step"] == step.name and r["event"] == "end"]
+    key = key if key is not None else (ends[-1]["key"] if ends else None)
+    return sum(r["seconds"] for r in ends if r["key"] == key) / 60.0
+
+
+# ---- states -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepState:
+    step: Step
+    state: str
+    measured_min: float  # time its attempts took (done: the whole step's cost)
+    left_min: float  # estimate of what is left of it (0 when done)
+    reason: str = ""
+
+
+def running_step(plan: Plan) -> str | None:
+    """The step a live `campaign step` process of this plan runs on this machine, if any."""
+    path = engine.results_dir(plan) / RUNNING_FILE
+    try:
+        record = json.loads(path.read_text())
+        os.kill(int(record["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return record["step"]
+
+
+def states(plan: Plan) -> list[StepState]:
+    """Every step's state in plan order. A step is done when DVC finds it up to date; done, not
+    here, when it finished once (dvc.lock) and all that DVC misses is its own outputs or inputs
+    that are outputs of steps done, not here (a fresh machine: drives and caches not rebuilt yet);
+    left otherwise, and whenever a step it reads from is left. A step whose outputs are here and
+    whose inputs are outputs of steps done, not here, is done."""
+    engine.write_pipeline(plan)
+    changed, lock, running = engine.changes(plan), engine.locked(plan), running_step(plan)
+    result: dict[str, StepState] = {}
+    for step in plan.steps:
+        upstream = [result[s.name] for s in plan.upstream(step)]
+        spent = measured_minutes(plan, step)
+        if step.name == running:
+            state, reason = RUNNING, ""
+        elif any(u.state in (LEFT, RUNNING) for u in upstream):
+            state, reason = LEFT, "after " + ", ".join(u.step.name for u in upstream if u.state in (LEFT, RUNNING))
+        elif step.name not in changed:
+            state, reason = DONE, ""
+        elif step.name in lock and _only_absent(plan, step, changed[step.name], result):
+            outs_here = all((plan.root / out).exists() for out in step.outs)
+            state, reason = (DONE, "") if outs_here else (ABSENT, "rebuilt from seeds when a step left reads it")
+        else:
+            state, reason = LEFT, _describe(changed[step.name]) if step.name in lock else "not run yet"
+        done = state in (DONE, ABSENT)
+        if not done:  # what attempts with the inputs it has now have spent on it (none: its inputs are still to be made)
+            spent = 0.0 if reason.startswith("after ") else measured_minutes(plan, step, attempt_key(plan, step))
+        left = 0.0 if done else remaining_minutes(plan, step, spent)
+        result[step.name] = StepState(step, state, spent, left, reason)
+    return list(result.values())
+
+
+def _only_absent(plan: Plan, step: Step, entries: list, earlier: dict) -> bool:
+    for entry in entries:
+        if not isinstance(entry, dict):
+            return False  # "changed command" and the like
+        for kind, paths in entry.items():
+            for path, how in paths.items():
+                if how != "deleted":
+                    return False
+                producer = plan.producer(path)
+                if kind == "changed deps" and (producer is None or earlier[producer.name].state != ABSENT):
+                    return False
+                if kind == "changed outs" and path.startswith(plan.results + "/"):
+                    return False  # kept outputs come with the repository
+    return True
+
+
+def _describe(entries: list) -> str:
+    words = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            for kind, paths in entry.items():
+                words += [f"{kind.replace('changed ', '')} {path} {how}" for path, how in paths.items()]
+        else:
+            words.append(str(entry))
+    return "; ".join(words)
+
+
+def remaining_minutes(plan: Plan, step: Step, spent: float) -> float:
+    """What is left of a step: its estimate (the measured cost of its last finished attempt when
+    it has one, else the plan's), less what an unfinished attempt with the same inputs has spent
+    so far, but at least one unit."""
+    estimate = measured_minutes(plan, step) if _finished_once(plan, step) else step.estimate_min
+    return max(estimate - spent, step.unit_min or 0.0, 0.0)
+
+
+def _finished_once(plan: Plan, step: Step) -> bool:
+    return any(r["step"] == step.name and r["event"] == "end" and r.get("exit") == 0 for r in read_records(plan))
+
+
+def to_run(plan: Plan, current: list[StepState]) -> list[Step]:
+    """The steps `campaign run` runs, in plan order: every left one, and every done-not-here one
+    that a step to run reads from (its outputs rebuilt first)."""
+    by_name = {s.step.name: s for s in current}
+    chosen = {s.step.name for s in current if s.state == LEFT}
+    for state in reversed(current):
+        if state.step.name in chosen:
+            chosen |= {u.name for u in plan.upstream(state.step) if by_name[u.name].state == ABSENT}
+    return [s.step for s in current if s.step.name in chosen]
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+
+def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, log=print) -> int:
+    """Run what is left in plan order; with `budget_min`, start a step only if its estimate fits
+    the time left (or, for a step resumable in units, one unit does: it is then stopped at the
+    budget's end and resumes next time). Each finished or stopped step's results are committed."""
+    engine.ensure_repository(plan.root)
+    deadline = None if budget_min is None else time.time() + 60.0 * budget_min
+    current = states(plan)
+    pending = to_run(plan, current)
+    if not pending:
+        log(f"campaign {plan.name}: nothing left to run")
+    for done, step in enumerate(pending):
+        estimate = next(s.left_min for s in current if s.step is step)
+        left_min = None if deadline is None else (deadline - time.time()) / 60.0
+        if left_min is not None and estimate > left_min and not (step.unit_min and step.unit_min <= left_min):
+            log(f"campaign {plan.name}: {step.name} needs about {estimate:.1f} min, {left_min:.1f} min of the budget "
+                f"left: not started ({len(pending) - done} step(s) left)")
+            return 0
+        log(f"campaign {plan.name}: {step.name} (about {estimate:.1f} min): sps-driving {' '.join(step.argv)}")
+        code = engine.reproduce(plan, step, {} if deadline is None else {DEADLINE_ENV: str(deadline)})
+        if commit:
+            commit_results(plan, f"{step.name} " + ("done" if code == 0 else f"stopped (exit {code}), finished units kept"))
+        if code != 0 and deadline is not None and time.time() >= deadline:
+            log(f"campaign {plan.name}: {step.name} stopped at the budget's end; it resumes next time")
+            return 0
+        if code != 0:
+            log(f"campaign {plan.name}: {step.name} ended with exit {code}")
+            return code
+    return 0
+
+
+def commit_results(plan: Plan, what: str) -> None:
+    """git commit of the results folder and DVC's settings alone (nothing else staged is taken along)."""
+    if not (plan.root / ".git").exists():
+        return
+    paths = [plan.results] + [p for p in engine.REPOSITORY_FILES if (plan.root / p).exists()]
+    subprocess.run(["git", "add", "-A", "--", *paths], cwd=plan.root, check=True)
+    if subprocess.run(["git", "diff", "--cached", "--quiet", "--", *paths], cwd=plan.root).returncode == 0:
+        return
+    subprocess.run(["git", "commit", "-q", "-m", f"campaign {plan.name}: {what}", "--", *paths], cwd=plan.root, check=True)
+
+
+def run_step(plan: Plan, step: Step) -> int:
+    """The step as DVC runs it: remove outputs of another attempt key, run the command with its
+    resume flags (stopped at the deadline of DEADLINE_ENV), record start and end."""
+    key = attempt_key(plan, step)
+    attempts = [r for r in read_records(plan) if r["step"] == step.name]
+    if not attempts or attempts[-1]["key"] != key:
+        for out in step.outs:
+            path = plan.root / out
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    argv = list(step.argv) + resume_flags(plan, step)
+    folder = engine.results_dir(plan)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RUNNING_FILE).write_text(json.dumps({"step": step.name, "pid": os.getpid(), "started": time.time()}))
+    append_record(plan, {"step": step.name, "key": key, "event": "start", "time": time.time(), "argv": argv})
+    began = time.time()
+    deadline = float(os.environ[DEADLINE_ENV]) if DEADLINE_ENV in os.environ else None
+    # Outputs that record when they were made record when this attempt key first started: the same on any machine.
+    first = next(r["time"] for r in read_records(plan) if r["step"] == step.name and r["key"] == key)
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(int(first))}
+    process = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", *argv], cwd=plan.root, env=env)
+    try:
+        code = process.wait(None if deadline is None else max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        code = STOPPED_AT_BUDGET
+    append_record(plan, {"step": step.name, "key": key, "event": "end", "time": time.time(),
+                         "seconds": round(time.time() - began, 3), "exit": code})
+    (folder / RUNNING_FILE).unlink(missing_ok=True)
+    return code
+
+
+def resume_flags(plan: Plan, step: Step) -> list[str]:
+    """The flags that make the step's command continue a cut-short run of itself."""
+    out = step.option("--out")
+    if out is None:
+        return []
+    if step.command == "train":
+        from sps_driving.train.trainer import LAST_DIR, STATE_JSON
+
+        return ["--resume"] if (plan.root / out / LAST_DIR / STATE_JSON).is_file() else []
+    if step.command == "collect" and (plan.root / out).exists():
+        return ["--resume"]
+    return []

@@ -1,0 +1,275 @@
+"""`sps-driving campaign`: a tiny plan (3 expert drives of 2 s, a pixels cache, a No-FM policy,
+4 evaluation episodes, tables) run for real through DVC, killed with SIGKILL mid-training and
+mid-evaluation and run again, against the same plan run without a stop; and resumed on a "fresh
+machine" (a git clone: the committed results only), where the drives and the cache are rebuilt
+from their seeds only when a step needs them, and come out bit for bit the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sps_driving.campaign import engine, runner
+from sps_driving.campaign.plan import code_files, load_plan
+from sps_driving.core.resources import SOURCE_ROOT
+
+PLAN = """\
+campaign: tiny
+results: results
+work: work
+steps:
+  drives:
+    run: collect --out {work}/drives --episodes 3 --episode-s 2 --width 96 --seed 0
+    outs: ["{work}/drives"]
+    estimate_min: 0.1
+  cache:
+    run: extract {work}/drives/episode_00000 {work}/drives/episode_00001 {work}/drives/episode_00002
+      --out {work}/cache --extractor-config pixels.yaml
+    deps: ["{work}/drives", pixels.yaml]
+    outs: ["{work}/cache"]
+    estimate_min: 0.1
+  train:
+    run: train --cache {work}/cache --out {results}/policy --architecture cnn --rate 1.0 --epochs 12 --early-stop-patience 12 --width 64
+    deps: ["{work}/cache"]
+    outs: ["{results}/policy"]
+    estimate_min: 0.2
+    unit_min: 0.01
+  eval:
+    run: eval --policy {results}/policy --name No-FM --episodes 2 --episode-s 2 --workers 1 --no-failure-strips
+      --scenarios rural-summer-dry-day-car urban-summer-dry-night-car --out {results}/eval
+    deps: ["{results}/policy"]
+    outs: ["{results}/eval"]
+    estimate_min: 0.2
+    unit_min: 0.01
+  tables:
+    run: tables {results}/eval --out {results}/tables
+    deps: ["{results}/eval"]
+    outs: ["{results}/tables"]
+    estimate_min: 0.1
+"""
+PIXELS = "backbone: pixels\ninput_size: [28, 56]\npixel_pool: 7\nroi: [0.40, 0.65, 0.125, 0.875]\n"
+KEPT = ["policy/policy.safetensors", "policy/last/policy.safetensors", "policy/last/train_state.safetensors",
+        "eval/results.jsonl", "tables/results.jsonl"]
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout
+
+
+def campaign(root: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", *args], cwd=root, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_when(root: Path, process: subprocess.Popen, ready, timeout_s: float = 120.0) -> None:
+    """SIGKILL to the campaign and everything it started, as soon as `ready()` holds."""
+    end = time.time() + timeout_s
+    while not ready():
+        assert process.poll() is None, "the run ended before the moment it was to be killed at"
+        assert time.time() < end, "the moment to kill at never came"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def rows(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The tiny plan run from start to end without a stop."""
+    root = tmp_path_factory.mktemp("reference")
+    git(root, "init", "-q")
+    git(root, "config", "user.email", "campaign@test")
+    git(root, "config", "user.name", "campaign test")
+    (root / "plan.yaml").write_text(PLAN)
+    (root / "pixels.yaml").write_text(PIXELS)
+    (root / ".gitignore").write_text("/work/\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "plan")
+    assert campaign(root, "run", "plan.yaml").wait() == 0
+    return root
+
+
+def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_result(reference, tmp_path):
+    # The same repository with drives and cache done and nothing after them, as a run killed just then.
+    root = tmp_path / "killed"
+    shutil.copytree(reference, root)
+    plan = load_plan(root / "plan.yaml")
+    for name in ("policy", "eval", "tables"):
+        shutil.rmtree(root / "results" / name)
+    lock_path = root / "results" / engine.LOCK_FILE
+    lock = yaml.safe_load(lock_path.read_text())
+    lock["stages"] = {k: v for k, v in lock["stages"].items() if k in ("drives", "cache")}
+    lock_path.write_text(yaml.safe_dump(lock))
+    records = root / "results" / runner.RECORD_FILE
+    records.write_text("".join(f"{json.dumps(r)}\n" for r in runner.read_records(plan) if r["step"] in ("drives", "cache")))
+
+    state = root / "results/policy/last/train_state.json"
+    kill_when(root, campaign(root, "run", "plan.yaml"), lambda: state.is_file())
+    epochs_before_kill = json.loads(state.read_text())["epoch"]
+    assert epochs_before_kill < 12
+    results = root / "results/eval/results.jsonl"
+    kill_when(root, campaign(root, "run", "plan.yaml"), lambda: len(rows(results)) >= 1)
+    assert len(rows(results)) < 4
+    assert campaign(root, "run", "plan.yaml").wait() == 0
+
+    for kept in KEPT:  # bit for bit: training and evaluation are deterministic on the CPU
+        assert (root / "results" / kept).read_bytes() == (reference / "results" / kept).read_bytes(), kept
+    attempts = [r for r in runner.read_records(plan) if r["step"] == "train" and r["event"] == "start"]
+    assert len(attempts) >= 2 and "--resume" in attempts[-1]["argv"]  # continued from its last epoch, not from scratch
+    assert {s.step.name: s.state for s in runner.states(plan)} == dict.fromkeys(("drives", "cache", "train", "eval", "tables"),
+                                                                                 runner.DONE)
+    assert "tables done" in git(root, "log", "--format=%s", "-1")
+    assert not git(root, "status", "--porcelain", "--", "results")  # everything finished is committed
+
+
+def test_a_fresh_machine_resumes_from_the_repository_and_rebuilds_the_cache_bit_for_bit(reference, tmp_path):
+    root = tmp_path / "fresh"
+    git(tmp_path, "clone", "-q", str(reference), str(root))
+    plan = load_plan(root / "plan.yaml")
+    assert not (root / "work").exists()
+    found = {s.step.name: s.state for s in runner.states(plan)}
+    assert found == {"drives": runner.ABSENT, "cache": runner.ABSENT, "train": runner.DONE, "eval": runner.DONE,
+                     "tables": runner.DONE}
+    assert runner.to_run(plan, runner.states(plan)) == []  # nothing needs the drives or the cache: nothing rebuilt
+
+    # A new step that reads the cache: the drives are driven again from their seeds and the cache
+    # extracted again, equal to the original; the finished steps are not run again.
+    (root / "plan.yaml").write_text(PLAN + """\
+  train_seed1:
+    run: train --cache {work}/cache --out {results}/policy_s1 --architecture cnn --rate 1.0 --epochs 1 --width 64 --seed 1
+    deps: ["{work}/cache"]
+    outs: ["{results}/policy_s1"]
+    estimate_min: 0.1
+""")
+    plan = load_plan(root / "plan.yaml")
+    assert [s.name for s in runner.to_run(plan, runner.states(plan))] == ["drives", "cache", "train_seed1"]
+    assert campaign(root, "run", "plan.yaml", "--no-commit").wait() == 0
+    for folder in ("drives", "cache"):
+        assert runner.tree_digest(root / "work" / folder) == runner.tree_digest(reference / "work" / folder), folder
+    started = [r["step"] for r in runner.read_records(plan) if r["event"] == "start"]
+    assert started.count("train") == sum(r["step"] == "train" for r in runner.read_records(load_plan(reference / "plan.yaml"))
+                                         if r["event"] == "start")
+    assert all(s.state == runner.DONE for s in runner.states(plan))
+
+
+def test_status_shows_states_measured_times_and_what_is_left(reference, tmp_path, capsys):
+    from sps_driving.cli import main
+
+    root = tmp_path / "changed"
+    shutil.copytree(reference, root)
+    (root / "pixels.yaml").write_text(PIXELS.replace("pixel_pool: 7", "pixel_pool: 14"))  # the cache's config changed
+    assert main(["campaign", "status", str(root / "plan.yaml"), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    by_step = {s["step"]: s for s in status["steps"]}
+    assert by_step["drives"]["state"] == "done" and by_step["drives"]["measured_min"] > 0
+    assert by_step["cache"]["state"] == "left" and "pixels.yaml modified" in by_step["cache"]["reason"]
+    assert [by_step[s]["reason"] for s in ("train", "eval", "tables")] == ["after cache", "after train", "after eval"]
+    # What is left is each step's measured cost (its finished attempt), not the plan's estimate.
+    measured = {s.name: runner.measured_minutes(load_plan(root / "plan.yaml"), s) for s in load_plan(root / "plan.yaml").steps}
+    assert status["left_min"] == pytest.approx(sum(measured[s] for s in ("cache", "train", "eval", "tables")), abs=0.05)
+
+
+def test_budget_starts_only_what_fits(tmp_path):
+    root = tmp_path / "budget"
+    root.mkdir()
+    git(root, "init", "-q")
+    (root / "plan.yaml").write_text(PLAN.replace("estimate_min: 0.1\n  cache", "estimate_min: 30\n  cache", 1))
+    messages = []
+    assert runner.run_plan(load_plan(root / "plan.yaml"), budget_min=5, log=messages.append) == 0
+    assert not (root / "work").exists() and not runner.read_records(load_plan(root / "plan.yaml"))
+    assert "drives needs about 30.0 min" in messages[-1] and "not started (5 step(s) left)" in messages[-1]
+
+
+def test_code_key_follows_the_code_a_step_runs_not_the_repository():
+    train = {p.relative_to(SOURCE_ROOT).as_posix() for p in code_files("train")}
+    assert "sps_driving/train/trainer.py" in train and "config/train.yaml" in train
+    assert "sps_driving/sim/evaluate.py" not in train and "sps_driving/tools/demo.py" not in train
+    assert "sps_driving/sim/evaluate.py" in {p.relative_to(SOURCE_ROOT).as_posix() for p in code_files("eval")}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.replace("run: collect", "run: demo"), "must start with one of"),
+    (lambda s: s.replace("outs: [\"{work}/cache\"]", "outs: [\"{work}/drives/cache\"]"), "overlaps"),
+    (lambda s: s.replace("estimate_min: 0.2\n    unit_min: 0.01\n  eval", "estimate_min: -1\n  eval"), "estimate_min"),
+    (lambda s: s.replace("{work}/drives --episodes", "{wrok}/drives --episodes"), "names"),
+])
+def test_a_bad_plan_is_a_clear_error(tmp_path, change, message):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "plan.yaml").write_text(change(PLAN))
+    with pytest.raises(ValueError, match=message):
+        load_plan(tmp_path / "plan.yaml")
+
+
+@pytest.mark.slow
+def test_the_gpu_script_runs_a_plan_from_seeds_and_brings_back_only_the_results_folder(tmp_path):
+    import tarfile
+
+    root = tmp_path / "gpu"
+    root.mkdir()
+    git(root, "init", "-q")
+    (root / "plan.yaml").write_text(PLAN)
+    (root / "pixels.yaml").write_text(PIXELS)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(SOURCE_ROOT / "scripts" / "campaign_gpu.sh"), str(root / "plan.yaml")], env=env, check=True,
+                   capture_output=True)
+    with tarfile.open(out / "results.tar.gz") as archive:
+        names = archive.getnames()
+    assert "results/eval/results.jsonl" in names and "results/policy/policy.safetensors" in names
+    assert not any(name.startswith("work") for name in names)  # drives and caches stay there
+    assert len(rows(root / "results" / "eval" / "results.jsonl")) == 4
+    assert (out / "results.tar.gz").stat().st_size < 64 * 1024 * 1024
+
+
+def test_collect_resume_drives_again_only_the_episodes_cut_short_and_gives_the_same_bags(tmp_path):
+    from sps_driving.cli import main
+
+    args = ["collect", "--episodes", "2", "--episode-s", "1", "--width", "64", "--seed", "3"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    manifest = json.loads((cut / "collect.json").read_text())
+    (cut / "collect.json").write_text(json.dumps({**manifest, "results": manifest["results"][:1]}))  # killed in episode 1
+    for file in (cut / "episode_00001").iterdir():
+        file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(SystemExit, match="--resume"):
+        main([*args, "--out", str(cut)])
+    assert main([*args, "--out", str(cut), "--resume"]) == 0
+    assert runner.tree_digest(cut) == runner.tree_digest(tmp_path / "whole")
+
+
+def test_a_results_line_cut_by_a_kill_stays_apart_from_the_next(tmp_path):
+    from sps_driving.sim.results import EvalSettings, Recorder, read_results
+
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"method": "A", "scenario": "s", "seed": 0}\n{"method": "A", "scen')
+    record = Recorder(EvalSettings("A", None, "quick", 1, 1.0, 64, 40), path, 1)
+    record({"scenario": "s", "seed": 1})
+    record.close()
+    assert [row["seed"] for row in read_results(path)] == [0, 1]
+
+
+def test_a_lock_file_cut_by_a_kill_is_replaced_by_its_copy_from_before_the_step(reference, tmp_path):
+    root = tmp_path / "cut_lock"
+    shutil.copytree(reference, root)
+    plan = load_plan(root / "plan.yaml")
+    lock = root / "results" / engine.LOCK_FILE
+    whole = lock.read_text()
+    engine.lock_copy(plan).parent.mkdir(parents=True, exist_ok=True)
+    engine.lock_copy(plan).write_text(whole)
+    lock.write_text(whole[: len(whole) // 2] + "\n  - {")  # DVC killed while it wrote the lock
+    assert all(s.state == runner.DONE for s in runner.states(plan))
+    assert lock.read_text() == whole
