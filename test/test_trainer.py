@@ -128,6 +128,26 @@ def test_loss_standardizes_each_output_so_small_steering_errors_count():
     assert all(np.isfinite(loss_scale([1.0, 1.0], target_std(np.zeros((10, 2))))))
 
 
+def test_a_kill_while_an_epoch_is_saved_leaves_a_whole_epoch_to_resume_from(cache_dir, tmp_path):
+    from sps_driving.train.trainer import PREVIOUS_DIR, STAGING_DIR, has_last_epoch
+
+    straight = train(config(cache_dir, tmp_path / "straight", epochs=4, dropout=0.1))
+    out = tmp_path / "cut"
+    train(config(cache_dir, out, epochs=2, dropout=0.1))
+    # Killed between the two renames of epoch 3's save: epoch 2 moved aside, epoch 3 staged in part.
+    (out / "last").rename(out / PREVIOUS_DIR)
+    (out / STAGING_DIR).mkdir()
+    (out / STAGING_DIR / "policy.safetensors").write_bytes(b"cut short")
+    assert has_last_epoch(out) and not (out / PREVIOUS_DIR).exists()
+    assert json.loads((out / "last" / "train_state.json").read_text())["epoch"] == 2
+    resumed = train(config(cache_dir, out, epochs=4, dropout=0.1, resume=True))
+    assert [h["validation_loss"] for h in resumed["history"]] == [h["validation_loss"] for h in straight["history"]]
+    a, b = load_policy(tmp_path / "straight" / "last"), load_policy(out / "last")
+    for name, tensor in a.module.state_dict().items():
+        assert torch.equal(tensor, b.module.state_dict()[name]), name
+    assert not (out / STAGING_DIR).exists() and not (out / PREVIOUS_DIR).exists()
+
+
 def test_mlp_policy_standardizes_with_training_statistics_and_learns(tmp_path):
     from sps_driving.train.trainer import descriptor_statistics
 

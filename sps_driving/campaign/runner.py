@@ -288,9 +288,9 @@ def resume_flags(plan: Plan, step: Step) -> list[str]:
     if out is None:
         return []
     if step.command == "train":
-        from sps_driving.train.trainer import LAST_DIR, STATE_JSON
+        from sps_driving.train.trainer import has_last_epoch
 
-        return ["--resume"] if (plan.root / out / LAST_DIR / STATE_JSON).is_file() else []
+        return ["--resume"] if has_last_epoch(plan.root / out) else []
     if step.command == "collect" and (plan.root / out).exists():
         return ["--resume"]
     return []

@@ -270,11 +270,11 @@ def train_policy(train_settings: dict, caches: list[Path], out: Path, init_check
     """Train on `caches` into `out` (resuming a cut-short run there); the summary is kept in
     out/trained.json, and a finished training is not repeated. `run`: the run folder. Under
     torchrun every process trains (DistributedDataParallel: sps_driving.train.trainer)."""
-    from sps_driving.train.trainer import LAST_DIR, STATE_JSON, TrainConfig, train
+    from sps_driving.train.trainer import TrainConfig, has_last_epoch, train
 
     done = out / TRAINED_FILE
     finished, resume = processes.first(lambda: (json.loads(done.read_text()) if done.is_file() else None,
-                                                (out / LAST_DIR / STATE_JSON).is_file()))
+                                                has_last_epoch(out)))
     if finished is not None:
         return finished
     cfg = TrainConfig(**train_settings, cache=[str(c) for c in caches], out=str(out), device=device, resume=resume)

@@ -45,6 +45,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -85,6 +86,9 @@ from sps_driving.train.windows import TrainingWindows, window_validation_errors
 
 TRAIN_CONFIG = config_path("train.yaml")
 LAST_DIR = "last"
+# The last epoch's four files are written into a staging folder and swapped in by two renames, so a
+# kill at any moment leaves one whole epoch: `last`, or (between the renames) the one before it.
+STAGING_DIR, PREVIOUS_DIR = "last.partial", "last.previous"
 STATE_JSON = "train_state.json"
 STATE_TENSORS = "train_state.safetensors"
 # Settings a resumed run may change; every other one must match the run it continues.
@@ -379,6 +383,31 @@ def draw_seed(*parts: int) -> int:
 # ---- checkpoints ------------------------------------------------------------------------------
 
 
+def last_epoch_dir(out: Path) -> Path:
+    """OUT/last, put back from OUT/last.previous where a kill fell between the two renames of a save."""
+    last, previous = Path(out) / LAST_DIR, Path(out) / PREVIOUS_DIR
+    if not last.exists() and previous.is_dir():
+        try:
+            previous.rename(last)
+        except FileNotFoundError:  # another process of the same run put it back first
+            pass
+    return last
+
+
+def has_last_epoch(out: Path) -> bool:
+    """Whether OUT holds a finished epoch to continue with --resume."""
+    return (last_epoch_dir(out) / STATE_JSON).is_file()
+
+
+def _replace_folder(staging: Path, target: Path) -> None:
+    previous = target.with_name(PREVIOUS_DIR)
+    shutil.rmtree(previous, ignore_errors=True)
+    if target.exists():
+        target.rename(previous)
+    staging.rename(target)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
 def save_training_state(directory: Path, optimizer, scheduler, state: dict) -> None:
     """Optimizer tensors as safetensors, everything else as JSON: no pickles."""
     optimizer_state = optimizer.state_dict()
@@ -504,7 +533,7 @@ def _training_frames(cfg: TrainConfig, cache: FeatureCache, procs: Processes, in
     checkpoint reads)."""
     train_idx, val_idx, split = split_frames(cache, cfg.validation_fraction)
     if cfg.resume:
-        state_names = state_inputs_of(read_policy_config(Path(cfg.out) / LAST_DIR))
+        state_names = state_inputs_of(read_policy_config(last_epoch_dir(cfg.out)))
     elif init_checkpoint is not None:
         state_names = state_inputs_of(read_policy_config(init_checkpoint))
     else:
@@ -610,7 +639,7 @@ class _TrainingRun:
 
     def __init__(self, cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint):
         self.cfg, self.procs, self.descriptor_transform = cfg, procs, descriptor_transform
-        self.out, self.last_dir = Path(cfg.out), Path(cfg.out) / LAST_DIR
+        self.out, self.last_dir = Path(cfg.out), last_epoch_dir(cfg.out)
         if not cfg.resume and (self.last_dir / STATE_JSON).exists():
             raise FileExistsError(f"{self.out} already holds a training run: "
                                   "continue it with --resume or choose another --out")
@@ -732,8 +761,11 @@ class _TrainingRun:
                                  "command": "sps-driving " + shlex.join(sys.argv[1:])}}
         if improved:
             save_policy(self.policy, record, self.out)
-        save_policy(self.policy, record, self.last_dir)
-        save_training_state(self.last_dir, self.optimizer, self.scheduler, self.state)
+        staging = self.out / STAGING_DIR
+        shutil.rmtree(staging, ignore_errors=True)
+        save_policy(self.policy, record, staging)
+        save_training_state(staging, self.optimizer, self.scheduler, self.state)
+        _replace_folder(staging, self.last_dir)
 
     def summary(self, stopped_early: bool) -> dict:
         state = self.state
