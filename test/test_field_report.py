@@ -14,7 +14,7 @@ import pytest
 from sps_driving import cli
 from sps_driving.core.field_report import garwood, per_event
 from sps_driving.ros.drive import read_drive
-from sps_driving.tools.field_bags import S, Engagement, Plan, corrupt, write_drive
+from sps_driving.tools.field_bags import Engagement, Plan, S, corrupt, write_drive
 
 DRIVE_A = Plan(70.0, [
     Engagement(2, 12, "override_brake"), Engagement(15, 25, "override_steering"), Engagement(28, 38, "override_accel"),

@@ -309,12 +309,13 @@ def _expected(tl: _Timeline, plan: Plan, end_ns: int, frame_times: list[int], no
 
 def corrupt(path: Path, how: str = "truncate") -> None:
     """Damage a bare storage file: "truncate" cuts it at half (a recording stopped hard: no index
-    at its end), "garble" flips bytes through a stretch of its middle third (a bad disk)."""
+    at its end), "garble" flips bytes through 50 kB from 60% into it (a bad disk)."""
     data = bytearray(path.read_bytes())
     if how == "truncate":
         del data[len(data) // 2:]
     elif how == "garble":
-        for i in range(len(data) // 3, min(len(data), len(data) // 3 + 200_000), 97):
+        start = len(data) * 6 // 10
+        for i in range(start, min(len(data), start + 50_000), 97):
             data[i] ^= 0xFF
     else:
         raise ValueError(f"unknown damage {how!r}: truncate or garble")

@@ -74,7 +74,8 @@ def draw_timeline(d, path: Path, settings: dict) -> str:
     for event in d.events:
         top.annotate(event.kind, ((event.time_ns - t0) / 60e9, 1.0), xycoords=("data", "axes fraction"),
                      rotation=90, va="top", ha="right", fontsize=7)
-    bottom.legend(loc="lower left", fontsize=7)
+    if bottom.lines:
+        bottom.legend(loc="lower left", fontsize=7)
     top.set_title(f"{drive.name}: engaged (green), interventions (red), other disengagements (gray)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=settings["figure_dpi"])

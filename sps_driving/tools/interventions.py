@@ -59,11 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bag_inputs(inputs: list[Path]) -> list[Path]:
-    """The bags named: each input that is a bag (or looks like one: a storage file, a folder of
-    them), or the bags directly in an input folder, in name order."""
+    """The bags named: each input that is a bag or no folder, or holds storage files itself (a
+    recording cut short), else the bags (and what looks like one) directly in it, in name order."""
     found = []
     for path in inputs:
-        if bagio.is_bag(path) or path.suffix in bagio.STORAGE_FILES or not path.is_dir():
+        if bagio.is_bag(path) or not path.is_dir() or any(q.suffix in bagio.STORAGE_FILES for q in path.iterdir()):
             found.append(path)
             continue
         inside = [p for p in sorted(path.iterdir()) if bagio.is_bag(p) or p.suffix in bagio.STORAGE_FILES
