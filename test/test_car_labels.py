@@ -18,7 +18,8 @@ from sps_driving.ros.bagio import TYPESTORE
 from sps_driving.ros.graph import car_facts
 from sps_driving.ros.msgs import Fields, header_fields
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
-from sps_driving.train.car_labels import read_car_labels
+from sps_driving.ros.car_labels import read_car_labels
+from sps_driving.ros.drive import read_drive
 from sps_driving.train.extract import ExtractSettings, extract
 
 S = 1_000_000_000
@@ -380,7 +381,7 @@ def test_replay_compares_with_the_human_on_the_frames_extract_labels(car_bag, ca
     from sps_driving.tools.replay import build_report, human_reference
 
     _, cache = car_cache
-    car = read_car_labels(car_bag, SETTINGS.car_label_rules(), float(car_facts()["steering_ratio"]))
+    car = read_car_labels(read_drive(car_bag), SETTINGS.car_label_rules(), float(car_facts()["steering_ratio"]))
     stamps, _ = frame_times()
     reference, excluded = human_reference(car, {stamp: stamp + FRAME_LOG_DELAY_NS for stamp in stamps})
     assert sorted(reference) == cache.stamps.tolist()
@@ -404,7 +405,7 @@ def test_the_recording_profile_holds_what_extract_replay_and_interventions_read(
     from sps_driving.core.state import STATE_INPUTS
     from sps_driving.tools.record import load_profile, record_command
     from sps_driving.tools.replay import PLAYED
-    from sps_driving.train.car_labels import ENGAGEMENT_REPORTS, GEAR_REPORT, REPORTS
+    from sps_driving.ros.car_labels import ENGAGEMENT_REPORTS, GEAR_REPORT, REPORTS
 
     profile = load_profile()
     recorded = set(profile["topics"])

@@ -118,6 +118,19 @@ def decode_frame(msgtype: str, msg) -> np.ndarray:
     return msgs.image_to_rgb(msg)
 
 
+def as_raw_image(item: bagio.BagMessage) -> bagio.BagMessage | None:
+    """A camera message as the camera driver sends it (sensor_msgs/Image rgb8): a compressed frame
+    decoded, a raw one as it is; None for a compressed frame that cannot be decoded."""
+    if item.msgtype != COMPRESSED_IMAGE:
+        return item
+    try:
+        rgb = decode_compressed(item.msg.data, item.msg.format)
+    except ImageError:
+        return None
+    image = bagio.to_bag(msgs.image_fields(rgb, msgs.stamp_ns(item.msg.header), item.msg.header.frame_id))
+    return bagio.BagMessage(item.topic, IMAGE, item.log_time_ns, image)
+
+
 class CameraFrames:
     """A bag's camera topic, read when asked: every frame in order, or the frames at given times."""
 
@@ -167,6 +180,7 @@ class Drive:
     path: Path
     name: str
     topics: dict[str, str]  # {topic: message type} of the bag
+    counts: dict[str, int] = field(default_factory=dict)  # {topic: messages the bag's index holds}
     series: dict[str, Series] = field(default_factory=dict)
     engagement: AutonomyLog | None = None
     engagement_sources: dict[str, str] = field(default_factory=dict)  # {topic: role} it was read from
@@ -234,7 +248,7 @@ def read_drive(path: str | Path, camera_topic: str | None = None) -> Drive:
         counts: dict[str, int] = {}
         for conn in reader.connections:
             counts[conn.topic] = counts.get(conn.topic, 0) + conn.msgcount
-    drive = Drive(path, bagio.bag_name(path), types)
+    drive = Drive(path, bagio.bag_name(path), types, counts)
     camera = camera_topic_of(types, camera_topic)
     if camera is not None:
         kept = next(((t, m) for t, m in KEPT_TOPICS if types.get(t) == m), None)
