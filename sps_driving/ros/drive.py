@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,18 +205,21 @@ class Drive:
 
 
 class _SeriesBuilder:
-    def __init__(self):
-        self.log, self.stamp, self.values = [], [], []
+    """A topic's numbers as they are read, in typed arrays (8 bytes a number: an hour's drive is
+    millions of them)."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.log, self.stamp, self.values = array("q"), array("q"), array("d")
 
     def add(self, log_ns: int, stamp_ns: int, values: tuple[float, ...]) -> None:
         self.log.append(log_ns)
         self.stamp.append(stamp_ns)
-        self.values.append(values)
+        self.values.extend(values)
 
     def build(self) -> Series:
-        width = len(self.values[0]) if self.values else 1
-        return Series(np.asarray(self.log, np.int64), np.asarray(self.stamp, np.int64),
-                      np.asarray(self.values, np.float64).reshape(-1, width))
+        return Series(np.frombuffer(self.log, np.int64), np.frombuffer(self.stamp, np.int64),
+                      np.frombuffer(self.values, np.float64).reshape(-1, self.width))
 
 
 class _StopTracker:
@@ -284,7 +288,7 @@ def _take(drive: Drive, item: bagio.BagMessage, engagement: EngagementReader, bu
     if is_series_type(item.msgtype):
         values = _values(item.msgtype, msg)
         if values is not None:
-            builders.setdefault(item.topic, _SeriesBuilder()).add(t, msgs.stamp_ns(msg.header), values)
+            builders.setdefault(item.topic, _SeriesBuilder(len(values))).add(t, msgs.stamp_ns(msg.header), values)
     elif item.topic in STOP_TOPICS:
         try:
             request = msgs.stop_request_from_message(msg)

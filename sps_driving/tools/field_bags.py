@@ -63,6 +63,7 @@ class Plan:
     grid: tuple[int, int] = (12, 24)
     notes: list[tuple[float, str]] = field(default_factory=list)  # (s into the drive, text)
     distinct_frames: int | None = None  # encode only this many frames and repeat them (long drives)
+    pictures: list | None = None  # RGB frames of frame_size shown in turn (default: stripes that say the index)
     start_ns: int = 1_700_000_000 * S
     storage: str = "mcap"
 
@@ -184,7 +185,8 @@ def _write_reports(bag: BagWriter, tl: _Timeline, t: int, plan: Plan) -> None:
     bag.write(topics.PACMOD_ENABLED, Fields("std_msgs/msg/Bool", {"data": enabled}), at(topics.PACMOD_ENABLED))
     for kind, topic in OVERRIDE_REPORTS.items():
         r = at(topic)
-        output = 0.05 * STEERING_RATIO * math.sin((r - tl.t0) / S / 4.0) if topic == topics.PACMOD_STEERING_RPT else 0.1
+        # the measured steering follows the command 0.3 s behind
+        output = 0.05 * STEERING_RATIO * math.sin((r - tl.t0) / S / 4.0 - 0.3 / 4.0) if topic == topics.PACMOD_STEERING_RPT else 0.1
         bag.write(topic, _report("SystemRptFloat", r, enabled=tl.enabled(r), override_active=tl.override(r) == kind,
                                  output=output, command=output), r)
     if plan.speed_reports:
@@ -223,7 +225,8 @@ def _frames(plan: Plan, count: int):
     def frame(i: int):
         key = i % plan.distinct_frames if plan.distinct_frames else i
         if key not in cache:
-            rgb = np.stack([(rows * 2 + key * 5) % 256, (cols * 3) % 256, np.full((h, w), (key * 37) % 256)], -1).astype(np.uint8)
+            rgb = plan.pictures[key % len(plan.pictures)] if plan.pictures else np.stack(
+                [(rows * 2 + key * 5) % 256, (cols * 3) % 256, np.full((h, w), (key * 37) % 256)], -1).astype(np.uint8)
             cache[key] = encode_jpeg(rgb, plan.jpeg_quality) if plan.camera == "jpeg" else rgb
             if not plan.distinct_frames:
                 cache.pop(key - 1, None)
@@ -320,3 +323,138 @@ def corrupt(path: Path, how: str = "truncate") -> None:
     else:
         raise ValueError(f"unknown damage {how!r}: truncate or garble")
     path.write_bytes(bytes(data))
+
+
+def field_plan(minutes: float, frame_size: tuple[int, int] = (600, 960), fps: float = 30.0, pictures=None) -> Plan:
+    """A drive of `minutes` as `record` writes it on the car (the JPEG camera at 960x600 and 30 fps):
+    engaged stretches of about 100 s, each ended by the next kind of KINDS in turn."""
+    duration = minutes * 60.0
+    engagements, start, index = [], 5.0, 0
+    while start + 110.0 < duration:
+        engagements.append(Engagement(start, start + 100.0, KINDS[index % len(KINDS)]))
+        start, index = start + 110.0, index + 1
+    return Plan(duration, engagements, fps=fps, frame_size=frame_size, distinct_frames=30, pictures=pictures,
+                notes=[(e.end_s + 3.0, "precautionary") for e in engagements[::3]])
+
+
+def _evict(path: Path) -> None:
+    """Drop the bag's pages from the page cache, so the report reads it from disk as after a drive."""
+    import os
+
+    for file in ([path] if path.is_file() else sorted(path.iterdir())):
+        with open(file, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _timed_report(bag: Path, out: Path) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak resident MiB) of `sps-driving interventions BAG` in a process of its own."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "interventions", str(bag), "--out", str(out)],
+                               stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode not in (0, 1):
+        raise RuntimeError(f"the report of {bag} exited with {process.returncode}")
+    return time.perf_counter() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def bench(folder: Path, minutes: list[float], rounds: int) -> dict:
+    """Write a drive of each length (once) and time its report, `rounds` times interleaved."""
+    import time
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pictures = demo_pictures((600, 960))  # the car camera's size: JPEG sizes as a camera's, not as stripes'
+    drives = {}
+    for m in minutes:
+        bag = folder / f"drive_{m:g}min"
+        if not (bag / "metadata.yaml").is_file():
+            started = time.perf_counter()
+            write_drive(bag, field_plan(m, pictures=pictures))
+            print(f"wrote {bag} in {time.perf_counter() - started:.0f} s", flush=True)
+        drives[m] = bag
+    runs = {m: [] for m in minutes}
+    for r in range(rounds):
+        for m in minutes:
+            _evict(drives[m])
+            runs[m].append(_timed_report(drives[m], folder / f"report_{m:g}min_{r}"))
+    rows = {}
+    for m in minutes:
+        size = sum(f.stat().st_size for f in drives[m].iterdir())
+        rows[m] = {"bag_gb": size / 1e9, "wall_s": [r[0] for r in runs[m]], "cpu_s": [r[1] for r in runs[m]],
+                   "peak_mib": [r[2] for r in runs[m]]}
+    fits = {}
+    for measure in ("wall_s", "cpu_s", "peak_mib"):  # a line through the fastest of each length
+        slope, intercept = np.polyfit(list(minutes), [min(rows[m][measure]) for m in minutes], 1)
+        fits[measure] = {"per_minute": float(slope), "at_0": float(intercept), "one_hour": float(slope * 60 + intercept)}
+    return {"rows": rows, "fits": fits}
+
+
+def demo_pictures(size: tuple[int, int] | None = None, count: int = 30) -> list[np.ndarray]:
+    """The bundled drive's first camera frames, resized to `size` (height, width) when given."""
+    import cv2
+
+    from sps_driving.core.resources import package_path
+    from sps_driving.ros.drive import camera_frames
+
+    frames = [f.rgb() for f in camera_frames(package_path("data/demo_drive")).frames(0, count)]
+    return frames if size is None else [cv2.resize(f, size[::-1], interpolation=cv2.INTER_CUBIC) for f in frames]
+
+
+def example_day(folder: Path) -> None:
+    """The example report's day (docs/results/field_report): three drives with the bundled drive's
+    frames, every kind of intervention among them, notes, and a bag cut short."""
+    pictures = demo_pictures()
+    size = pictures[0].shape[:2]
+    plans = {
+        "0900_loop_a": Plan(300.0, [Engagement(10, 80, "override_steering"), Engagement(90, 150, "safety_stop:lane_boundary"),
+                                    Engagement(160, 290, "operator_disengage")], speed_mps=9.0,
+                            notes=[(82, "precautionary: cyclist ahead"), (292, "end of loop")]),
+        "1030_loop_b": Plan(360.0, [Engagement(5, 120, "override_brake"), Engagement(130, 200, "failsafe_stop"),
+                                    Engagement(215, 300, "stale_input"), Engagement(310, 350, "override_accel")], speed_mps=11.0,
+                            storage="sqlite3", notes=[(122, "precautionary"), (205, "system")]),
+        "1400_loop_c": Plan(240.0, [Engagement(8, 200, "pacmod_fault"), Engagement(210, None)], speed_mps=7.0,
+                            notes=[(202, "system: PACMod fault light")]),
+        "1530_cut_short": Plan(60.0, [Engagement(5, 40, "override_brake")]),
+    }
+    for name, plan in plans.items():
+        plan.frame_size, plan.pictures, plan.distinct_frames = size, pictures, len(pictures)
+        write_drive(folder / name, plan)
+    cut = folder / "1530_cut_short"
+    (storage,) = cut.glob("*.mcap")
+    storage.rename(folder / "1530_cut_short.mcap")
+    for leftover in cut.iterdir():
+        leftover.unlink()
+    cut.rmdir()
+    corrupt(folder / "1530_cut_short.mcap")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import os
+
+    parser = argparse.ArgumentParser(description="generated field drives: the example day, the report's benchmark")
+    sub = parser.add_subparsers(dest="what", required=True)
+    example = sub.add_parser("example", help="write the example report's day of bags into FOLDER")
+    example.add_argument("folder", type=Path)
+    timing = sub.add_parser("bench", help="time the report of drives of several lengths as `record` writes them")
+    timing.add_argument("folder", type=Path)
+    timing.add_argument("--minutes", type=float, nargs="+", default=[5, 10, 20])
+    timing.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.what == "example":
+        example_day(args.folder)
+        return 0
+    result = bench(args.folder, args.minutes, args.rounds)
+    result["load_average"] = os.getloadavg()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
