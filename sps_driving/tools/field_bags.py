@@ -421,8 +421,10 @@ def example_day(folder: Path) -> None:
                             notes=[(202, "system: PACMod fault light")]),
         "1530_cut_short": Plan(60.0, [Engagement(5, 40, "override_brake")]),
     }
+    day = 1_793_664_000 * S  # 2026-11-03 00:00 UTC
     for name, plan in plans.items():
         plan.frame_size, plan.pictures, plan.distinct_frames = size, pictures, len(pictures)
+        plan.start_ns = day + (int(name[:2]) * 3600 + int(name[2:4]) * 60) * S
         write_drive(folder / name, plan)
     cut = folder / "1530_cut_short"
     (storage,) = cut.glob("*.mcap")

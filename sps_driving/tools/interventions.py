@@ -59,17 +59,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bag_inputs(inputs: list[Path]) -> list[Path]:
-    """The bags named: each input that is a bag or no folder, or holds storage files itself (a
-    recording cut short), else the bags (and what looks like one) directly in it, in name order."""
+    """The bags named: each input that is a bag, no folder, or a recording cut short (a folder of
+    its own storage files, <folder>_N.mcap, without metadata.yaml), else the bags (and what looks
+    like one) directly in it, in name order."""
     found = []
     for path in inputs:
-        if bagio.is_bag(path) or not path.is_dir() or any(q.suffix in bagio.STORAGE_FILES for q in path.iterdir()):
+        if bagio.is_bag(path) or not path.is_dir() or _cut_short(path):
             found.append(path)
             continue
-        inside = [p for p in sorted(path.iterdir()) if bagio.is_bag(p) or p.suffix in bagio.STORAGE_FILES
-                  or (p.is_dir() and any(q.suffix in bagio.STORAGE_FILES for q in p.iterdir()))]
+        inside = [p for p in sorted(path.iterdir()) if bagio.is_bag(p) or p.suffix in bagio.STORAGE_FILES or _cut_short(p)]
         found += inside or [path]  # a folder of no bags is reported as one
     return found
+
+
+def _cut_short(path: Path) -> bool:
+    """A rosbag2 folder whose recording stopped before metadata.yaml was written."""
+    stored = [p for p in path.iterdir() if p.suffix in bagio.STORAGE_FILES] if path.is_dir() else []
+    return bool(stored) and all(p.stem.rpartition("_")[0] == path.name for p in stored)
 
 
 @dataclass
@@ -104,7 +110,8 @@ def report_drive(bag: Path, settings: dict) -> DriveReport:
     try:
         drive = out.drive = read_drive(bag)
     except bagio.BagError as error:
-        out.problems.append(f"nothing read: {error}")
+        cut = " (an MCAP file cut short: `mcap recover FILE -o FIXED.mcap` rebuilds its end)" if "end magic" in str(error) else ""
+        out.problems.append(f"nothing read: {error}{cut}")
         return out
     out.problems += [f"read {drive.messages_read} messages ({drive.duration_s():.1f} s), then: {p}" for p in drive.problems]
     speed = drive.speed
