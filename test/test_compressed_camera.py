@@ -80,3 +80,19 @@ def test_replay_plays_the_compressed_camera_decoded(bags, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert (report["frames_in"], report["frames_out"]) == (TICKS // 3, TICKS // 3), report["drops"]
     assert report["reference_source"].startswith("pacmod3 reports") and report["reference_commands"] > 0
+
+
+def test_a_vendor_camera_is_found_raw_or_compressed(bags, tmp_path):
+    from sps_driving.ros.drive import COMPRESSED_IMAGE, IMAGE, camera_topic_of
+    from sps_driving.tools.replay import camera_map
+
+    vendor = "/flir_camera/image_raw"
+    assert camera_topic_of({vendor: IMAGE}, vendor) == vendor
+    assert camera_topic_of({f"{vendor}/compressed": COMPRESSED_IMAGE}, vendor) == f"{vendor}/compressed"
+    assert camera_topic_of({topics.IMAGE: IMAGE, topics.IMAGE_COMPRESSED: COMPRESSED_IMAGE}) == topics.IMAGE
+    assert camera_topic_of({topics.IMAGE_COMPRESSED: COMPRESSED_IMAGE}) == topics.IMAGE_COMPRESSED
+    assert camera_topic_of({vendor: "sensor_msgs/msg/CameraInfo"}, vendor) is None
+    raw, jpeg = bags
+    assert camera_map(raw, {}) == {}
+    assert camera_map(jpeg, {}) == {topics.IMAGE_COMPRESSED: topics.IMAGE}
+    assert camera_map(jpeg, {topics.IMAGE: topics.IMAGE, "/other": "/x"}) == {topics.IMAGE_COMPRESSED: topics.IMAGE, "/other": "/x"}

@@ -236,10 +236,12 @@ class _StopTracker:
 
 
 def camera_topic_of(types: dict[str, str], camera_topic: str | None = None) -> str | None:
-    """The camera topic of a bag: `camera_topic` when given (raw or compressed), else the raw camera,
-    else the compressed one; None when it has none."""
+    """The camera topic of a bag: `camera_topic` when given (raw, or compressed on its /compressed,
+    as `record` keeps a vendor camera too), else the raw camera, else the compressed one; None when
+    it has none."""
     if camera_topic is not None:
-        return camera_topic if types.get(camera_topic) in (IMAGE, COMPRESSED_IMAGE) else None
+        return next((t for t, msgtype in ((camera_topic, IMAGE), (camera_topic, COMPRESSED_IMAGE),
+                                         (f"{camera_topic}/compressed", COMPRESSED_IMAGE)) if types.get(t) == msgtype), None)
     return next((t for t, msgtype in CAMERA_TYPES.items() if types.get(t) == msgtype), None)
 
 

@@ -734,17 +734,20 @@ def _graph_topics(bag: Path, topic_map: dict) -> dict:
 
 
 def camera_map(bag: Path, topic_map: dict) -> dict:
-    """`topic_map` with the compressed camera played as the graph's camera where the bag records no
-    raw one and nothing else is mapped onto it."""
+    """`topic_map` with the bag's camera played as the graph's: the camera mapped onto it (or the
+    graph's own), or where the bag records that one only compressed, its /compressed topic."""
     from sps_driving.ros.bagio import BagError, topic_types
+    from sps_driving.ros.drive import camera_topic_of
 
     try:
         present = topic_types(bag)
     except BagError:
         return topic_map  # _graph_topics names the error
-    if topics.IMAGE in present or topics.IMAGE in topic_map.values() or topics.IMAGE_COMPRESSED not in present:
+    asked = next((b for b, g in topic_map.items() if g == topics.IMAGE), None)
+    found = camera_topic_of(present, asked or topics.IMAGE)
+    if found is None or found == (asked or topics.IMAGE):
         return topic_map
-    return {**topic_map, topics.IMAGE_COMPRESSED: topics.IMAGE}
+    return {**{b: g for b, g in topic_map.items() if g != topics.IMAGE}, found: topics.IMAGE}
 
 
 def _policy_checkpoint(checkpoint: Path | None, params_file: Path) -> Path:
