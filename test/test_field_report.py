@@ -166,3 +166,19 @@ def test_a_drive_damaged_part_way_keeps_what_came_before(tmp_path, capsys):
     assert drive["counted"] and not drive["read_whole"]
     assert drive["problems"][0].startswith(f"read {damaged.messages_read} messages")
     assert drive["duration_s"] == pytest.approx(damaged.duration_s())
+
+
+def test_kinds_of_stops_and_overrides():
+    from sps_driving.core.field_report import Stop, override_kind, stop_kind
+
+    window = S
+    assert stop_kind(Stop(10 * S, "safety_monitor", ("collision,heading; stale: lane",)), [], window) == "safety_stop:collision"
+    assert stop_kind(Stop(10 * S, "safety_monitor", ("stale: lane",)), [], window) == "safety_stop:stale_input"
+    # the vehicle interface's own view of a monitor stop takes the failure logged just before it
+    assert stop_kind(Stop(10 * S, "vehicle_interface", ("safety_stop",)), [(int(9.5 * S), "heading")], window) == "safety_stop:heading"
+    assert stop_kind(Stop(10 * S, "vehicle_interface", ("safety_stop",)), [(5 * S, "heading")], window) == "safety_stop:unknown"
+    assert stop_kind(Stop(10 * S, "vehicle_interface", ("report_timeout", "overspeed")), [], window) == "stale_input"
+    assert stop_kind(Stop(10 * S, "vehicle_interface", ("overspeed",)), [], window) == "controlled_stop:overspeed"
+    assert stop_kind(Stop(10 * S, "vehicle_interface", ("failsafe_active",)), [], window) == "failsafe_stop"
+    assert override_kind(("/pacmod/global_rpt: override_active", "/pacmod/accel_rpt: override_active")) == "override_accel"
+    assert override_kind(("/diagnostics vehicle_interface: last_event=override",)) == "override"
