@@ -64,11 +64,12 @@ def test_extract_interventions_and_analyze_read_each_shape_alike(bags, shape, tm
     np.testing.assert_array_equal(cache.targets, expected.targets)
 
     def interventions(bag):
-        assert main(["interventions", str(bag), "--json"]) == 0
-        return {k: v for k, v in json.loads(capsys.readouterr().out).items() if k != "bag"}
+        assert main(["interventions", str(bag), "--json", "--out", str(tmp_path / "report")]) == 0
+        drive = json.loads(capsys.readouterr().out)["drives"][0]
+        return {k: drive[k] for k in ("events", "engaged_s", "engaged_km", "distance_km", "duration_s", "start_ns")}
 
     summary = interventions(path)
-    assert summary == interventions(reference) and summary["engagements"] == 1
+    assert summary == interventions(reference) and summary["engaged_s"] == pytest.approx(1.0, abs=0.05)
 
     assert main(["analyze", str(path), "--out", str(tmp_path / "analysis"), "--extractor-config", str(pixels)]) == 0
     assert json.loads((tmp_path / "analysis" / "summary.json").read_text())["frames"] == TICKS // 3
@@ -106,7 +107,8 @@ def test_what_is_no_bag_is_a_clear_error_in_every_command(tmp_path, capsys):
     expected = {notes: "is not a bag: expected a rosbag2 folder (with metadata.yaml), a .mcap file or a .db3 file",
                 broken: "cannot read the bag", cut_short: f"ros2 bag reindex {cut_short}", tmp_path / "missing": "no bag"}
     for path, message in expected.items():
-        for command in (["extract", "--out", str(tmp_path / "cache")], ["interventions"], ["replay"],
+        for command in (["extract", "--out", str(tmp_path / "cache")], ["interventions", "--out", str(tmp_path / "report")],
+                        ["replay"],
                         ["analyze", "--out", str(tmp_path / "analysis")]):
             assert main([*command, str(path)]) == 2, (command, path)
             captured = capsys.readouterr()

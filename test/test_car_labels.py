@@ -15,10 +15,11 @@ from sps_driving.core.backbones.loader import load_extractor
 from sps_driving.core.control import ControlLimits, EngageState, VehicleCommand, from_pacmod, to_pacmod
 from sps_driving.ros import bagio, msgs
 from sps_driving.ros.bagio import TYPESTORE
+from sps_driving.ros.car_labels import read_car_labels
+from sps_driving.ros.drive import read_drive
 from sps_driving.ros.graph import car_facts
 from sps_driving.ros.msgs import Fields, header_fields
 from sps_driving.train.cache import FeatureCache, FeatureCacheWriter
-from sps_driving.train.car_labels import read_car_labels
 from sps_driving.train.extract import ExtractSettings, extract
 
 S = 1_000_000_000
@@ -380,7 +381,7 @@ def test_replay_compares_with_the_human_on_the_frames_extract_labels(car_bag, ca
     from sps_driving.tools.replay import build_report, human_reference
 
     _, cache = car_cache
-    car = read_car_labels(car_bag, SETTINGS.car_label_rules(), float(car_facts()["steering_ratio"]))
+    car = read_car_labels(read_drive(car_bag), SETTINGS.car_label_rules(), float(car_facts()["steering_ratio"]))
     stamps, _ = frame_times()
     reference, excluded = human_reference(car, {stamp: stamp + FRAME_LOG_DELAY_NS for stamp in stamps})
     assert sorted(reference) == cache.stamps.tolist()
@@ -402,13 +403,13 @@ def msgs_record(stamp, command):
 
 def test_the_recording_profile_holds_what_extract_replay_and_interventions_read(tmp_path, capsys):
     from sps_driving.core.state import STATE_INPUTS
+    from sps_driving.ros.car_labels import ENGAGEMENT_REPORTS, GEAR_REPORT, REPORTS
     from sps_driving.tools.record import load_profile, record_command
     from sps_driving.tools.replay import PLAYED
-    from sps_driving.train.car_labels import ENGAGEMENT_REPORTS, GEAR_REPORT, REPORTS
 
     profile = load_profile()
     recorded = set(profile["topics"])
-    needed = {topics.IMAGE, topics.CAMERA_INFO, GEAR_REPORT[0], *(t for t, _ in REPORTS.values()),
+    needed = {topics.IMAGE_COMPRESSED, topics.CAMERA_INFO, GEAR_REPORT[0], *(t for t, _ in REPORTS.values()),
               *(t for t, _ in ENGAGEMENT_REPORTS), *PLAYED, topics.PACMOD_TURN_RPT,
               *(spec.sources[0][0] for spec in STATE_INPUTS.values())}
     assert needed - {topics.VEHICLE_TWIST} <= recorded  # the car's speed is PACMod's report, not the world's twist
@@ -416,10 +417,19 @@ def test_the_recording_profile_holds_what_extract_replay_and_interventions_read(
     command = record_command("drives/d1", profile, camera_topic="/flir_camera/image_raw",
                              camera_info_topic="/flir_camera/camera_info")
     assert command[:7] == ["ros2", "bag", "record", "-s", "mcap", "-o", "drives/d1"]
-    assert "/flir_camera/image_raw" in command and topics.IMAGE not in command and topics.CAMERA_INFO not in command
-    assert len(command) == 7 + len(recorded)
+    assert "/flir_camera/image_raw/compressed" in command and topics.IMAGE_COMPRESSED not in command
+    assert topics.CAMERA_INFO not in command and len(command) == 7 + len(recorded)
+    assert {topics.DRIVER_NOTE, topics.SAFETY_STOP, topics.FAILSAFE_STATUS, topics.SELECTION} <= recorded
+    assert profile["camera"] == {"compression": "jpeg", "jpeg_quality": 90}
     assert main(["record", str(tmp_path / "d2"), "--print"]) == 0
-    assert capsys.readouterr().out.strip().startswith(f"ros2 bag record -s mcap -o {tmp_path / 'd2'} /camera/image_raw ")
+    republish, record = capsys.readouterr().out.strip().splitlines()
+    assert republish.startswith("ros2 run image_transport republish raw compressed --ros-args -r in:=/camera/image_raw ")
+    assert "out/compressed:=/camera/image_raw/compressed" in republish and "out.jpeg_quality:=90" in republish
+    assert record.startswith(f"ros2 bag record -s mcap -o {tmp_path / 'd2'} /camera/image_raw/compressed ")
+    raw = tmp_path / "raw.yaml"
+    raw.write_text(f"storage: mcap\ncamera: {{compression: none}}\ntopics: {{{topics.IMAGE}: camera}}\n")
+    assert main(["record", str(tmp_path / "d3"), "--print", "--profile", str(raw)]) == 0
+    assert capsys.readouterr().out.strip() == f"ros2 bag record -s mcap -o {tmp_path / 'd3'} /camera/image_raw"
 
 
 @pytest.mark.ros

@@ -8,9 +8,9 @@ import pytest
 from sps_driving import cli
 from sps_driving.core import topics
 from sps_driving.ros.bagio import BagWriter, to_bag
+from sps_driving.ros.drive import read_drive
 from sps_driving.ros.engagement import OLD_VEHICLE_STATUS
 from sps_driving.ros.msgs import Fields, Level, header_fields, twist_fields
-from sps_driving.tools.interventions import analyze
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -29,6 +29,12 @@ SYSTEM_FLAGS = (
     "override_active", "command_output_fault", "input_output_fault", "output_reported_fault", "pacmod_fault",
     "vehicle_fault", "command_timeout",
 )
+
+
+def analyze(bag):
+    """The engagement summary of a bag as the drive reader finds it, with the topics it came from."""
+    drive = read_drive(bag)
+    return {**drive.engagement.summary(), "sources": drive.engagement_sources}
 
 
 def global_rpt(t, enabled, **flags):
@@ -114,20 +120,22 @@ def test_only_overrides_are_interventions_other_disengagements_by_cause(tmp_path
     assert s["interventions_per_km"] == pytest.approx(1 / (autonomy_s * 10 / 1000), rel=1e-3)
 
 
-def test_cli_prints_report_and_json(tmp_path, capsys):
+def test_cli_prints_the_report_and_json(tmp_path, capsys):
+    """One bag without speed or camera: its interventions and disengagements by kind, listed as not
+    read whole (exit status 1) since distances and frames are missing."""
     write_field_test(tmp_path / "drive", "sqlite3", speed=False)
-    assert cli.main(["interventions", str(tmp_path / "drive")]) == 0
+    assert cli.main(["interventions", str(tmp_path / "drive"), "--out", str(tmp_path / "report")]) == 1
     out = capsys.readouterr().out
-    assert "disengaged: override (/pacmod/brake_rpt: override_active" in out
-    assert "disengaged: fault (/pacmod/global_rpt: pacmod_sys_fault_active" in out
-    assert "disengaged: timeout (/pacmod/global_rpt: steering_can_timeout)" in out
-    assert "disengaged: disable (/pacmod/global_rpt: enabled=false)" in out
-    assert "interventions:   1 " in out and "fault 1, timeout 1, disable 1" in out and "per km:          n/a" in out
-    assert cli.main(["interventions", str(tmp_path / "drive"), "--json"]) == 0
+    assert "| override_brake | 1 |" in out and "| all | 3 |" in out  # the override, the fault and the CAN timeout
+    assert "no speed reports" in out and "no camera" in out
+    assert cli.main(["interventions", str(tmp_path / "drive"), "--json", "--out", str(tmp_path / "report")]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["interventions"] == 1 and data["interventions_per_km"] is None
-    assert data["disengagements"] == {"fault": 1, "timeout": 1, "disable": 1}
-    assert [t["cause"] for t in data["transitions"] if t["event"] == "disengaged"] == ["override", "fault", "timeout", "disable"]
+    events = data["drives"][0]["events"]
+    assert [e["kind"] for e in events] == ["override_brake", "pacmod_fault", "pacmod_timeout", "operator_disengage"]
+    assert [e["intervention"] for e in events] == [True, True, True, False]
+    assert events[0]["detail"] == "/pacmod/brake_rpt: override_active, /pacmod/global_rpt: override_active"
+    assert data["totals"]["engaged_km"] is None and data["totals"]["rates"]["all"]["km_per"]["value"] is None
+    assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "figures").is_dir()
 
 
 def diagnostics(name, values):
@@ -172,6 +180,6 @@ def test_vehicle_interface_status_without_pacmod_reports(tmp_path, topic):
 def test_bag_without_reports_is_a_clear_error(tmp_path, capsys):
     with BagWriter(tmp_path / "empty", "sqlite3") as bag:
         bag.write(topics.VEHICLE_TWIST, twist_fields(1.0, T0), T0)
-    assert cli.main(["interventions", str(tmp_path / "empty")]) == 2
+    assert cli.main(["interventions", str(tmp_path / "empty"), "--out", str(tmp_path / "report")]) == 2
     assert "no engagement reports" in capsys.readouterr().out
-    assert cli.main(["interventions", str(tmp_path / "missing")]) == 2
+    assert cli.main(["interventions", str(tmp_path / "missing"), "--out", str(tmp_path / "report")]) == 2

@@ -1,11 +1,10 @@
 """The frames the analyses read: every `stride`-th frame of a feature cache (descriptors only) or
-of a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.ros.bagio), whose camera frames
+of a bag (a rosbag2 folder, or a bare .mcap or .db3 file, read as a drive: sps_driving.ros.drive), whose camera frames
 are run through a backbone; an image file."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,35 +60,15 @@ def cache_source(path: Path, stride: int) -> Source:
 
 def bag_images(path: Path, stride: int, image_topic: str | None) -> tuple[int, Iterator[np.ndarray]]:
     """(how many frames it will give at most, its RGB frames): every `stride`-th camera frame of a
-    bag; frames that cannot be decoded are dropped, counted and reported."""
-    from sps_driving.core import topics
-    from sps_driving.core.image import ImageError, to_rgb
-    from sps_driving.ros import bagio
+    bag (raw or compressed: sps_driving.ros.drive); frames that cannot be decoded are dropped,
+    counted and reported."""
+    from sps_driving.ros.drive import camera_frames, decoded
 
-    topic = image_topic or topics.IMAGE
-    if topic not in bagio.topic_types(path):
-        raise ValueError(f"no topic {topic} in the bag {path} (use --image-topic)")
-    count = bagio.message_count(path, topic)
-
-    def frames() -> Iterator[np.ndarray]:
-        dropped = 0
-        try:
-            for index, message in enumerate(bagio.read_messages(path, [topic])):
-                if index % stride:
-                    continue
-                msg = message.msg
-                try:
-                    rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
-                except ImageError as error:
-                    dropped += 1
-                    print(f"warning: {path}: dropped frame at {message.log_time_ns} ns: {error} ({dropped} dropped)",
-                          file=sys.stderr)
-                    continue
-                yield rgb
-        except bagio.BagError as error:  # damaged part-way: the frames before it are analysed
-            print(f"warning: {error}; its frames from there on are left out", file=sys.stderr)
-
-    return len(range(0, count, stride)), frames()
+    try:
+        camera = camera_frames(path, image_topic)
+    except ValueError as error:
+        raise ValueError(f"{error} (use --image-topic)") from None
+    return len(range(0, camera.count, stride)), (rgb for _, rgb in decoded(camera.frames(), path, stride))
 
 
 def bag_source(path: Path, extractor, count: int, images: Iterator[np.ndarray]) -> Source:

@@ -15,6 +15,9 @@ Conventions (units, signs):
 """
 
 IMAGE = "/camera/image_raw"  # sensor_msgs/Image
+# sensor_msgs/CompressedImage (format "rgb8; jpeg compressed bgr8"): the camera as `record` keeps it, the name
+# image_transport's compressed republisher gives IMAGE; every bag command reads it where IMAGE is not recorded
+IMAGE_COMPRESSED = IMAGE + "/compressed"
 CAMERA_INFO = "/camera/camera_info"  # sensor_msgs/CameraInfo, one per image, same stamp
 SELECTION = "/sps/selection"  # sensor_msgs/Image mono8 H'xW', 255 = patch computed
 DESCRIPTORS = "/sps/descriptors"  # computed descriptors with their patch indices
@@ -37,6 +40,9 @@ ENGAGE_SERVICE = "/vehicle_interface/engage"  # std_srvs/SetBool: true engages d
 REARM_SERVICE = "/vehicle_interface/rearm"  # std_srvs/Trigger: clears the lockout after an override
 VEHICLE_OVERRIDE = "/vehicle/override"  # std_msgs/Bool: driver override on a car without PACMod ("topics" backend)
 SAFETY_EVENTS = "/safety/events"  # diagnostic_msgs/DiagnosticArray: one message per failure onset
+# std_msgs/String: the safety driver's short note on what just happened ("precautionary", "system", ...),
+# published during a field test and recorded; `interventions` shows it beside the event it follows
+DRIVER_NOTE = "/safety_driver/note"
 STAGE_TIMING = "/sps/timing"  # diagnostic_msgs/DiagnosticArray per frame and stage: compute time, frame's stamp
 
 # PACMod 3 drive-by-wire (astuff/pacmod3 driver in namespace "pacmod"; pacmod3_msgs, ROS 2 layout).

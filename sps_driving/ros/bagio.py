@@ -137,9 +137,10 @@ def message_count(path: str | Path, topic: str) -> int:
 
 
 def read_messages(path: str | Path, topics: Iterable[str] | None = None, first: int = 0,
-                  stop: int | None = None) -> Iterator[BagMessage]:
+                  stop: int | None = None, start_ns: int | None = None, stop_ns: int | None = None) -> Iterator[BagMessage]:
     """Deserialized messages in log-time order; `topics` limits which are read, `first` and `stop`
-    to those at positions first..stop-1 of that order (the ones before are not deserialized)."""
+    to those at positions first..stop-1 of that order (the ones before are not deserialized),
+    `start_ns` and `stop_ns` to log times in [start_ns, stop_ns) (the storage's index skips the rest)."""
     with open_bag(path) as reader:
         wanted = set(topics) if topics is not None else None
         connections = [c for c in reader.connections if wanted is None or c.topic in wanted]
@@ -148,7 +149,8 @@ def read_messages(path: str | Path, topics: Iterable[str] | None = None, first: 
         store = bag_typestore(connections)
         position = 0
         try:
-            for position, (conn, log_time, raw) in enumerate(reader.messages(connections=connections)):
+            for position, (conn, log_time, raw) in enumerate(
+                    reader.messages(connections=connections, start=start_ns, stop=stop_ns)):
                 if stop is not None and position >= stop:
                     return
                 if position >= first:

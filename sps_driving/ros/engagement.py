@@ -5,13 +5,12 @@ layout (`GlobalRpt`, every `SystemRptFloat` / `SystemRptInt` report, the `std_ms
 /pacmod/enabled) or, on cars run with the `topics` backend, from the vehicle interface's status
 (its `vehicle_interface` status on /diagnostics, or /vehicle_interface/status in older bags), by
 log time; with the speed from /vehicle/twist or the PACMod vehicle speed report when recorded.
-core.monitor.AutonomyLog decides each disengagement's cause. `sps-driving interventions` counts
-from it, and car-bag labelling (sps_driving.train.car_labels) takes who drove from it.
+core.monitor.AutonomyLog decides each disengagement's cause. The drive reader (sps_driving.ros.drive)
+feeds it; `sps-driving interventions` counts from it, and car-bag labelling
+(sps_driving.ros.car_labels) takes who drove from it.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from sps_driving.core import topics
 from sps_driving.core.monitor import AutonomyLog
@@ -39,6 +38,7 @@ EVENT_CAUSES = {
 }
 # Recordings from before the vehicle interface's status moved to /diagnostics.
 OLD_VEHICLE_STATUS = "/vehicle_interface/status"
+ENGAGEMENT_ROLES = ("global", "system", "enabled", "vehicle_interface")  # the roles that say who drives
 
 
 def selected_topics(types: dict[str, str]) -> dict[str, str]:
@@ -55,7 +55,7 @@ def selected_topics(types: dict[str, str]) -> dict[str, str]:
             roles[topic] = "enabled"
         elif msgtype == TWIST and topic == topics.VEHICLE_TWIST:
             roles[topic] = "twist"
-    if not any(r in ("global", "system", "enabled") for r in roles.values()):
+    if not any(r in ENGAGEMENT_ROLES[:3] for r in roles.values()):
         for topic in (topics.DIAGNOSTICS, OLD_VEHICLE_STATUS):
             if types.get(topic) == DIAGNOSTICS:
                 roles[topic] = "vehicle_interface"
@@ -88,39 +88,46 @@ def _on_vehicle_interface_status(log: AutonomyLog, time_ns: int, topic: str, msg
         )
 
 
-def autonomy_log(bag: Path) -> tuple[AutonomyLog, dict[str, str]]:
-    """The bag's engagement history (finished), from its reports by log time, and {topic: role}
-    of the topics it was read from. ValueError when the bag has no engagement reports."""
-    from sps_driving.ros.bagio import read_messages, topic_types
+class EngagementReader:
+    """Builds the engagement history (core.monitor.AutonomyLog) from a bag's messages fed in log-time
+    order (sps_driving.ros.drive reads them); `roles` ({topic: role}, `selected_topics`) says which
+    topics it takes."""
 
-    roles = selected_topics(topic_types(bag))
-    if not any(r in ("global", "system", "enabled", "vehicle_interface") for r in roles.values()):
-        raise ValueError(
-            f"{bag} has no engagement reports: expected {GLOBAL_RPT}, {' or '.join(SYSTEM_RPTS)}, {BOOL} on "
-            f"{topics.PACMOD_ENABLED} or the vehicle interface status on {topics.DIAGNOSTICS} or {OLD_VEHICLE_STATUS}"
-        )
-    from tqdm import tqdm
+    def __init__(self, types: dict[str, str]):
+        self.roles = selected_topics(types)
+        self.log = AutonomyLog()
 
-    log = AutonomyLog()
-    for item in tqdm(read_messages(bag, topics=list(roles)), desc="reading reports", unit="msg", disable=None):
-        role, msg, t = roles[item.topic], item.msg, item.log_time_ns
+    @property
+    def has_reports(self) -> bool:
+        return any(r in ENGAGEMENT_ROLES for r in self.roles.values())
+
+    @staticmethod
+    def missing(where) -> str:
+        """Why `where` (a bag) has no engagement history."""
+        return (f"{where} has no engagement reports: expected {GLOBAL_RPT}, {' or '.join(SYSTEM_RPTS)}, {BOOL} on "
+                f"{topics.PACMOD_ENABLED} or the vehicle interface status on {topics.DIAGNOSTICS} or {OLD_VEHICLE_STATUS}")
+
+    def feed(self, topic: str, t: int, msg) -> None:
+        role, log = self.roles[topic], self.log
         if role == "global":
             log.on_report(
-                t, item.topic, bool(msg.enabled), bool(msg.override_active),
+                t, topic, bool(msg.enabled), bool(msg.override_active),
                 _set_flags(msg, GLOBAL_FAULTS), _set_flags(msg, GLOBAL_TIMEOUTS),
             )
         elif role == "system":  # a system's own `enabled` is not the car's: GlobalRpt says any system
             log.on_report(
-                t, item.topic, None, bool(msg.override_active),
+                t, topic, None, bool(msg.override_active),
                 _set_flags(msg, SYSTEM_FAULTS), _set_flags(msg, SYSTEM_TIMEOUTS),
             )
         elif role == "enabled":
-            log.on_report(t, item.topic, bool(msg.data), None, disabled_field="data=false")
+            log.on_report(t, topic, bool(msg.data), None, disabled_field="data=false")
         elif role == "vehicle_interface":
-            _on_vehicle_interface_status(log, t, item.topic, msg)
+            _on_vehicle_interface_status(log, t, topic, msg)
         elif role == "twist":
             log.on_speed(t, float(msg.twist.linear.x))
         elif role == "speed_rpt" and msg.vehicle_speed_valid:
             log.on_speed(t, float(msg.vehicle_speed))
-    log.finish()
-    return log, roles
+
+    def finish(self) -> AutonomyLog:
+        self.log.finish()
+        return self.log

@@ -194,12 +194,10 @@ def runtime_config(args) -> dict:
 
 
 def rgb_frames(bag: Path) -> list:
-    """uint8 RGB frames of the camera topic of a rosbag2."""
-    from sps_driving.core import topics
-    from sps_driving.ros import msgs
-    from sps_driving.ros.bagio import read_messages
+    """uint8 RGB frames of the camera topic of a rosbag2 (raw or compressed: sps_driving.ros.drive)."""
+    from sps_driving.ros.drive import camera_frames
 
-    return [msgs.image_to_rgb(item.msg) for item in read_messages(bag, [topics.IMAGE])]
+    return [frame.rgb() for frame in camera_frames(bag)]
 
 
 def _run_parity(args) -> int:
@@ -242,21 +240,20 @@ def policy_parity(reference, runtime, policy_dir: Path, bag: Path) -> dict:
     state inputs, matched by stamp as `extract` matches them); the differences of the descriptors
     (token error) and of the commands (steering rad, throttle), and each command's error against
     the command the bag logged (None where it logged none)."""
-    from sps_driving.core import topics
     from sps_driving.core.policies.checkpoint import load_policy
     from sps_driving.core.policies.streaming import StreamingPolicy
-    from sps_driving.ros import msgs
-    from sps_driving.ros.bagio import read_messages
+    from sps_driving.ros.drive import camera_frames, read_drive
     from sps_driving.tools.replay import reference_commands
     from sps_driving.train.extract import ExtractSettings, bag_states, matched_state
 
     policy = load_policy(policy_dir, grid=reference.grid)
     drivers = {"reference": StreamingPolicy(policy), "runtime": StreamingPolicy(load_policy(policy_dir, grid=reference.grid))}
-    states, logged = bag_states(bag), reference_commands(bag)
+    drive = read_drive(bag)
+    states, logged = bag_states(drive), reference_commands(drive)
     tolerance_ns = int(ExtractSettings().match_tolerance_s * 1e9)
     token, cosine, commands, against_log = [], [], {"reference": [], "runtime": []}, {"reference": [], "runtime": []}
-    for item in read_messages(bag, [topics.IMAGE]):
-        stamp, image = msgs.stamp_ns(item.msg.header), msgs.image_to_rgb(item.msg)
+    for frame in camera_frames(bag):
+        stamp, image = frame.stamp_ns, frame.rgb()
         indices = policy.selector.select(stamp)
         expected = reference.descriptors(reference.encode(image), indices)
         got = runtime.descriptors(runtime.encode(image), indices)

@@ -4,7 +4,9 @@ sps_driving.ros.bagio) through the live graph and report.
 The graph (selection, extractor, policy, vehicle_interface with the `topics` backend,
 safety_monitor) runs as separate node processes over DDS on loopback (sps_driving.ros.graph). The
 bag's camera frames (and lane state, obstacle range, speed when recorded) are published with their
-recorded stamps, so the selection is the one the car made and results are reproducible:
+recorded stamps, so the selection is the one the car made and results are reproducible (a JPEG
+camera, CompressedImage on /camera/image_raw/compressed as `record` keeps it, plays decoded as
+the camera driver sends it; the bag's references are read as a drive, sps_driving.ros.drive):
 
 - lockstep (default): one frame at a time; the next frame goes out when the previous one has its
   command or a stage reported dropping it. Deterministic, and as fast as the graph computes.
@@ -20,7 +22,7 @@ bag's reference commands, failures, interventions, time stopping, per-stage late
 graph overhead) is computed from those records by `build_report`, which needs no ROS.
 
 The reference commands are the ones that drove the car: /vehicle/command in the world's bags; in
-a car's bag, what the safety driver did, from its PACMod 3 reports (sps_driving.train.car_labels,
+a car's bag, what the safety driver did, from its PACMod 3 reports (sps_driving.ros.car_labels,
 with the rules `sps-driving extract` labels by: only the frames the human drove, moving forward),
 so a field recording validates a policy as a world recording does. The report says which.
 
@@ -371,19 +373,12 @@ def human_reference(car, frame_log_times: dict) -> tuple[dict, dict]:
     return reference, excluded
 
 
-def reference_commands(bag: Path, topic: str = topics.REFERENCE_COMMAND) -> dict:
-    """{stamp: (steering, throttle)} of the commands that drove the car, from `topic` of the bag."""
-    from sps_driving.ros.bagio import read_messages, topic_types
-
-    if topic not in topic_types(bag):
+def reference_commands(drive, topic: str = topics.REFERENCE_COMMAND) -> dict:
+    """{stamp: (steering, throttle)} of the commands that drove the car, from `topic` of the drive."""
+    series = drive.series.get(topic)
+    if series is None:
         return {}
-    out = {}
-    for item in read_messages(bag, [topic]):
-        try:
-            out[msgs.stamp_ns(item.msg.header)] = msgs.command_from_message(item.msg)
-        except msgs.MessageError:
-            continue
-    return out
+    return {int(stamp): (float(steering), float(throttle)) for stamp, (steering, throttle) in zip(series.stamp_ns, series.values)}
 
 
 # ---------------------------------------------------------------- playback (ROS)
@@ -479,9 +474,14 @@ def _in_log_time_order(bag: Path, wanted: list, topic_map: dict):
     back until the messages recorded at its own log time are out: a recorder writes the frame
     first, then the speed of that instant."""
     from sps_driving.ros.bagio import read_messages
+    from sps_driving.ros.drive import as_raw_image
 
     held: list = []  # camera messages waiting for the rest of their log time
     for item in read_messages(bag, wanted):
+        if topic_map.get(item.topic, item.topic) == topics.IMAGE:
+            item = as_raw_image(item)  # a compressed frame plays decoded, as the camera driver sends it
+            if item is None:  # undecodable: never reaches the graph, so it is a frame not played
+                continue
         if held and item.log_time_ns > held[0].log_time_ns:
             yield from held
             held.clear()
@@ -715,17 +715,39 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
 
 
 def _graph_topics(bag: Path, topic_map: dict) -> dict:
-    """{topic: message type} of the bag, its topics renamed by `topic_map` to the graph's; ReplayError
-    for a bag that cannot be read or that has no camera frames to play."""
+    """{topic: message type} of the bag, its topics renamed by `topic_map` to the graph's, the camera
+    as the graph receives it (a compressed camera is played decoded); ReplayError for a bag that
+    cannot be read or that has no camera frames to play."""
     from sps_driving.ros.bagio import BagError, topic_types
+    from sps_driving.ros.drive import COMPRESSED_IMAGE, IMAGE
 
     try:
         bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
     except BagError as exc:
         raise ReplayError(str(exc)) from None
-    if bag_topics.get(topics.IMAGE) != "sensor_msgs/msg/Image":
-        raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} (topics: {sorted(bag_topics)})")
+    if bag_topics.get(topics.IMAGE) == COMPRESSED_IMAGE:
+        bag_topics[topics.IMAGE] = IMAGE
+    if bag_topics.get(topics.IMAGE) != IMAGE:
+        raise ReplayError(f"{bag} has no sensor_msgs/Image frames on {topics.IMAGE} nor compressed ones on "
+                          f"{topics.IMAGE_COMPRESSED} (topics: {sorted(bag_topics)})")
     return bag_topics
+
+
+def camera_map(bag: Path, topic_map: dict) -> dict:
+    """`topic_map` with the bag's camera played as the graph's: the camera mapped onto it (or the
+    graph's own), or where the bag records that one only compressed, its /compressed topic."""
+    from sps_driving.ros.bagio import BagError, topic_types
+    from sps_driving.ros.drive import camera_topic_of
+
+    try:
+        present = topic_types(bag)
+    except BagError:
+        return topic_map  # _graph_topics names the error
+    asked = next((b for b, g in topic_map.items() if g == topics.IMAGE), None)
+    found = camera_topic_of(present, asked or topics.IMAGE)
+    if found is None or found == (asked or topics.IMAGE):
+        return topic_map
+    return {**{b: g for b, g in topic_map.items() if g != topics.IMAGE}, found: topics.IMAGE}
 
 
 def _policy_checkpoint(checkpoint: Path | None, params_file: Path) -> Path:
@@ -808,11 +830,11 @@ def _write_records(out: Path, storage: str, records: list) -> None:
             writer.write(rec.topic, rec.msg, rec.log_time_ns)
 
 
-def _reference(bag: Path, car, reference_topic: str, frame_log_times: dict) -> tuple[dict, dict, str | None]:
+def _reference(drive, car, reference_topic: str, frame_log_times: dict) -> tuple[dict, dict, str | None]:
     """(reference commands {stamp: (steering, throttle)}, frames left out of them, where they came
-    from): the bag's reference topic, or the safety driver's driving from the car's labels `car`."""
+    from): the drive's reference topic, or the safety driver's driving from the car's labels `car`."""
     if car is None:
-        reference = reference_commands(bag, reference_topic)
+        reference = reference_commands(drive, reference_topic)
         return reference, {}, reference_topic if reference else None
     reference, excluded = human_reference(car, frame_log_times)
     return reference, excluded, "pacmod3 reports: the safety driver's driving"
@@ -840,10 +862,11 @@ def replay_bag(
     with the vendor camera driver); `supplied_state` ({state input: value}) supplies state inputs
     the bag does not record (`state_plan`). Raises ReplayError."""
     from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.ros.drive import read_drive
     from sps_driving.ros.graph import default_params_file
 
     bag, out = Path(bag), Path(out)
-    topic_map = dict(topic_map or {})
+    topic_map = camera_map(bag, dict(topic_map or {}))
     bag_topics = _graph_topics(bag, topic_map)
     params_file = Path(params_file) if params_file else default_params_file()
     checkpoint = _policy_checkpoint(checkpoint, params_file)
@@ -854,8 +877,9 @@ def replay_bag(
     played = played_topics(policy_config, bag_topics)
     supplied, state_sources = state_plan(policy_config, bag_topics, supplied_state or {}, params_file, topic_map)
     reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
+    drive = read_drive(bag, camera_topic=next((b for b, g in topic_map.items() if g == topics.IMAGE), None))
     try:
-        car, unavailable = car_reference(bag, reference_topic, params_file), None
+        car, unavailable = car_reference(drive, reference_topic, params_file), None
     except ValueError as exc:  # a car bag whose reports cannot tell the human's driving: replayed without a reference
         car, unavailable = None, str(exc)
     parameters = graph_parameters(checkpoint, bag_topics, lockstep, frame_timeout_s, backbone_config, overlay, precision)
@@ -864,7 +888,7 @@ def replay_bag(
         lambda player: play(bag, lockstep, frame_timeout_s, player, has_info, topic_map, played, supplied),
     )
     _write_records(out, storage, player.records)
-    reference, excluded, reference_source = _reference(bag, car, reference_topic, player.frame_log_times)
+    reference, excluded, reference_source = _reference(drive, car, reference_topic, player.frame_log_times)
     report = build_report(player.frames, player.records, reference, wall_s, player.repeated_stamps)
     report.update(reference_source=reference_source, reference_excluded=excluded, state=state_sources)
     if unavailable:
@@ -875,21 +899,17 @@ def replay_bag(
     return report
 
 
-def car_reference(bag: Path, reference_topic: str, params_file: Path):
-    """The car's labels (car_labels.CarLabels) when the bag's reference is the safety driver's
+def car_reference(drive, reference_topic: str, params_file: Path):
+    """The car's labels (car_labels.CarLabels) when the drive's reference is the safety driver's
     (`sps-driving extract`'s choice of label source, by config/train.yaml), else None; ValueError
     when the bag lacks reports they need."""
-    from dataclasses import replace
-
-    from sps_driving.ros.bagio import topic_types
+    from sps_driving.ros.car_labels import configured_rules, label_source, read_car_labels
     from sps_driving.ros.graph import car_facts
-    from sps_driving.train.car_labels import read_car_labels
-    from sps_driving.train.extract import ExtractSettings, bag_label_source
 
-    settings = replace(ExtractSettings.from_yaml(), command_topic=reference_topic)
-    if bag_label_source(topic_types(bag), settings) == "command":
+    rules, source = configured_rules()
+    if label_source(drive.topics, source, reference_topic) == "command":
         return None
-    return read_car_labels(bag, settings.car_label_rules(), float(car_facts(params_file)["steering_ratio"]))
+    return read_car_labels(drive, rules, float(car_facts(params_file)["steering_ratio"]))
 
 
 def default_output(bag: Path) -> Path:

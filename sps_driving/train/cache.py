@@ -20,7 +20,7 @@ Layout of a cache directory (format "sps_driving.feature_cache/1")::
         state.npy               float32 [n, S]: the frame's state inputs (sps_driving.core.state),
                                 columns as meta.json "state" names them, NaN where unknown
         intervention.npy        bool [n]: the frame is in the seconds after a safety driver's
-                                override (sps_driving.train.car_labels)
+                                override (sps_driving.ros.car_labels)
         orbital.npy             float16 [m, V, N, D], only in caches with orbital states: the V
                                 visible orbital states of every patch (sps_driving.core.orbital)
                                 of m of the shard's frames, for Manifold augmentation in training

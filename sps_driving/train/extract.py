@@ -1,14 +1,15 @@
 """`sps-driving extract --out CACHE INPUT...`: recorded drives -> a feature cache for training.
 
 Each INPUT is either
-- a bag (a rosbag2 folder, or a bare .mcap or .db3 file: sps_driving.ros.bagio): camera frames
-  (sensor_msgs/Image) on the camera topic, labelled from one of two sources (`label_source`;
+- a bag (a rosbag2 folder, or a bare .mcap or .db3 file, read as a drive: sps_driving.ros.drive):
+  camera frames (sensor_msgs/Image, or JPEG CompressedImage on the camera topic's /compressed as
+  `record` keeps them) on the camera topic, labelled from one of two sources (`label_source`;
   auto: the first the bag has):
   - "command": the reference command (sensor_msgs/JointState "steering", "throttle") whose header
     stamp is nearest to the frame's, if within the configured tolerance (the world's bags);
   - "pacmod3": what the safety driver did, from the car's PACMod 3 reports interpolated to the
     frame's stamp, human driving only, and the frames after each override marked as an
-    intervention (sps_driving.train.car_labels; the car's bags); or
+    intervention (sps_driving.ros.car_labels; the car's bags); or
 - an image folder with labels.csv (columns filename, steering, throttle and optionally
   stamp_ns; frames without stamp_ns get stamps at the configured nominal frame rate).
 
@@ -64,8 +65,16 @@ from tqdm import tqdm
 from sps_driving.core import topics
 from sps_driving.core.resources import config_path
 from sps_driving.core.state import STATE_INPUTS, nearest, recorded_source
+from sps_driving.ros.car_labels import (
+    HANDOVERS,
+    LABEL_SOURCES,
+    CarLabelRules,
+    has_reports,
+    label_source,
+    missing_reports,
+    read_car_labels,
+)
 from sps_driving.train.cache import META_FILE, UnitCacheWriter, UnitShards
-from sps_driving.train.car_labels import HANDOVERS, CarLabelRules, has_reports, missing_reports, read_car_labels
 from sps_driving.train.distributed import Processes, shares, start_processes
 
 LABELS_FILE = "labels.csv"
@@ -82,8 +91,6 @@ class LabelledFrame:
     state: dict = field(default_factory=dict)  # {state input name: value}; unknown ones left out or NaN
     intervention: bool = False  # in the seconds after a safety driver's override
 
-
-LABEL_SOURCES = ("auto", "command", "pacmod3")
 
 
 @dataclass(frozen=True)
@@ -143,11 +150,21 @@ def _command_values(msg) -> tuple[float, float] | None:
 
 def bag_label_source(present: dict, settings: ExtractSettings) -> str:
     """"command" or "pacmod3": where the labels of a bag with topics `present` ({topic: message
-    type}) come from. auto: the reference command when the bag has it (the world's bags; a bag
-    with both says so in the cache's "labels"), else the PACMod 3 reports."""
-    if settings.label_source != "auto":
-        return settings.label_source
-    return "command" if settings.command_topic in present or not has_reports(present) else "pacmod3"
+    type}) come from (car_labels.label_source; a bag with both says so in the cache's "labels")."""
+    return label_source(present, settings.label_source, settings.command_topic)
+
+
+def camera_choice(settings: ExtractSettings) -> str | None:
+    """The camera topic asked for, None for the default: the raw camera, else the compressed one
+    (`record` keeps it compressed; sps_driving.ros.drive.camera_topic_of)."""
+    return None if settings.camera_topic == topics.IMAGE else settings.camera_topic
+
+
+def camera_topic(present: dict, settings: ExtractSettings) -> str:
+    """The bag's camera topic (`camera_choice`), or the configured one where it has none."""
+    from sps_driving.ros.drive import camera_topic_of
+
+    return camera_topic_of(present, camera_choice(settings)) or settings.camera_topic
 
 
 def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]:
@@ -160,7 +177,7 @@ def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]
         if kind != "rosbag2":
             continue
         present = topic_types(path)
-        missing = [t for t in (settings.camera_topic,) if t not in present]
+        missing = [t for t in (camera_topic(present, settings),) if t not in present]
         if bag_label_source(present, settings) == "command":
             missing += [t for t in (settings.command_topic,) if t not in present]
         else:
@@ -170,27 +187,14 @@ def check_inputs(inputs: Sequence[Path], settings: ExtractSettings) -> list[str]
     return kinds
 
 
-def bag_states(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def bag_states(drive) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{state input: (sorted stamps ns, float64 values, NaN where the report said invalid)} from the
-    first of each input's topics (sps_driving.core.state) that the bag has; inputs it lacks are left out."""
-    from sps_driving.ros.bagio import read_messages, topic_types
-    from sps_driving.ros.msgs import MessageError, speed_from_message, stamp_ns
-
-    present = topic_types(path)
-    chosen = {source[0]: name for name in STATE_INPUTS if (source := recorded_source(name, present)) is not None}
-    series = {name: ([], []) for name in chosen.values()}
-    for message in read_messages(path, list(chosen)):
-        try:
-            value = speed_from_message(message.msg)
-        except MessageError:
-            continue
-        stamps, values = series[chosen[message.topic]]
-        stamps.append(stamp_ns(message.msg.header))
-        values.append(math.nan if value is None else value)
+    first of each input's topics (sps_driving.core.state) that the drive has; inputs it lacks are left out."""
     out = {}
-    for name, (stamps, values) in series.items():
-        order = np.argsort(stamps, kind="stable")
-        out[name] = (np.asarray(stamps, dtype=np.int64)[order], np.asarray(values, dtype=np.float64)[order])
+    for name in STATE_INPUTS:
+        source = recorded_source(name, drive.topics)
+        if source is not None and source[0] in drive.series:
+            out[name] = drive.series[source[0]].by_stamp()
     return out
 
 
@@ -204,23 +208,18 @@ def matched_state(states: dict, stamp: int, tolerance_ns: int) -> dict:
     return state
 
 
-def command_labels(path: Path, settings: ExtractSettings, counts: Counter):
+def command_labels(drive, settings: ExtractSettings, counts: Counter):
     """label(stamp, log time) -> LabelledFrame without its image: the reference command whose
     header stamp is nearest to the frame's, within the tolerance."""
-    from sps_driving.ros.bagio import read_messages
-    from sps_driving.ros.msgs import stamp_ns
-
-    command_stamps, command_values = [], []
-    for message in read_messages(path, [settings.command_topic]):
-        values = _command_values(message.msg)
-        if values is None or not all(math.isfinite(v) for v in values):
-            counts["invalid_command_messages"] += 1
-            continue
-        command_stamps.append(stamp_ns(message.msg.header))
-        command_values.append(values)
-    order = np.argsort(command_stamps, kind="stable")
-    stamps = np.asarray(command_stamps, dtype=np.int64)[order]
-    values = np.asarray(command_values, dtype=np.float64).reshape(-1, 2)[order]
+    series = drive.series.get(settings.command_topic)
+    recorded = drive.counts.get(settings.command_topic, 0)
+    stamps, values = np.zeros(0, np.int64), np.zeros((0, 2))
+    if series is not None:
+        finite = np.isfinite(series.values).all(axis=1) & (series.values.shape[1] == 2)
+        order = np.argsort(series.stamp_ns[finite], kind="stable")
+        stamps, values = series.stamp_ns[finite][order], series.values[finite][order]
+    if recorded - len(stamps):
+        counts["invalid_command_messages"] += recorded - len(stamps)
     tolerance_ns = int(settings.match_tolerance_s * 1e9)
 
     def label(stamp: int, _log_time: int) -> LabelledFrame:
@@ -251,31 +250,30 @@ def bag_frames(path: Path, settings: ExtractSettings, counts: Counter, labels: d
     """Camera frames first..stop-1 of a bag, each labelled from the bag's label source
     (`bag_label_source`) and with its state inputs matched by stamp (the car's labels bring their
     own speed). `labels` gets where the labels came from and by which rules."""
-    from sps_driving.core.image import ImageError, to_rgb
-    from sps_driving.ros.bagio import read_messages, topic_types
-    from sps_driving.ros.msgs import stamp_ns
+    from sps_driving.core.image import ImageError
+    from sps_driving.ros.drive import read_drive
 
-    present = topic_types(path)
+    drive = read_drive(path, camera_choice(settings))
+    present = drive.topics
     if bag_label_source(present, settings) == "command":
-        label = command_labels(path, settings, counts)
+        label = command_labels(drive, settings, counts)
         labels.update({"from": settings.command_topic, "match_tolerance_s": settings.match_tolerance_s})
     else:
-        car = read_car_labels(path, settings.car_label_rules(), steering_ratio)
+        car = read_car_labels(drive, settings.car_label_rules(), steering_ratio)
         label = human_labels(car)
         labels.update(car.describe())
     if has_reports(present) and settings.command_topic in present:
         labels["also_in_bag"] = "pacmod3 reports" if labels["from"] == settings.command_topic else settings.command_topic
     tolerance_ns = int(settings.match_tolerance_s * 1e9)
-    states = bag_states(path)
+    states = bag_states(drive)
 
-    for message in read_messages(path, [settings.camera_topic], first, stop):
-        msg = message.msg
-        frame = label(stamp_ns(msg.header), message.log_time_ns)
+    for camera_frame in drive.camera.frames(first, stop):
+        frame = label(camera_frame.stamp_ns, camera_frame.log_ns)
         if frame.drop_reason:
             yield frame
             continue
         try:
-            frame.rgb = to_rgb(msg.data, msg.height, msg.width, msg.encoding, msg.step)
+            frame.rgb = camera_frame.rgb()
         except ImageError:
             frame.drop_reason = "undecodable_image"
             yield frame
@@ -473,14 +471,14 @@ def extract(inputs: Sequence, out, extractor, extractor_config: dict | None = No
     `processes` (torchrun) each takes an equal contiguous block of units, and the cache is the same
     as one process writes. A cut-short run resumes with the units not finished (UnitCacheWriter).
     """
-    from sps_driving.ros.bagio import message_count
+    from sps_driving.ros.bagio import message_count, topic_types
     from sps_driving.ros.graph import car_facts
 
     procs = processes or Processes()
     inputs = [Path(p) for p in inputs]
     kinds = check_inputs(inputs, settings)
     sources = source_names(inputs)
-    totals = [message_count(path, settings.camera_topic) if kind == "rosbag2" else len(folder_rows(path))
+    totals = [message_count(path, camera_topic(topic_types(path), settings)) if kind == "rosbag2" else len(folder_rows(path))
               for path, kind in zip(inputs, kinds)]
     steering_ratio = float(car_facts(params_file)["steering_ratio"])
     meta = _cache_meta(extractor, extractor_config, inputs, groups, orbital_every)

@@ -17,8 +17,8 @@ and partly the stack's.
 Only the human's driving is the expert: a frame while the stack drove (PACMod enabled without
 an override) is left out unless `label_stack_driving`; so are frames in reverse (the shift
 report's gear, when recorded, or a negative speed) and at standstill (below `min_speed_mps`).
-Who drove when comes from the engagement history `sps-driving interventions` reads
-(sps_driving.ros.engagement.autonomy_log, by log time, so a frame is placed by its log time);
+Who drove when comes from the engagement history `sps-driving interventions` reads (the drive's,
+sps_driving.ros.drive, by log time, so a frame is placed by its log time);
 its safety-driver overrides are the interventions, and the frames within
 `intervention_window_s` after each are marked: the states where the stack failed, labelled by
 the human who took over (what human-gated DAgger trains on).
@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from sps_driving.core import topics
 from sps_driving.core.control import from_pacmod
+from sps_driving.core.resources import config_path
 from sps_driving.core.state import PACMOD_SPEED_REPORT, nearest
-from sps_driving.ros.engagement import BOOL, GLOBAL_RPT, SYSTEM_RPT_FLOAT, SYSTEM_RPT_INT, autonomy_log
+from sps_driving.ros.drive import Drive
+from sps_driving.ros.engagement import BOOL, GLOBAL_RPT, SYSTEM_RPT_FLOAT, SYSTEM_RPT_INT
 
 # The reports every label is made of: name -> (topic, message type).
 REPORTS = {
@@ -50,6 +53,8 @@ GEAR_REPORT = (topics.PACMOD_SHIFT_RPT, SYSTEM_RPT_INT)  # optional: the gear, f
 ENGAGEMENT_REPORTS = ((topics.PACMOD_GLOBAL_RPT, GLOBAL_RPT), (topics.PACMOD_ENABLED, BOOL))
 HANDOVERS = ("engage", "disengage", "override")
 # Why a frame gets no label, in the order the rules are applied.
+# Where a bag's labels come from: the reference command, the car's reports, or the first of them the bag has.
+LABEL_SOURCES = ("auto", "command", "pacmod3")
 DROP_REASONS = ("stack_driving", *(f"near_{kind}" for kind in HANDOVERS), "report_gap", "across_handover", "speed_invalid",
                 "reverse", "standstill")
 
@@ -115,11 +120,31 @@ def interpolate(values: np.ndarray, where: tuple[int, float]) -> float:
     return float(values[i]) if fraction == 0.0 else float(values[i] + fraction * (values[i + 1] - values[i]))
 
 
-def _series(stamps: list, values: list, log_times: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A report series in stamp order: (stamps, values, log times)."""
-    order = np.argsort(stamps, kind="stable")
-    return (np.asarray(stamps, dtype=np.int64)[order], np.asarray(values, dtype=np.float64)[order],
-            np.asarray(log_times, dtype=np.int64)[order])
+def _series(drive: Drive, topic: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A report series of the drive in stamp order: (stamps, values, log times)."""
+    series = drive.series.get(topic)
+    if series is None:  # recorded, but not one message
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
+    order = np.argsort(series.stamp_ns, kind="stable")
+    return series.stamp_ns[order], series.values[order, 0], series.log_ns[order]
+
+
+def label_source(present: dict, chosen: str, command_topic: str) -> str:
+    """"command" or "pacmod3": where the labels of a bag with topics `present` ({topic: message
+    type}) come from. auto: the reference command when the bag has it (the world's bags), else
+    the PACMod 3 reports."""
+    if chosen not in LABEL_SOURCES:
+        raise ValueError(f"label_source must be one of {LABEL_SOURCES}, got {chosen!r}")
+    if chosen != "auto":
+        return chosen
+    return "command" if command_topic in present or not has_reports(present) else "pacmod3"
+
+
+def configured_rules(path=None) -> tuple[CarLabelRules, str]:
+    """(the car-label rules, the label source) of config/train.yaml's `extract:` section."""
+    section = (yaml.safe_load(Path(path or config_path("train.yaml")).read_text()) or {}).get("extract", {})
+    names = {f.name for f in fields(CarLabelRules)}
+    return CarLabelRules(**{k: v for k, v in section.items() if k in names}), section.get("label_source", "auto")
 
 
 class CarLabels:
@@ -247,30 +272,14 @@ def shift_reverse() -> int:
     return int(TYPESTORE.types[SYSTEM_RPT_INT].SHIFT_REVERSE)
 
 
-def read_car_labels(bag: Path, rules: CarLabelRules, steering_ratio: float) -> CarLabels:
-    """The PACMod 3 reports and the engagement history of `bag`. ValueError when it lacks reports
+def read_car_labels(drive: Drive, rules: CarLabelRules, steering_ratio: float) -> CarLabels:
+    """The PACMod 3 reports and the engagement history of a drive. ValueError when it lacks reports
     labels need (`missing_reports`)."""
-    from sps_driving.ros.bagio import read_messages, topic_types
-    from sps_driving.ros.msgs import speed_from_message, stamp_ns
-
-    present = topic_types(bag)
-    missing = missing_reports(present, rules)
+    missing = missing_reports(drive.topics, rules)
     if missing:
-        raise ValueError(f"bag {bag} has no {', '.join(missing)}: no labels from the car's reports")
-    by_topic = {topic: name for name, (topic, _) in REPORTS.items()}
-    has_gear = present.get(GEAR_REPORT[0]) == GEAR_REPORT[1]
-    series: dict[str, tuple[list, list, list]] = {name: ([], [], []) for name in [*REPORTS, "gear"]}
-    for item in read_messages(bag, [*by_topic, *([GEAR_REPORT[0]] if has_gear else [])]):
-        name = by_topic.get(item.topic, "gear")
-        if name == "speed_mps":
-            speed = speed_from_message(item.msg)
-            value = math.nan if speed is None else speed
-        else:
-            value = float(item.msg.output)
-        series[name][0].append(stamp_ns(item.msg.header))
-        series[name][1].append(value)
-        series[name][2].append(item.log_time_ns)
-    reports = {name: _series(*series[name]) for name in REPORTS}
-    gear = _series(*series["gear"])[:2] if has_gear else None
-    log, roles = autonomy_log(bag)
-    return CarLabels(reports, gear, log.transitions, rules, steering_ratio, roles)
+        raise ValueError(f"bag {drive.path} has no {', '.join(missing)}: no labels from the car's reports")
+    reports = {name: _series(drive, topic) for name, (topic, _) in REPORTS.items()}
+    has_gear = drive.topics.get(GEAR_REPORT[0]) == GEAR_REPORT[1] and GEAR_REPORT[0] in drive.series
+    gear = _series(drive, GEAR_REPORT[0])[:2] if has_gear else None
+    transitions = drive.engagement.transitions if drive.engagement is not None else []
+    return CarLabels(reports, gear, transitions, rules, steering_ratio, drive.engagement_sources)
