@@ -159,10 +159,10 @@ def one_run(way: str, args, bus: Bus, env: dict) -> dict:
                                stderr=subprocess.DEVNULL, start_new_session=True)
     log = open(args.log_dir / f"{way}.log", "w")
     launch = subprocess.Popen(
-        ["ros2", "launch", "sps_driving", "sps_driving.launch.py", "vehicle_backend:=pacmod3", f"camera_source:={args.frames}",
+        ["ros2", "launch", "sps_driving", args.launch_file, "vehicle_backend:=pacmod3", f"camera_source:={args.frames}",
          *([f"params_file:={args.params_file}"] if args.params_file else [])],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    result = {"way": way}
+    result = {"way": way, "launch_file": args.launch_file}
     try:
         deadline = time.monotonic() + args.ready_s
         why = ""
@@ -198,6 +198,7 @@ def one_run(way: str, args, bus: Bus, env: dict) -> dict:
                 break
             time.sleep(0.005)
         time.sleep(1.0)  # what reaches the car after the stop
+        launch.poll()
         with bus.lock:
             brake = next((t for t, enable, value in bus.brake_cmds if t >= signalled and enable and value > 0), None)
             on_bus = next((t for t, s in bus.sent if t >= signalled and s.get("brake.enable") and s.get("brake.command", 0) > 0), None)
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--frames", type=Path, required=True, help="image folder for the camera driver")
     parser.add_argument("--params-file", type=Path, default=None, help="params_file:= of the launch (e.g. with camera_driver loop true)")
+    parser.add_argument("--launch-file", default="sps_driving.launch.py", help="the launch file of sps_driving to run")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument("--runs", type=int, default=1, help="runs of each way, interleaved")
     parser.add_argument("--drive-s", type=float, default=3.0, help="s driven between engagement and the signal")

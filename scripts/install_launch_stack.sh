@@ -88,3 +88,11 @@ if ! {
     exit 1
 fi
 "$python" -c "import composition_interfaces.srv, launch_ros, ros2cli; print('launch stack installed:', launch_ros.__file__)"
+# What sourcing a distro's setup.bash does for these packages: the ament index of the venv prefix,
+# where `ros2 launch` and find-pkg-share look packages up (launch's own included).
+cat > "$prefix/setup.bash" <<SETUP
+# The launch stack of $prefix (scripts/install_launch_stack.sh): source it where a distro's
+# /opt/ros/\$ROS_DISTRO/setup.bash would be, before the workspace's install/setup.bash.
+export AMENT_PREFIX_PATH="$prefix\${AMENT_PREFIX_PATH:+:\$AMENT_PREFIX_PATH}"
+SETUP
+echo "source $prefix/setup.bash where a distro's setup.bash would be sourced"
