@@ -18,6 +18,11 @@ input is fresh, lets the graph drive for `--drive-s`, then stops the launch one 
   every process of the launch still left (KillMode=mixed, KillSignal=SIGINT: systemd.kill(5)'s
   "subsequent SIGKILL ... to all remaining processes"; at once, the harshest reading).
 
+Jazzy's `ros2 launch` sends its processes a SIGINT of its own only when its standard input is not
+a terminal (`--noninteractive`, Humble's has no such mode): the launch gets a terminal as its
+standard input for the first three ways, as from a shell, and /dev/null under the service manager's
+two (`--stdin` overrides).
+
 Two figures per run: from the signal to the first braking command the vehicle interface or the
 failsafe sends (`/pacmod/brake_cmd`, enable and brake > 0) and to the first period the driver sends
 to the car with it (`/pacmod3_standin/sent`), and from the signal until no process of the launch is
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -158,11 +164,13 @@ def one_run(way: str, args, bus: Bus, env: dict) -> dict:
     standin = subprocess.Popen(["ros2", "run", "sps_driving", "pacmod3_standin"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     log = open(args.log_dir / f"{way}.log", "w")
+    stdin = args.stdin or ("null" if way.startswith("systemd") else "tty")
+    terminal, stdin_file = pty.openpty() if stdin == "tty" else (None, subprocess.DEVNULL)
     launch = subprocess.Popen(
         ["ros2", "launch", "sps_driving", args.launch_file, "vehicle_backend:=pacmod3", f"camera_source:={args.frames}",
          *([f"params_file:={args.params_file}"] if args.params_file else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    result = {"way": way, "launch_file": args.launch_file}
+        env=env, stdin=stdin_file, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    result = {"way": way, "launch_file": args.launch_file, "stdin": stdin}
     try:
         deadline = time.monotonic() + args.ready_s
         why = ""
@@ -174,7 +182,14 @@ def one_run(way: str, args, bus: Bus, env: dict) -> dict:
         else:
             raise RuntimeError(f"{way}: not engaged within {args.ready_s} s: {why}")
         result["engaged_after_s"] = round(args.ready_s - (deadline - time.monotonic()), 1)
-        time.sleep(args.drive_s)
+        driving_from = None
+        while driving_from is None and time.monotonic() < deadline + args.drive_s + 20:
+            time.sleep(0.1)
+            with bus.lock:
+                driving_from = next((t for t, s in bus.sent if s.get("accel.enable") and s.get("accel.command", 0) > 0), None)
+        if driving_from is None:
+            raise RuntimeError(f"{way}: engaged, but no accelerator reached the car")
+        time.sleep(max(0.0, driving_from + args.drive_s - time.monotonic()))
         processes = descendants(launch.pid)
         result["processes"] = len(processes) + 1
         with bus.lock:
@@ -222,6 +237,9 @@ def one_run(way: str, args, bus: Bus, env: dict) -> dict:
                 pass
         launch.wait()
         log.close()
+        if terminal is not None:
+            os.close(terminal)
+            os.close(stdin_file)
         os.killpg(standin.pid, signal.SIGINT)
         standin.wait()
         with bus.lock:
@@ -236,9 +254,11 @@ def main(argv=None) -> int:
     parser.add_argument("--frames", type=Path, required=True, help="image folder for the camera driver")
     parser.add_argument("--params-file", type=Path, default=None, help="params_file:= of the launch (e.g. with camera_driver loop true)")
     parser.add_argument("--launch-file", default="sps_driving.launch.py", help="the launch file of sps_driving to run")
+    parser.add_argument("--stdin", choices=("tty", "null"), default=None,
+                        help="the launch's standard input (default: a terminal, /dev/null for the systemd ways)")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument("--runs", type=int, default=1, help="runs of each way, interleaved")
-    parser.add_argument("--drive-s", type=float, default=3.0, help="s driven between engagement and the signal")
+    parser.add_argument("--drive-s", type=float, default=3.0, help="s driven between the first accelerator on the bus and the signal")
     parser.add_argument("--ready-s", type=float, default=180.0, help="s allowed from the launch to engagement")
     parser.add_argument("--gone-timeout-s", type=float, default=30.0, help="s to wait for every process to exit")
     parser.add_argument("--pause-s", type=float, default=12.0, help="s between runs (the DDS lease is 10 s)")
