@@ -11,7 +11,7 @@ process runner replaced by one that records each process instead of starting it;
 remaps) is launch's own. Per node: executable (the command up to the ROS arguments, the install
 prefix written as <prefix>), node name and namespace, parameters (the params file by its path in
 the package, and the values launch_ros wrote for <param>, as typed by it), remaps, launch's respawn
-setting, the ROS arguments (the enclave) and the environment the launch set.
+setting and the enclave; per case, the environment the launch set.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-def resolve(arguments: list[str]) -> list[dict]:
+def resolve(arguments: list[str]) -> dict:
     from ament_index_python.packages import get_package_prefix, get_package_share_directory
     from launch.actions import execute_local
     from launch.launch_description_sources import AnyLaunchDescriptionSource
@@ -64,8 +64,7 @@ def resolve(arguments: list[str]) -> list[dict]:
         details = action.process_details
         cmd = [portable(part) for part in details["cmd"]]
         ros = cmd.index("--ros-args") if "--ros-args" in cmd else len(cmd)
-        entry = {"executable": cmd[:ros], "launch_respawn": bool(action._ExecuteLocal__respawn),
-                 "env": {k: portable(v) for k, v in (details["env"] or {}).items() if os.environ.get(k) != v}}
+        entry = {"executable": cmd[:ros], "launch_respawn": bool(action._ExecuteLocal__respawn)}
         if isinstance(action, Node):
             entry.update({"name": action.node_name, "namespace": action.expanded_node_namespace,
                           "remaps": [list(rule) for rule in action.expanded_remapping_rules or []],
@@ -86,7 +85,7 @@ def resolve(arguments: list[str]) -> list[dict]:
         action._ExecuteLocal__completed_future.set_result(None)  # as if it had run and ended
 
     execute_local.ExecuteLocal._ExecuteLocal__execute_process = record_instead_of_running
-    os.environ.pop("FASTDDS_DEFAULT_PROFILES_FILE", None)  # so that the launch's own <set_env> shows
+    before = dict(os.environ)
     service = launch.LaunchService(argv=arguments, noninteractive=True)
     service.include_launch_description(launch.LaunchDescription([
         launch.actions.IncludeLaunchDescription(
@@ -96,16 +95,21 @@ def resolve(arguments: list[str]) -> list[dict]:
     if service.run() != 0:
         raise RuntimeError(f"the launch failed with {arguments}")
     asyncio.set_event_loop(asyncio.new_event_loop())
-    return sorted(recorded, key=lambda e: e.get("name", ""))
+    # <set_env> sets launch's environment, which is this process's.
+    environment = {k: portable(v) for k, v in os.environ.items() if before.get(k) != v}
+    os.environ.clear()
+    os.environ.update(before)
+    return {"arguments": arguments, "environment": environment, "processes": sorted(recorded, key=lambda e: e.get("name", ""))}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "test" / "data" / "car_launch_resolved.json")
     args = parser.parse_args(argv)
+    os.environ.pop("FASTDDS_DEFAULT_PROFILES_FILE", None)  # so that the launch's own <set_env> shows
     record = {
         "resolved_by": {name: version(name) for name in ("launch", "launch_xml", "launch_ros")},
-        "cases": {name: {"arguments": arguments, "processes": resolve(arguments)} for name, arguments in CASES.items()},
+        "cases": {name: resolve(arguments) for name, arguments in CASES.items()},
     }
     args.out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     counts = ", ".join(f"{name}: {len(case['processes'])} processes" for name, case in record["cases"].items())
