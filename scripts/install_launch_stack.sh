@@ -47,11 +47,8 @@ done
 # The wheels' exported *__rosidl_generator_py targets name include directories of the container
 # they were built in; point them at this Python's once every target is known (deferred to the end
 # of the configure step), as interfaces/pacmod3_msgs/CMakeLists.txt does for itself.
-build_dir="$prefix/build/interfaces/composition_interfaces"
-log="$build_dir.log"
-rm -rf "$build_dir"
-mkdir -p "$build_dir"
-fix="$build_dir/fix_wheel_includes.cmake"
+mkdir -p "$prefix/build/interfaces"
+fix="$prefix/build/interfaces/fix_wheel_includes.cmake"
 cat > "$fix" <<'CMAKE'
 find_package(Python3 REQUIRED COMPONENTS Interpreter Development NumPy)
 function(fix_wheel_includes)
@@ -71,22 +68,8 @@ function(fix_wheel_includes)
 endfunction()
 cmake_language(DEFER CALL fix_wheel_includes)
 CMAKE
-echo "building composition_interfaces into $prefix (log: $log)"
-if ! {
-    cmake -S "$sources/rcl_interfaces/composition_interfaces" -B "$build_dir/build" \
-        -DCMAKE_PROJECT_INCLUDE="$fix" \
-        -DCMAKE_PREFIX_PATH="$prefix" \
-        -DCMAKE_INSTALL_PREFIX="$prefix" \
-        -DPython3_EXECUTABLE="$python" \
-        -DCMAKE_BUILD_TYPE=Release \
-        -DBUILD_TESTING=OFF &&
-        cmake --build "$build_dir/build" --parallel "$(nproc)" &&
-        cmake --install "$build_dir/build"
-} > "$log" 2>&1; then
-    tail -n 40 "$log" >&2
-    echo "$0: building composition_interfaces failed; full log: $log" >&2
-    exit 1
-fi
+INTERFACES_CMAKE_ARGS="-DCMAKE_PROJECT_INCLUDE=$fix" \
+    "$(dirname "$0")/build_interfaces.sh" "$prefix" "$sources/rcl_interfaces/composition_interfaces"
 "$python" -c "import composition_interfaces.srv, launch_ros, ros2cli; print('launch stack installed:', launch_ros.__file__)"
 # What sourcing a distro's setup.bash does for these packages: the ament index of the venv prefix,
 # where `ros2 launch` and find-pkg-share look packages up (launch's own included).
