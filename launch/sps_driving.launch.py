@@ -19,6 +19,10 @@ and the supervisors act on the first). SIGTERM to the launch process ends launch
 node then gets SIGTERM from Linux as its parent dies (sps_driving/ros/process.py) and stops as on
 Ctrl-C. The signal table of docs/vehicle.md says how soon the car brakes in each case.
 
+A launch started in the background of a shell script (`ros2 launch ... &`) inherits SIGINT
+ignored, and launch would then never see a SIGINT: this file gives it back Python's own handler,
+through which launch receives it, so that such a launch stops like any other.
+
 When the driver runs in a launch of its own, nothing is shut down, as here while one of the two
 lives.
 
@@ -76,7 +80,17 @@ class SigintToEveryProcess:
                 RegisterEventHandler(OnShutdown(on_shutdown=self.on_shutdown))]
 
 
+def take_sigint_again() -> bool:
+    """Undo an ignored SIGINT (inherited from a shell's background job); True if it was ignored.
+    launch hears SIGINT only through Python's handler, which Python does not install then."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        return False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return True
+
+
 def generate_launch_description():
+    was_ignored = take_sigint_again()
     # A plain path, so that `ros2 launch ... --show-args` can list the XML's arguments.
     graph = IncludeLaunchDescription(AnyLaunchDescriptionSource(os.path.join(os.path.dirname(__file__), "sps_driving.launch.xml")))
     exited = set()
@@ -92,4 +106,5 @@ def generate_launch_description():
         OnProcessExit(target_action=is_car_stopper, on_exit=shut_down_when_none_is_left),
         condition=IfCondition(LaunchConfiguration("launch_driver", default="false")),
     )
-    return LaunchDescription([*SigintToEveryProcess().handlers(), graph, tie])
+    told = [LogInfo(msg="SIGINT was ignored by this launch (started in a shell's background): taken again")] if was_ignored else []
+    return LaunchDescription([*told, *SigintToEveryProcess().handlers(), graph, tie])

@@ -175,6 +175,21 @@ def test_a_sigint_to_the_launch_alone_reaches_every_process_it_still_runs(monkey
             child.wait()
 
 
+def test_a_launch_started_with_sigint_ignored_takes_it_again(monkeypatch):
+    """`ros2 launch ... &` in a script starts launch with SIGINT ignored, and launch hears SIGINT
+    only through Python's handler: the car launch puts that handler back (and says so)."""
+    car_launch = car_launch_module(monkeypatch)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        told = car_launch.generate_launch_description().args[0][0]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert "SIGINT was ignored" in told.kwargs["msg"]
+        assert not car_launch.take_sigint_again()  # not ignored: left as it is
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("order", [("/vehicle_interface", "/failsafe"), ("/failsafe", "/vehicle_interface")])
 def test_with_the_driver_the_car_launch_shuts_down_once_neither_node_that_stops_the_car_is_left(monkeypatch, order):
     # While the failsafe or the vehicle interface lives it stops the car; with both gone the
