@@ -3,14 +3,18 @@
 # them into a Python venv that holds the ROS 2 wheels of requirements-ros.txt, for machines without a
 # ROS distro. On the car the distro provides these packages: never run this there.
 #
-#   scripts/build_interfaces.sh VENV
+#   scripts/build_interfaces.sh VENV [PACKAGE_DIR ...]
+#
+# PACKAGE_DIR: interface packages to build (default: interfaces/pacmod3_msgs); extra cmake
+# arguments come from INTERFACES_CMAKE_ARGS (scripts/install_launch_stack.sh builds
+# composition_interfaces this way).
 #
 # Installs into the venv prefix itself: the generated libraries carry no RUNPATH, and the ROS wheels
 # already put VENV/lib on the library path of every Python started from the venv.
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-    echo "usage: $0 VENV" >&2
+if [[ $# -lt 1 ]]; then
+    echo "usage: $0 VENV [PACKAGE_DIR ...]" >&2
     exit 2
 fi
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,8 +25,15 @@ if [[ ! -x "$python" ]]; then
     exit 2
 fi
 
-for package in pacmod3_msgs; do
-    source_dir="$root/interfaces/$package"
+shift
+package_dirs=("$@")
+if [[ ${#package_dirs[@]} -eq 0 ]]; then
+    package_dirs=("$root/interfaces/pacmod3_msgs")
+fi
+read -r -a extra_cmake_args <<< "${INTERFACES_CMAKE_ARGS:-}"
+for source_dir in "${package_dirs[@]}"; do
+    source_dir="$(cd "$source_dir" && pwd)"
+    package="$(basename "$source_dir")"
     # Build trees live in the venv, never in the source tree; a fresh one each time, so a moved
     # checkout or a changed venv never meets a stale CMake cache.
     build_dir="$prefix/build/interfaces/$package"
@@ -38,7 +49,7 @@ for package in pacmod3_msgs; do
             -DCMAKE_INSTALL_PREFIX="$prefix" \
             -DPython3_EXECUTABLE="$python" \
             -DCMAKE_BUILD_TYPE=Release \
-            -DBUILD_TESTING=OFF &&
+            -DBUILD_TESTING=OFF "${extra_cmake_args[@]}" &&
             cmake --build "$build_dir" --parallel "$(nproc)" &&
             cmake --install "$build_dir"
     } > "$log" 2>&1; then

@@ -1,12 +1,17 @@
 """The car launch file, checked without the `launch` package: every node is a real entry point,
 every parameter it sets (directly or through the params file) is declared by that node with a
-value the node accepts, every argument it uses is declared, and remaps name topics the nodes use."""
+value the node accepts, every argument it uses is declared, and remaps name topics the nodes use.
+This reading of the XML is checked against what the real launch (Jazzy's) resolved the file to,
+test/data/car_launch_resolved.json, written by scripts/resolve_launch.py."""
 
 import configparser
 import functools
 import importlib.util
+import json
 import pkgutil
 import re
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +27,7 @@ from sps_driving.ros.nodes.common import specs
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch" / "sps_driving.launch.xml"
 EVERY_NODE = "/**"  # the params file's section for every node that declares its parameters
+RESOLVED = ROOT / "test" / "data" / "car_launch_resolved.json"
 
 
 @functools.cache
@@ -114,16 +120,15 @@ def test_the_driver_starts_before_our_nodes(launch):
     assert '"sps_driving.launch.xml"' in (ROOT / "launch" / "sps_driving.launch.py").read_text()
 
 
-def car_launch_exit_handler(monkeypatch):
-    """(matcher, on_exit) of the car launch's process-exit handler. `launch` is not on PyPI, so its
-    classes are recording stand-ins here; the file was run under the real Humble and Jazzy front
-    ends (docs/vehicle.md)."""
+def car_launch_module(monkeypatch):
+    """sps_driving.launch.py with `launch`'s classes as recording stand-ins (`launch` is not on PyPI;
+    the file was run under the real Humble and Jazzy front ends, docs/vehicle.md)."""
     class Recorded:
         def __init__(self, *args, **kwargs):
             self.args, self.kwargs = args, kwargs
 
     names = {"launch": ["LaunchDescription"], "launch.actions": ["IncludeLaunchDescription", "LogInfo", "RegisterEventHandler", "Shutdown"],
-             "launch.conditions": ["IfCondition"], "launch.event_handlers": ["OnProcessExit"],
+             "launch.conditions": ["IfCondition"], "launch.event_handlers": ["OnProcessExit", "OnProcessStart", "OnShutdown"],
              "launch.launch_description_sources": ["AnyLaunchDescriptionSource"], "launch.substitutions": ["LaunchConfiguration"]}
     for module_name, classes in names.items():
         module = type(sys)(module_name)
@@ -133,10 +138,56 @@ def car_launch_exit_handler(monkeypatch):
     spec = importlib.util.spec_from_file_location("car_launch", ROOT / "launch" / "sps_driving.launch.py")
     car_launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(car_launch)
-    (graph, tie), = car_launch.generate_launch_description().args
+    return car_launch
+
+
+def car_launch_exit_handler(monkeypatch):
+    """(matcher, on_exit) of the car launch's process-exit handler."""
+    *_sigint, graph, tie = car_launch_module(monkeypatch).generate_launch_description().args[0]
     assert tie.kwargs["condition"].args[0].args == ("launch_driver",)
     handler = tie.args[0].kwargs
     return handler["target_action"], handler["on_exit"]
+
+
+@pytest.mark.parametrize("due_to_sigint", [True, False])
+def test_a_sigint_to_the_launch_alone_reaches_every_process_it_still_runs(monkeypatch, due_to_sigint):
+    """launch takes any SIGINT for a terminal's Ctrl-C and signals nothing for 5 s: the car launch
+    passes it on to each process started and not yet exited (real processes here), and leaves a
+    shutdown of another cause to launch."""
+    passer = car_launch_module(monkeypatch).SigintToEveryProcess()
+    event = lambda **fields: type("Event", (), fields)()  # noqa: E731
+    children = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]  # default SIGINT action: end
+    try:
+        for i, child in enumerate(children):
+            passer.started(event(pid=child.pid, process_name=f"node-{i}"), None)
+        children[2].kill()
+        children[2].wait()
+        passer.exited(event(pid=children[2].pid), None)
+        said = passer.on_shutdown(event(due_to_sigint=due_to_sigint), None)
+        if due_to_sigint:
+            assert [child.wait(timeout=10) for child in children[:2]] == [-signal.SIGINT] * 2
+            assert "node-0" in said[0].kwargs["msg"] and "node-2" not in said[0].kwargs["msg"]
+        else:
+            assert said is None and [child.poll() for child in children[:2]] == [None, None]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def test_a_launch_started_with_sigint_ignored_takes_it_again(monkeypatch):
+    """`ros2 launch ... &` in a script starts launch with SIGINT ignored, and launch hears SIGINT
+    only through Python's handler: the car launch puts that handler back (and says so)."""
+    car_launch = car_launch_module(monkeypatch)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        told = car_launch.generate_launch_description().args[0][0]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert "SIGINT was ignored" in told.kwargs["msg"]
+        assert not car_launch.take_sigint_again()  # not ignored: left as it is
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.parametrize("order", [("/vehicle_interface", "/failsafe"), ("/failsafe", "/vehicle_interface")])
@@ -244,3 +295,63 @@ def test_the_policy_reads_the_speed_the_vehicle_interface_reads_and_a_target_bel
     assert 0 < sections["policy"]["target_speed_mps"] < sections["vehicle_interface"]["max_speed_mps"]
     values = {n.get("exec"): {p.get("name"): p.get("value") for p in n.findall("param")} for n in launch.findall("node")}
     assert values["policy"]["vehicle_backend"] == values["vehicle_interface"]["backend"] == "$(var vehicle_backend)"
+
+
+def static_resolution(case_arguments: list[str]) -> dict:
+    """What this test's reading of the XML says the launch starts with `case_arguments` (NAME:=VALUE),
+    in the record's terms: the install prefix and share folder as <prefix> and <share>."""
+    root = ET.parse(LAUNCH).getroot()
+    arguments = {a.get("name"): a.get("default") for a in root.iter("arg")}
+    arguments.update(a.split(":=", 1) for a in case_arguments)
+
+    def expand(text: str) -> str:
+        text = text.replace("$(find-pkg-share sps_driving)", "<share>").replace("$(find-pkg-prefix sps_driving)", "<prefix>")
+        return re.sub(r"\$\(var ([a-z_]+)\)", lambda m: expand(arguments[m.group(1)]), text)
+
+    def applies(element) -> bool:
+        return (element.get("if") is None or expand(element.get("if")) == "true") and (
+            element.get("unless") is None or expand(element.get("unless")) != "true")
+
+    environment = {}
+    for element in root:
+        if element.tag == "let":
+            arguments[element.get("name")] = expand(element.get("value"))
+        elif element.tag == "set_env":
+            environment[element.get("name")] = expand(element.get("value"))
+    processes = []
+    for node in (n for n in root.findall("node") if applies(n)):
+        values = {}
+        for param in node.findall("param"):
+            if param.get("name"):
+                values[param.get("name")] = as_launch_types_it(expand(param.get("value")))
+        enclave = shlex.split(node.get("ros_args", ""))
+        processes.append({
+            "name": "/" + node.get("name"), "namespace": node.get("namespace"),
+            "executable": shlex.split(expand(node.get("launch-prefix", ""))) + [f"<prefix>/lib/{node.get('pkg')}/{node.get('exec')}"],
+            "launch_respawn": node.get("respawn", "false") == "true",
+            "params_files": [expand(p.get("from")) for p in node.findall("param") if p.get("from")],
+            "param_values": values,
+            "remaps": [[r.get("from"), expand(r.get("to"))] for r in node.findall("remap")],
+            "enclave": enclave[enclave.index("--enclave") + 1] if "--enclave" in enclave else None,
+        })
+    return {"arguments": case_arguments, "environment": environment, "processes": sorted(processes, key=lambda p: p["name"])}
+
+
+@pytest.mark.parametrize("case", sorted(json.loads(RESOLVED.read_text())["cases"]))
+def test_this_reading_of_the_launch_file_is_what_the_real_launch_resolved(case):
+    """Each node's executable (with the supervisor and its settings), name, namespace, parameters
+    (file and typed values), remaps, respawn setting and enclave, and the environment the launch
+    sets: a change to the launch file that the static checks above would misread fails here.
+    After a change to the launch file, regenerate the record with the real launch
+    (scripts/resolve_launch.py; docs/results/car_launch.md says how)."""
+    resolved = json.loads(RESOLVED.read_text())["cases"][case]
+    assert static_resolution(resolved["arguments"]) == resolved
+
+
+def test_the_record_covers_the_operators_choices_and_the_supervisor_switch():
+    cases = json.loads(RESOLVED.read_text())["cases"]
+    names = {case: {p["name"] for p in c["processes"]} for case, c in cases.items()}
+    assert "/camera_driver" in names["defaults"] and "/camera_driver" not in names["operator"]  # use_vendor_camera
+    supervised = {case: {p["executable"][2] for p in c["processes"] if p["executable"][0].endswith("/respawn")}
+                  for case, c in cases.items()}
+    assert supervised == {"defaults": {"true"}, "operator": {"false"}}

@@ -6,6 +6,11 @@ In: the vehicle interface's heartbeat (topics.ACTUATION, every control period), 
 and steering reports. Out, only while it has taken over: PACMod steering, accelerator, brake and
 turn commands. Always: its status as a stop request on topics.FAILSAFE_STATUS (the vehicle
 interface stops when it is silent or says "stop") and on /diagnostics. Timers on the steady clock.
+
+A vehicle interface silent for longer than the DDS lease while its node is still in the graph (a
+stall: stopped, starved of CPU) can stay cut off from this process for good after it comes back
+(docs/vehicle.md, "A stalled node and the DDS lease"): the failsafe then goes on braking, and says
+so on /diagnostics (`cut_off`) and in its log, with the operator's remedy: restart the launch.
 """
 
 from __future__ import annotations
@@ -24,12 +29,17 @@ from sps_driving.ros import msgs
 from sps_driving.ros.nodes.common import SCHEDULING_PARAMETERS, Param, declare, now_ns, run, schedule
 
 DEFAULT_LIMITS = ControlLimits()
+VEHICLE_INTERFACE = ("vehicle_interface", "/")  # name, namespace
+CUT_OFF_REMEDY = ("the car stays braked; the graph may not reconnect by itself: disengage, stop the launch and start it "
+                  "again (docs/vehicle.md, A stalled node and the DDS lease)")
 PARAMETERS = {
     "silence_timeout_s": Param(0.2, "no heartbeat from the vehicle interface for this long while the car is enabled: stop", "s", above=0.0),
     "stop_brake": Param(DEFAULT_LIMITS.stop_brake, "brake pedal held in the stop", "fraction", above=0.0, max=1.0),
     "steering_ratio": Param(STEERING_RATIO, "steering-wheel angle / road-wheel angle", "ratio", above=0.0),
     "control_rate_hz": Param(DEFAULT_LIMITS.control_rate_hz, "command output while it has taken over", "Hz", above=0.0),
     "status_rate_hz": Param(10.0, "status (the vehicle interface requires it) and /diagnostics", "Hz", above=0.0),
+    "cut_off_after_s": Param(10.0, "vehicle interface silent this long while its node is still in the graph: a stall longer than "
+                             "the DDS lease (config/fastdds.xml), said on /diagnostics with the remedy", "s", above=0.0),
     **SCHEDULING_PARAMETERS,
 }
 
@@ -46,6 +56,8 @@ class FailsafeNode(Node):
         except ImportError as exc:
             raise ValueError("failsafe needs pacmod3_msgs (apt install ros-$ROS_DISTRO-pacmod3-msgs)") from exc
         self.logic = Failsafe(float(p["silence_timeout_s"]), float(p["stop_brake"]))
+        self.cut_off_after_s = float(p["cut_off_after_s"])
+        self.heartbeat_s: float | None = None
         # It holds the measured angle; the rate only bounds how fast the wheel may settle there.
         self.rotation_rate = DEFAULT_LIMITS.max_steering_rate_rad_s * float(p["steering_ratio"])
         steady = Clock(clock_type=ClockType.STEADY_TIME)
@@ -64,7 +76,8 @@ class FailsafeNode(Node):
         self.get_logger().info(f"watching {topics.ACTUATION}: silent {p['silence_timeout_s']} s while enabled -> stop")
 
     def _on_heartbeat(self, _msg) -> None:
-        self.logic.on_heartbeat(time.monotonic())
+        self.heartbeat_s = time.monotonic()
+        self.logic.on_heartbeat(self.heartbeat_s)
 
     def _on_global(self, msg) -> None:
         self.logic.on_car(bool(msg.enabled), bool(msg.override_active))
@@ -90,14 +103,29 @@ class FailsafeNode(Node):
         for system, message in msgs.pacmod_commands(pacmod, now_ns(self)).items():
             self.command_publishers[system].publish(message)
 
+    def _cut_off_for_s(self) -> float | None:
+        """Seconds the vehicle interface has been silent while still in the graph, once that is longer
+        than cut_off_after_s; None otherwise (it talks, it never talked, or it is gone)."""
+        if self.heartbeat_s is None:
+            return None
+        silent_s = time.monotonic() - self.heartbeat_s
+        if silent_s <= self.cut_off_after_s or VEHICLE_INTERFACE not in self.get_node_names_and_namespaces():
+            return None
+        return silent_s
+
     def _publish_status(self) -> None:
         stamp = now_ns(self)
         reason = f"vehicle interface silent: {self.logic.state.value}" if self.logic.active else ""
         self.status_pub.publish(msgs.stop_request_message(stamp, self.NODE_NAME, self.logic.active, reason))
-        level = msgs.Level.ERROR if self.logic.active else msgs.Level.OK
-        self.diagnostics.publish(
-            msgs.diagnostics(stamp, self.NODE_NAME, level, self.logic.state.value, {"trips": self.logic.trips}, hardware_id="pacmod3")
-        )
+        cut_off_s = self._cut_off_for_s()
+        level = msgs.Level.ERROR if self.logic.active or cut_off_s is not None else msgs.Level.OK
+        message = self.logic.state.value
+        if cut_off_s is not None:
+            message = (f"{message}; vehicle interface cut off: silent {cut_off_s:.0f} s while its node is in the graph, "
+                       f"longer than the DDS lease; {CUT_OFF_REMEDY}")
+            self.get_logger().error(message, throttle_duration_sec=10.0)
+        values = {"trips": self.logic.trips, "cut_off": cut_off_s is not None}
+        self.diagnostics.publish(msgs.diagnostics(stamp, self.NODE_NAME, level, message, values, hardware_id="pacmod3"))
 
 
 def main(args=None) -> int:
