@@ -17,6 +17,7 @@ less than the machine can do: efficiencies against it are then too high, never t
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -90,6 +91,7 @@ def _onnxruntime_rates(shapes, threads: int, seconds: float, int8: bool) -> list
 
 
 def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtype: str = "float32") -> list[float]:
+    """FLOP/s of torch.matmul at each shape (M, K, N), or (batch, M, K, N) for a batched product."""
     import torch
 
     device = torch.device(device)
@@ -106,13 +108,47 @@ def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtyp
     try:
         rates = []
         generator = torch.Generator().manual_seed(0)
-        for m, k, n in shapes:
-            a, b = (torch.randn(*size, generator=generator).to(device, getattr(torch, dtype)) for size in ((m, k), (k, n)))
+        for shape in shapes:
+            *batch, m, k, n = shape
+            a, b = (torch.randn(*batch, *size, generator=generator).to(device, getattr(torch, dtype))
+                    for size in ((m, k), (k, n)))
             with torch.inference_mode():
-                rates.append(_best_rate(lambda a=a, b=b: product(a, b), 2 * m * k * n, seconds))
+                rates.append(_best_rate(lambda a=a, b=b: product(a, b), 2 * math.prod(shape), seconds))
         return rates
     finally:
         torch.set_num_threads(before)
+
+
+def product_rates(shapes, threads: int, seconds: float = DEFAULT_SECONDS) -> list[float]:
+    """FLOP/s torch reaches on the CPU on `threads` threads for products of each shape (M, K, N) or
+    (batch, M, K, N), each timed alone: a training step's products (sps_driving.tools.bench_train)."""
+    return _torch_rates([tuple(int(v) for v in shape) for shape in shapes], threads, seconds)
+
+
+def attention_rates(shape, threads: int, seconds: float = DEFAULT_SECONDS) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of torch's fused scaled_dot_product_attention on the CPU at `shape`
+    (batch, heads, tokens, head width), counted as torch's FLOP counter counts it (forward two
+    products, backward four): with 16-wide heads it runs several times faster than its products
+    as separate batched matmuls, so a bound from those would not be one."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as attention
+
+    batch, heads, tokens, width = (int(v) for v in shape)
+    forward_flops = 4 * batch * heads * tokens * tokens * width
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(batch, heads, tokens, width, generator=generator, requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, heads, tokens, width, generator=generator)
+        with torch.no_grad():
+            forward = _best_rate(lambda: attention(q, k, v), forward_flops, seconds)
+        both = _best_rate(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad), 3 * forward_flops, seconds)
+    finally:
+        torch.set_num_threads(before)
+    # The backward's share of the fused pass's time, at the forward's rate for the forward's share.
+    backward_s = 3 * forward_flops / both - forward_flops / forward
+    return forward, 2 * forward_flops / max(backward_s, 1e-12)
 
 
 def measure_peak(threads: int, shapes=(LARGE,), seconds: float = DEFAULT_SECONDS, device: str = "cpu",
