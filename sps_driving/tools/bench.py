@@ -62,6 +62,8 @@ from tqdm import tqdm
 
 from sps_driving.core.resources import portable_path, shipped_policy, source_revision
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
+from sps_driving.tools.bench_train import CASES as TRAIN_CASES
+from sps_driving.tools.bench_train import run_train
 
 DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
 COMPONENTS = ("backbone", "per_patch", "projection", "policy")
@@ -121,6 +123,8 @@ def add_arguments(parser) -> None:
                         help="training throughput of the positional transformer and the grid MLP against the bound of "
                              "their own products, and where an epoch's time goes (sps_driving.tools.bench_train)")
     parser.add_argument("--train-threads", type=int, nargs="+", default=[1, 2], help="--train: torch thread counts timed")
+    parser.add_argument("--train-cases", nargs="+", choices=[label for label, _ in TRAIN_CASES],
+                        help="--train: the cases timed (default all: positional transformer and grid MLP at rates 0.5, 1.0)")
     parser.add_argument("--out", help="also write the JSON result to this file")
 
 
@@ -130,8 +134,6 @@ def run(args) -> int:
     if args.eval:
         return run_eval(args)
     if args.train:
-        from sps_driving.tools.bench_train import run_train
-
         return run_train(args)
     _count_cpu_attention_flops()
     repeats = args.repeats or (2 if args.quick else 3)

@@ -39,7 +39,7 @@ import torch
 
 from sps_driving.core.resources import source_revision
 from sps_driving.core.state import STATE_NAMES
-from sps_driving.tools.peak import DEFAULT_SECONDS, attention_rates, product_rates
+from sps_driving.tools.peak import DEFAULT_SECONDS, attention_flops, attention_rates, product_rates
 from sps_driving.train.cache import FeatureCacheWriter
 
 GRID = (12, 24)  # the road band's patches (rows, cols)
@@ -101,7 +101,7 @@ def training_products(settings: dict, grid_n: int, dim: int, state_dim: int, bat
     hidden, head_dim = int(width * float(settings["mlp_ratio"])), width // int(settings["heads"])
     products = _linear("input_proj", rows, dim, width, input_grad=False)
     products += _linear("qkv", rows, width, 3 * width, count=depth)
-    products += [  # softmax(q k^T) v, torch's fused kernel: forward 2 products, backward 4 (dv, dp, dq, dk)
+    products += [  # softmax(q k^T) v, torch's fused kernel (peak.attention_flops)
         {"name": "attention", "pass": "forward", "shape": (batch, heads, grid_n, head_dim), "count": depth,
          "attention": True},
         {"name": "attention", "pass": "backward", "shape": (batch, heads, grid_n, head_dim), "count": depth,
@@ -115,11 +115,10 @@ def training_products(settings: dict, grid_n: int, dim: int, state_dim: int, bat
 
 
 def product_flops(product: dict) -> int:
-    """FLOPs of one entry of `training_products`: 2 per multiply-add (attention: q k^T and p v forward,
-    twice as many backward, as torch's FLOP counter counts the fused kernel)."""
+    """FLOPs of one entry of `training_products`, 2 per multiply-add (attention: `peak.attention_flops`)."""
     if product.get("attention"):
-        batch, heads, tokens, width = product["shape"]
-        return (4 if product["pass"] == "forward" else 8) * batch * heads * tokens * tokens * width * int(product["count"])
+        forward, backward = attention_flops(product["shape"])
+        return (forward if product["pass"] == "forward" else backward) * int(product["count"])
     batch, m, k, n = product["shape"]
     return 2 * batch * m * k * n * int(product["count"])
 
@@ -164,21 +163,24 @@ class PhaseTimes:
 
 
 def _timed_epoch(run, epoch: int) -> dict:
-    """One training epoch and its validation, timed by phase: {"train_s", "epoch_s", "frames", phase: s}."""
+    """One training epoch and its validation, timed by phase: {"train_s", "train_cpu_s" (the process's CPU
+    time, all threads: beside train_s it shows how much of the wall time other load took), "epoch_s",
+    "frames", phase: s}."""
     from sps_driving.train.trainer import validation_errors
 
     clock = PhaseTimes()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with contextlib.redirect_stderr(io.StringIO()):  # the epoch's progress bar
         _, frames = run.train_epoch(epoch, clock)
-    train_s = time.perf_counter() - start
+    train_s, train_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     with clock("validation"):
         validation_errors(run.policy, run.cache, run.val_frames, run.selector, run.state_names, run.cfg.batch_size,
                           run.procs.device)
     epoch_s = time.perf_counter() - start
     phases = dict(clock.seconds)
     phases["python"] = epoch_s - sum(phases.values())
-    return {"train_s": train_s, "epoch_s": epoch_s, "frames": frames, **{p: phases.get(p, 0.0) for p in PHASES}}
+    return {"train_s": train_s, "train_cpu_s": train_cpu_s, "epoch_s": epoch_s, "frames": frames,
+            **{p: phases.get(p, 0.0) for p in PHASES}}
 
 
 def _bound(products: list[dict], threads: int, seconds: float) -> dict:
@@ -198,20 +200,21 @@ def _bound(products: list[dict], threads: int, seconds: float) -> dict:
                        for (shape, kind), r in rates.items()]}
 
 
-def bench_train(repeats: int = 2, threads=(1, 2), seconds: float = DEFAULT_SECONDS, cases=CASES,
-                frames_per_source: int = FRAMES_PER_SOURCE, seed: int = 0) -> dict:
+def bench_train(repeats: int = 2, threads=(1, 2), seconds: float = DEFAULT_SECONDS, cases=CASES, grid=GRID,
+                dim: int = DESCRIPTOR_DIM, sources: int = SOURCES, frames_per_source: int = FRAMES_PER_SOURCE,
+                seed: int = 0) -> dict:
     """Every case on every thread count, interleaved: the result `format_train` prints."""
     from sps_driving.train.distributed import start_processes
     from sps_driving.train.trainer import TrainConfig, _TrainingRun
 
     before = torch.get_num_threads()
     result = {"revision": source_revision(), "load_average": list(os.getloadavg()), "repeats": repeats,
-              "threads": list(threads), "batch_size": None, "grid": list(GRID), "descriptor_dim": DESCRIPTOR_DIM,
-              "data": f"synthetic cache of {SOURCES} drives x {frames_per_source} frames (float16), built in the run",
+              "threads": list(threads), "batch_size": None, "grid": list(grid), "descriptor_dim": dim,
+              "data": f"synthetic cache of {sources} drives x {frames_per_source} frames (float16), built in the run",
               "cases": []}
     procs = start_processes("cpu")
     with tempfile.TemporaryDirectory(prefix="sps_bench_train_") as scratch:
-        cache = synthetic_cache(Path(scratch) / "cache", frames_per_source=frames_per_source, seed=seed)
+        cache = synthetic_cache(Path(scratch) / "cache", grid, dim, sources, frames_per_source, seed)
         runs = []
         for label, overrides in cases:
             cfg = TrainConfig.from_yaml(cache=str(cache), out=str(Path(scratch) / label), device="cpu", seed=seed,
@@ -260,12 +263,14 @@ def format_train(result: dict) -> str:
     lines = [f"training throughput (bench --train; {result['data']}; batch {result['batch_size']}, "
              f"grid {result['grid'][0]}x{result['grid'][1]} x {result['descriptor_dim']}; load average "
              f"{', '.join(f'{v:.2f}' for v in result['load_average'])}; revision {result['revision']})", "",
-             "| case | threads | frames/s | ms/frame | GFLOP/frame (shapes / torch counter) | GFLOP/s | "
+             "| case | threads | frames/s | ms/frame | CPU ms/frame | GFLOP/frame (shapes / torch counter) | GFLOP/s | "
              "bound GFLOP/s (own shapes) | bound frames/s | fraction of bound |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case in result["cases"]:
         for threads, entry in case["by_threads"].items():
+            cpu_ms = 1e3 * entry["best"]["train_cpu_s"] / entry["best"]["frames"]
             lines.append(f"| {case['label']} | {threads} | {entry['frames_per_s']:.0f} | {1e3 / entry['frames_per_s']:.2f} | "
+                         f"{cpu_ms:.2f} | "
                          f"{case['flops_per_frame'] / 1e9:.3f} / {case['counted_flops_per_frame'] / 1e9:.3f} | "
                          f"{entry['gflops']:.1f} | {entry['bound']['gflops']:.1f} | {entry['bound_frames_per_s']:.0f} | "
                          f"{entry['fraction_of_bound']:.0%} |")
@@ -282,8 +287,9 @@ def format_train(result: dict) -> str:
 def run_train(args) -> int:
     import json
 
+    cases = [case for case in CASES if not args.train_cases or case[0] in args.train_cases]
     result = bench_train(repeats=args.repeats or 2, seconds=args.calibration_seconds, seed=args.seed,
-                         threads=tuple(args.train_threads))
+                         threads=tuple(args.train_threads), cases=cases)
     text = json.dumps(result, indent=None if args.json else 2, default=_plain)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -127,28 +127,37 @@ def product_rates(shapes, threads: int, seconds: float = DEFAULT_SECONDS) -> lis
 
 def attention_rates(shape, threads: int, seconds: float = DEFAULT_SECONDS) -> tuple[float, float]:
     """(forward, backward) FLOP/s of torch's fused scaled_dot_product_attention on the CPU at `shape`
-    (batch, heads, tokens, head width), counted as torch's FLOP counter counts it (forward two
-    products, backward four): with 16-wide heads it runs several times faster than its products
-    as separate batched matmuls, so a bound from those would not be one."""
+    (batch, heads, tokens, head width), counted as torch's FLOP counter counts it (`attention_flops`):
+    with 16-wide heads it runs several times faster than its products as separate batched matmuls,
+    so a bound from those would not be one."""
     import torch
     from torch.nn.functional import scaled_dot_product_attention as attention
 
-    batch, heads, tokens, width = (int(v) for v in shape)
-    forward_flops = 4 * batch * heads * tokens * tokens * width
+    forward_flops, backward_flops = attention_flops(shape)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         generator = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(batch, heads, tokens, width, generator=generator, requires_grad=True) for _ in range(3))
-        grad = torch.randn(batch, heads, tokens, width, generator=generator)
+        q, k, v = (torch.randn(*shape, generator=generator, requires_grad=True) for _ in range(3))
+        grad = torch.randn(*shape, generator=generator)
         with torch.no_grad():
             forward = _best_rate(lambda: attention(q, k, v), forward_flops, seconds)
-        both = _best_rate(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad), 3 * forward_flops, seconds)
+        both = _best_rate(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad), forward_flops + backward_flops,
+                          seconds)
     finally:
         torch.set_num_threads(before)
-    # The backward's share of the fused pass's time, at the forward's rate for the forward's share.
-    backward_s = 3 * forward_flops / both - forward_flops / forward
-    return forward, 2 * forward_flops / max(backward_s, 1e-12)
+    # The backward's share of the fused pass's time, with the forward's share at the forward's rate.
+    backward_s = (forward_flops + backward_flops) / both - forward_flops / forward
+    return forward, backward_flops / max(backward_s, 1e-12)
+
+
+def attention_flops(shape) -> tuple[int, int]:
+    """(forward, backward) FLOPs of fused attention at (batch, heads, tokens, head width), 2 per
+    multiply-add: q k^T and p v forward; backward the scores again (the kernel recomputes them),
+    dp, dv, dq and dk, as torch's FLOP counter counts it."""
+    batch, heads, tokens, width = (int(v) for v in shape)
+    product = 2 * batch * heads * tokens * tokens * width
+    return 2 * product, 5 * product
 
 
 def measure_peak(threads: int, shapes=(LARGE,), seconds: float = DEFAULT_SECONDS, device: str = "cpu",

@@ -356,7 +356,7 @@ def validation_errors(policy: nn.Module, cache: FeatureCache, frames: np.ndarray
     selection = CacheSelection(cache, selector)
     for start in range(0, len(frames), batch_size):
         batch = frames[start:start + batch_size]
-        grids = torch.from_numpy(cache.descriptors(batch)).to(device)
+        grids = cache.descriptor_batch(batch).to(device)
         keep = selection.validation(batch, device)
         target = torch.from_numpy(cache.targets[batch]).to(device)
         state = None if states is None else torch.from_numpy(states[batch]).to(device)
