@@ -57,7 +57,9 @@ def test_bench_train_times_the_trainers_epochs_by_phase():
         assert sum(best[p] for p in bench_train.PHASES) == pytest.approx(best["epoch_s"])
         assert min(best[p] for p in bench_train.PHASES if p != "python") > 0
         assert entry["frames_per_s"] == pytest.approx(best["frames"] / best["train_s"])
-        assert entry["fraction_of_bound"] == pytest.approx(entry["frames_per_s"] / entry["bound_frames_per_s"])
+        assert entry["timed_by"] == "cpu"  # one thread
+        assert entry["clock_frames_per_s"] == pytest.approx(best["frames"] / best["train_cpu_s"])
+        assert entry["fraction_of_bound"] == pytest.approx(entry["clock_frames_per_s"] / entry["bound_frames_per_s"])
         assert entry["bound"]["gflops"] > 0 and all(s["gflops"] > 0 for s in entry["bound"]["shapes"])
     assert torch.get_num_threads() >= 1
 

@@ -62,16 +62,22 @@ def _quantized(model):
         return onnx.load(str(target))
 
 
-def _best_rate(run, flops: int, seconds: float) -> float:
-    """The largest FLOP/s of `run()` over repeated calls for about `seconds` (one untimed first)."""
+def _best_rate(run, flops: int, seconds: float, clock=time.perf_counter) -> float:
+    """The largest FLOP/s of `run()` over repeated calls for about `seconds` (one untimed first), timed
+    by `clock` (wall time; `cpu_clock` for one thread on a shared machine)."""
     run()
     best, spent = float("inf"), 0.0
     while spent < seconds or best == float("inf"):
-        start = time.perf_counter()
+        start, wall = clock(), time.perf_counter()
         run()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
+        best, spent = min(best, max(clock() - start, 1e-9)), spent + time.perf_counter() - wall
     return flops / best
+
+
+def cpu_clock(threads: int):
+    """The clock of a product's time on `threads` threads that other load on the machine does not
+    stretch: the process's CPU time on one thread (torch runs it on the calling thread), else wall time."""
+    return time.process_time if threads == 1 else time.perf_counter
 
 
 def _onnxruntime_rates(shapes, threads: int, seconds: float, int8: bool) -> list[float]:
@@ -90,7 +96,8 @@ def _onnxruntime_rates(shapes, threads: int, seconds: float, int8: bool) -> list
     return rates
 
 
-def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtype: str = "float32") -> list[float]:
+def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtype: str = "float32",
+                 clock=time.perf_counter) -> list[float]:
     """FLOP/s of torch.matmul at each shape (M, K, N), or (batch, M, K, N) for a batched product."""
     import torch
 
@@ -113,7 +120,7 @@ def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtyp
             a, b = (torch.randn(*batch, *size, generator=generator).to(device, getattr(torch, dtype))
                     for size in ((m, k), (k, n)))
             with torch.inference_mode():
-                rates.append(_best_rate(lambda a=a, b=b: product(a, b), 2 * math.prod(shape), seconds))
+                rates.append(_best_rate(lambda a=a, b=b: product(a, b), 2 * math.prod(shape), seconds, clock))
         return rates
     finally:
         torch.set_num_threads(before)
@@ -121,13 +128,13 @@ def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtyp
 
 def product_rates(shapes, threads: int, seconds: float = DEFAULT_SECONDS) -> list[float]:
     """FLOP/s torch reaches on the CPU on `threads` threads for products of each shape (M, K, N) or
-    (batch, M, K, N), each timed alone: a training step's products (sps_driving.tools.bench_train)."""
-    return _torch_rates([tuple(int(v) for v in shape) for shape in shapes], threads, seconds)
+    (batch, M, K, N), each timed alone by `cpu_clock`: a training step's products (sps_driving.tools.bench_train)."""
+    return _torch_rates([tuple(int(v) for v in shape) for shape in shapes], threads, seconds, clock=cpu_clock(threads))
 
 
 def attention_rates(shape, threads: int, seconds: float = DEFAULT_SECONDS) -> tuple[float, float]:
     """(forward, backward) FLOP/s of torch's fused scaled_dot_product_attention on the CPU at `shape`
-    (batch, heads, tokens, head width), counted as torch's FLOP counter counts it (`attention_flops`):
+    (batch, heads, tokens, head width), timed by `cpu_clock`, counted as torch's FLOP counter counts it (`attention_flops`):
     with 16-wide heads it runs several times faster than its products as separate batched matmuls,
     so a bound from those would not be one."""
     import torch
@@ -141,9 +148,9 @@ def attention_rates(shape, threads: int, seconds: float = DEFAULT_SECONDS) -> tu
         q, k, v = (torch.randn(*shape, generator=generator, requires_grad=True) for _ in range(3))
         grad = torch.randn(*shape, generator=generator)
         with torch.no_grad():
-            forward = _best_rate(lambda: attention(q, k, v), forward_flops, seconds)
+            forward = _best_rate(lambda: attention(q, k, v), forward_flops, seconds, cpu_clock(threads))
         both = _best_rate(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad), forward_flops + backward_flops,
-                          seconds)
+                          seconds, cpu_clock(threads))
     finally:
         torch.set_num_threads(before)
     # The backward's share of the fused pass's time, with the forward's share at the forward's rate.
