@@ -40,10 +40,15 @@ def test_flops_from_the_shapes_are_what_torch_counts_in_a_training_step(cache, t
     assert 2 * forward < counted < 4 * forward
 
 
-def test_bench_train_times_the_trainers_epochs_by_phase():
+@pytest.fixture(scope="module")
+def tiny_result():
     cases = (("PT-50", {**bench_train.TRANSFORMER, **SMALL, "rate": 0.5}), ("MLP-100", {"architecture": "mlp", **SMALL, "rate": 1.0}))
-    result = bench_train.bench_train(repeats=1, threads=(1,), seconds=0.01, cases=cases, grid=GRID, dim=DIM, sources=3,
-                                     frames_per_source=16)
+    return bench_train.bench_train(repeats=1, threads=(1,), seconds=0.01, cases=cases, grid=GRID, dim=DIM, sources=3,
+                                   frames_per_source=16)
+
+
+def test_bench_train_times_the_trainers_epochs_by_phase(tiny_result):
+    result = tiny_result
     text = bench_train.format_train(result)
     assert "| PT-50 | 1 |" in text and "| MLP-100 | 1 |" in text
     json.dumps(result)
@@ -69,3 +74,20 @@ def test_attention_rates_are_positive_for_both_passes():
 
     forward, backward = attention_rates((2, 2, 16, 8), threads=1, seconds=0.01)
     assert forward > 0 and backward > 0
+
+
+def test_the_report_sets_the_fastest_runs_of_two_trainers_against_the_strictest_bound(tiny_result):
+    from sps_driving.tools import bench_report
+
+    slower = json.loads(json.dumps(tiny_result))
+    for case in slower["cases"]:
+        entry = case["by_threads"]["1"]
+        entry["clock_frames_per_s"] /= 2
+        entry["bound_frames_per_s"] *= 2  # a run that measured a higher bound: every row is held to it
+    lines = bench_report.train_section([slower, tiny_result], [tiny_result])
+    row = next(line for line in lines if line.startswith("| PT-50 | 1 |"))
+    entry = tiny_result["cases"][0]["by_threads"]["1"]
+    bound = 2 * entry["bound_frames_per_s"]
+    assert f"| {bound:.0f} (" in row and "| 1.00x |" in row  # the faster of the before runs equals the after run
+    assert row.endswith(f"| {100 * entry['clock_frames_per_s'] / bound:.0f} | {100 * entry['clock_frames_per_s'] / bound:.0f} |")
+    assert any(line.startswith("| MLP-100 | 1 |") and " / " in line for line in lines)
