@@ -170,7 +170,7 @@ def best_train_entries(results: list[dict]) -> dict:
 
 def _ms_per_frame(entry: dict, phase: str) -> float:
     frames = entry["case"]["validation_frames"] if phase == "validation" else entry["best"]["frames"]
-    return 1e3 * entry["best"][phase] / frames
+    return 1e3 * entry["best"][entry["timed_by"]][phase] / frames
 
 
 def train_section(before: list[dict], after: list[dict]) -> list[str]:
@@ -197,8 +197,8 @@ def train_section(before: list[dict], after: list[dict]) -> list[str]:
         was, now = old[key]["clock_frames_per_s"], entry["clock_frames_per_s"]
         lines.append(f"| {key[0]} | {key[1]} | {gflop:.3f} | {bound:.0f} ({bound * gflop:.0f}) | {was:.0f} | {now:.0f} | "
                      f"{now / was:.2f}x | {100 * was / bound:.0f} | {100 * now / bound:.0f} |")
-    lines += ["", "Where the fastest epoch's time went, ms per training frame (validation: per validation frame), "
-              "before / after:", "", "| case | threads | " + " | ".join(TRAIN_PHASES) + " |",
+    lines += ["", "Where the fastest epoch's time went, on the same clock, ms per training frame (validation: per "
+              "validation frame), before / after:", "", "| case | threads | " + " | ".join(TRAIN_PHASES) + " |",
               "|---|---|" + "---|" * len(TRAIN_PHASES)]
     for key, entry in new.items():
         if key not in old:

@@ -151,24 +151,26 @@ def _untimed(phase: str):
 
 
 class PhaseTimes:
-    """A trainer clock (sps_driving.train.trainer.PhaseClock) that sums each phase's seconds."""
+    """A trainer clock (sps_driving.train.trainer.PhaseClock) that sums each phase's wall and CPU seconds."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
+            self.cpu_seconds[phase] += time.process_time() - cpu_start
 
 
 def _timed_epoch(run, epoch: int) -> dict:
     """One training epoch and its validation, timed by phase: {"train_s", "train_cpu_s" (the process's CPU
     time, all threads: beside train_s it shows how much of the wall time other load took), "epoch_s",
-    "frames", phase: s}."""
+    "frames", "wall": {phase: s}, "cpu": {phase: s}}; "python" is the rest of the epoch."""
     from sps_driving.train.trainer import validation_errors
 
     clock = PhaseTimes()
@@ -179,11 +181,13 @@ def _timed_epoch(run, epoch: int) -> dict:
     with clock("validation"):
         validation_errors(run.policy, run.cache, run.val_frames, run.selector, run.state_names, run.cfg.batch_size,
                           run.procs.device)
-    epoch_s = time.perf_counter() - start
-    phases = dict(clock.seconds)
-    phases["python"] = epoch_s - sum(phases.values())
-    return {"train_s": train_s, "train_cpu_s": train_cpu_s, "epoch_s": epoch_s, "frames": frames,
-            **{p: phases.get(p, 0.0) for p in PHASES}}
+    epoch_s, epoch_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    phases = {}
+    for name, sums, total in (("wall", clock.seconds, epoch_s), ("cpu", clock.cpu_seconds, epoch_cpu_s)):
+        phases[name] = {p: sums.get(p, 0.0) for p in PHASES if p != "python"}
+        phases[name]["python"] = total - sum(phases[name].values())
+    return {"train_s": train_s, "train_cpu_s": train_cpu_s, "epoch_s": epoch_s, "epoch_cpu_s": epoch_cpu_s,
+            "frames": frames, **phases}
 
 
 def _bound(products: list[dict], threads: int, seconds: float) -> dict:
@@ -280,12 +284,14 @@ def format_train(result: dict) -> str:
                          f"{case['flops_per_frame'] / 1e9:.3f} / {case['counted_flops_per_frame'] / 1e9:.3f} | "
                          f"{entry['gflops']:.1f} | {entry['bound']['gflops']:.1f} | {entry['bound_frames_per_s']:.0f} | "
                          f"{entry['fraction_of_bound']:.0%} ({entry['timed_by']}) |")
-    lines += ["", "where the best epoch's time goes (ms per training frame; validation per validation frame)", "",
+    lines += ["", "where the best epoch's time goes, on the bound's clock (ms per training frame; validation per "
+              "validation frame)", "",
               "| case | threads | " + " | ".join(PHASES) + " |", "| --- | --- | " + " | ".join("---" for _ in PHASES) + " |"]
     for case in result["cases"]:
         for threads, entry in case["by_threads"].items():
             best = entry["best"]
-            cells = [1e3 * best[p] / (case["validation_frames"] if p == "validation" else best["frames"]) for p in PHASES]
+            cells = [1e3 * best[entry["timed_by"]][p] / (case["validation_frames"] if p == "validation" else best["frames"])
+                     for p in PHASES]
             lines.append(f"| {case['label']} | {threads} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     return "\n".join(lines)
 
