@@ -8,7 +8,7 @@ import torch
 
 from sps_driving.tools import bench_train
 from sps_driving.train.distributed import start_processes
-from sps_driving.train.trainer import TrainConfig, _TrainingRun
+from sps_driving.train.trainer import TrainConfig, TrainingRun
 
 GRID, DIM = (3, 5), 24
 SMALL = {"width": 16, "heads": 4, "reduce": 4, "batch_size": 8}
@@ -27,7 +27,7 @@ def test_flops_from_the_shapes_are_what_torch_counts_in_a_training_step(cache, t
                                 depth=2, state_inputs=None if state else [], **SMALL)
     procs = start_processes("cpu")
     try:
-        run = _TrainingRun(cfg, procs, None, None)
+        run = TrainingRun(cfg, procs, None, None)
         batch = next(iter(run.loader))
         counted = bench_train.counted_step_flops(run, batch)
     finally:

@@ -63,6 +63,7 @@ from tqdm import tqdm
 from sps_driving.core.resources import portable_path, shipped_policy, source_revision
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
 from sps_driving.tools.bench_train import CASES as TRAIN_CASES
+from sps_driving.tools.bench_train import count_cpu_attention_flops as _count_cpu_attention_flops
 from sps_driving.tools.bench_train import run_train
 
 DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
@@ -541,22 +542,6 @@ def _flops(counting: bool):
     from torch.utils.flop_counter import FlopCounterMode
 
     return FlopCounterMode(display=False) if counting else _NoCount()
-
-
-_REGISTERED = []
-
-
-def _count_cpu_attention_flops() -> None:
-    """torch's FLOP counter knows the CUDA fused-attention kernels; teach it the CPU one (forward and
-    backward, the latter for bench --train) too."""
-    from torch.utils import flop_counter
-
-    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", flop_counter.sdpa_flop),
-                          ("_scaled_dot_product_flash_attention_for_cpu_backward", flop_counter.sdpa_backward_flop)):
-        op = getattr(torch.ops.aten, name, None)
-        if op is not None and op not in _REGISTERED and op not in flop_counter.flop_registry:
-            flop_counter.register_flop_formula(op, get_raw=True)(formula)
-            _REGISTERED.append(op)
 
 
 class PeakMemory:

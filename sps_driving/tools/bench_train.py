@@ -130,21 +130,32 @@ def counted_step_flops(run, batch) -> int:
     """FLOPs of one real training step (forward, loss, backward) of `run` on `batch`, by torch's counter."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from sps_driving.tools.bench import _count_cpu_attention_flops
+    from sps_driving.train.trainer import UNTIMED
 
-    _count_cpu_attention_flops()
+    count_cpu_attention_flops()
     grids, target, _, index = batch
     generator = torch.Generator().manual_seed(0)
     with FlopCounterMode(display=False) as counter:
-        loss = run._batch_loss(grids, target, index, generator, _untimed)
+        loss = run.batch_loss(grids, target, index, generator, UNTIMED)
         loss.backward()
     run.optimizer.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
 
 
-@contextlib.contextmanager
-def _untimed(phase: str):
-    yield
+_REGISTERED_OPS = []
+
+
+def count_cpu_attention_flops() -> None:
+    """torch's FLOP counter knows the CUDA fused-attention kernels; teach it the CPU one (forward and
+    backward, the latter for bench --train) too."""
+    from torch.utils import flop_counter
+
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", flop_counter.sdpa_flop),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", flop_counter.sdpa_backward_flop)):
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None and op not in _REGISTERED_OPS and op not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(op, get_raw=True)(formula)
+            _REGISTERED_OPS.append(op)
 
 
 # ---- timing -----------------------------------------------------------------------------------
@@ -212,7 +223,7 @@ def bench_train(repeats: int = 2, threads=(1, 2), seconds: float = DEFAULT_SECON
                 seed: int = 0) -> dict:
     """Every case on every thread count, interleaved: the result `format_train` prints."""
     from sps_driving.train.distributed import start_processes
-    from sps_driving.train.trainer import TrainConfig, _TrainingRun
+    from sps_driving.train.trainer import TrainConfig, TrainingRun
 
     before = torch.get_num_threads()
     result = {"revision": source_revision(), "load_average": list(os.getloadavg()), "repeats": repeats,
@@ -226,7 +237,7 @@ def bench_train(repeats: int = 2, threads=(1, 2), seconds: float = DEFAULT_SECON
         for label, overrides in cases:
             cfg = TrainConfig.from_yaml(cache=str(cache), out=str(Path(scratch) / label), device="cpu", seed=seed,
                                         **overrides)
-            run = _TrainingRun(cfg, procs, None, None)
+            run = TrainingRun(cfg, procs, None, None)
             batch = next(iter(run.loader))
             products = training_products(dataclasses.asdict(cfg), run.cache.grid.n, run.cache.descriptor_dim,
                                          len(run.state_names), cfg.batch_size)

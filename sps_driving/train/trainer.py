@@ -607,7 +607,7 @@ def _warn_of_unreachable_labels(cache: FeatureCache, config: dict, procs: Proces
 
 
 def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
-    run = _TrainingRun(cfg, procs, descriptor_transform, init_checkpoint)
+    run = TrainingRun(cfg, procs, descriptor_transform, init_checkpoint)
     epochs = tqdm(range(run.state["epoch"], cfg.epochs), desc="train", unit="epoch", disable=not procs.main,
                   initial=run.state["epoch"], total=cfg.epochs)
     stopped_early = False
@@ -625,7 +625,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     return run.summary(stopped_early)
 
 
-class _TrainingRun:
+class TrainingRun:
     """One training run as its settings build it: the cache's frames and their split, the model and its
     optimizer, the batches of an epoch, and the bookkeeping that ends each epoch (state, checkpoints)."""
 
@@ -706,7 +706,7 @@ class _TrainingRun:
             if batch is None:
                 break
             grids, target, _, index = batch
-            loss = self._batch_loss(grids, target, index, generator, clock)
+            loss = self.batch_loss(grids, target, index, generator, clock)
             with clock("backward"):
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -716,7 +716,7 @@ class _TrainingRun:
             frames_seen += len(grids)
         return loss_sum, frames_seen
 
-    def _batch_loss(self, grids, target, index, generator, clock) -> torch.Tensor:
+    def batch_loss(self, grids, target, index, generator, clock) -> torch.Tensor:
         device = self.procs.device
         if self.windows is not None:  # a loss on every readout of each window
             with clock("forward"):
