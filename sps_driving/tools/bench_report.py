@@ -8,6 +8,15 @@
     python -m sps_driving.tools.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
         --eval runs/bench/eval.json --ops runs/bench/ops.json --out docs/results/bench_cpu.md
 
+The training section takes runs of `bench --train` alternated between the trainer before a
+change (a checkout of it) and after, each as often:
+
+    for n in 1 2 3; do (cd BEFORE && sps-driving bench --train --repeats 1 --train-cases PT-50 MLP-50 \
+        --json --out runs/bench/train_before_$n.json); sps-driving bench --train --repeats 1 \
+        --train-cases PT-50 MLP-50 --json --out runs/bench/train_after_$n.json; done
+    python -m sps_driving.tools.bench_report ... --train-before runs/bench/train_before_* \
+        --train-after runs/bench/train_after_* --out docs/results/bench_cpu.md
+
 `--dinov2` takes further runs of the same command after the first: the first is the table, and
 every run goes into a run-to-run table of its dense fp32 time, efficiency and speed-ups, so a
 reader sees how much the machine moved between runs.
