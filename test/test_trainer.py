@@ -338,3 +338,22 @@ def test_the_criterion_weights_choose_what_early_stopping_watches(cache_dir, tmp
     expected = 0.5 * fraction * val_variance / recorded["training"]["target_std"][0] ** 2
     assert epoch["validation_loss"] == pytest.approx(expected, rel=1e-5)
     assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
+
+
+def test_the_positional_transformer_folds_its_standardization_into_the_projection_without_changing_it():
+    from sps_driving.core.grid import PatchGrid
+    from sps_driving.core.policies.positional_transformer import PositionalGridPolicy
+
+    torch.manual_seed(0)
+    policy = PositionalGridPolicy(PatchGrid(ROWS, COLS), D, width=16, depth=1, heads=2, mlp_ratio=2.0, dropout=0.0,
+                                  reduce=2, max_steering_rad=0.5, state_dim=2).eval()
+    policy.set_input_statistics(np.full(D, 3.0), np.full(D, 0.5))
+    grids, state = 3.0 + torch.randn(5, ROWS * COLS, D), torch.randn(5, 2)
+    keep = torch.rand(5, ROWS * COLS) < 0.5
+    zeroed = grids * keep.unsqueeze(-1)
+    # What it computed before the fold: standardize the zeroed grid, then project.
+    explicit = policy.input_norm(policy.input_proj((zeroed - policy.input_mean) / policy.input_std))
+    folded = policy.input_norm(policy.standardized_projection(policy.input_proj, grids, keep))
+    torch.testing.assert_close(folded, explicit, atol=2e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(policy.forward_selected(grids, keep, state), policy(zeroed, state), atol=1e-5, rtol=1e-5)

@@ -62,6 +62,9 @@ from tqdm import tqdm
 
 from sps_driving.core.resources import portable_path, shipped_policy, source_revision
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
+from sps_driving.tools.bench_train import CASES as TRAIN_CASES
+from sps_driving.tools.bench_train import count_cpu_attention_flops as _count_cpu_attention_flops
+from sps_driving.tools.bench_train import run_train
 
 DEFAULT_RATES = (1.0, 0.7, 0.5, 0.3)
 COMPONENTS = ("backbone", "per_patch", "projection", "policy")
@@ -117,6 +120,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--episode-s", type=float, help="--eval: episode length in s (default the quick profile's)")
     parser.add_argument("--first-seed", type=int, default=0, help="--eval: the first layout (development layouts 0..99)")
     parser.add_argument("--scenarios", nargs="+", help="--eval: scenarios the episodes cycle through (default all 15)")
+    parser.add_argument("--train", action="store_true",
+                        help="training throughput of the positional transformer and the grid MLP against the bound of "
+                             "their own products, and where an epoch's time goes (sps_driving.tools.bench_train)")
+    parser.add_argument("--train-threads", type=int, nargs="+", default=[1, 2], help="--train: torch thread counts timed")
+    parser.add_argument("--train-cases", nargs="+", choices=[label for label, _ in TRAIN_CASES],
+                        help="--train: the cases timed (default all: positional transformer and grid MLP at rates 0.5, 1.0)")
     parser.add_argument("--out", help="also write the JSON result to this file")
 
 
@@ -125,6 +134,8 @@ def run(args) -> int:
         return run_graph(args)
     if args.eval:
         return run_eval(args)
+    if args.train:
+        return run_train(args)
     _count_cpu_attention_flops()
     repeats = args.repeats or (2 if args.quick else 3)
     args.rates = args.rates or list(DEFAULT_RATES)
@@ -531,19 +542,6 @@ def _flops(counting: bool):
     from torch.utils.flop_counter import FlopCounterMode
 
     return FlopCounterMode(display=False) if counting else _NoCount()
-
-
-_REGISTERED = []
-
-
-def _count_cpu_attention_flops() -> None:
-    """torch's FLOP counter knows the CUDA fused-attention kernels; teach it the CPU one too."""
-    from torch.utils import flop_counter
-
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is not None and not _REGISTERED and op not in flop_counter.flop_registry:
-        flop_counter.register_flop_formula(op, get_raw=True)(flop_counter.sdpa_flop)
-        _REGISTERED.append(op)
 
 
 class PeakMemory:

@@ -8,6 +8,15 @@
     python -m sps_driving.tools.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
         --eval runs/bench/eval.json --ops runs/bench/ops.json --out docs/results/bench_cpu.md
 
+The training section takes runs of `bench --train` alternated between the trainer before a
+change (a checkout of it) and after, each as often:
+
+    for n in 1 2 3; do (cd BEFORE && sps-driving bench --train --repeats 1 --train-cases PT-50 MLP-50 \
+        --json --out runs/bench/train_before_$n.json); sps-driving bench --train --repeats 1 \
+        --train-cases PT-50 MLP-50 --json --out runs/bench/train_after_$n.json; done
+    python -m sps_driving.tools.bench_report ... --train-before runs/bench/train_before_* \
+        --train-after runs/bench/train_after_* --out docs/results/bench_cpu.md
+
 `--dinov2` takes further runs of the same command after the first: the first is the table, and
 every run goes into a run-to-run table of its dense fp32 time, efficiency and speed-ups, so a
 reader sees how much the machine moved between runs.
@@ -23,12 +32,15 @@ import argparse
 import json
 from pathlib import Path
 
+from sps_driving.tools.bench_train import PHASES as TRAIN_PHASES
+
 COMMANDS = {
     "dinov2": "sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json",
     "graph": ("sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 --json "
               "--out runs/bench/graph.json"),
     "eval": "sps-driving bench --eval --episodes 2 --repeats 2 --json --out runs/bench/eval.json",
     "ops": "python -m sps_driving.tools.op_profile --frames 20 --out runs/bench/ops.json",
+    "train": "sps-driving bench --train --repeats 1 --train-cases PT-50 MLP-50 --json --out runs/bench/train_N.json",
 }
 
 
@@ -150,8 +162,63 @@ def eval_section(result: dict) -> list[str]:
     return lines
 
 
+def best_train_entries(results: list[dict]) -> dict:
+    """{(case, threads): entry} of `bench --train` runs of one trainer: each case's fastest epoch on the
+    bound's clock over the runs, with the highest bound any run measured (the strictest fraction)."""
+    best: dict = {}
+    for result in results:
+        for case in result["cases"]:
+            for threads, entry in case["by_threads"].items():
+                key = (case["label"], threads)
+                bound = max(entry["bound_frames_per_s"], best.get(key, {}).get("bound_frames_per_s", 0.0))
+                if key not in best or entry["clock_frames_per_s"] > best[key]["clock_frames_per_s"]:
+                    best[key] = {**entry, "case": case}
+                best[key]["bound_frames_per_s"] = bound
+    return best
+
+
+def _ms_per_frame(entry: dict, phase: str) -> float:
+    frames = entry["case"]["validation_frames"] if phase == "validation" else entry["best"]["frames"]
+    return 1e3 * entry["best"][entry["timed_by"]][phase] / frames
+
+
+def train_section(before: list[dict], after: list[dict]) -> list[str]:
+    """Training throughput of the trainer before and after, from runs of `bench --train` alternated
+    between the two (`before`, `after`), against the highest bound any of them measured."""
+    old, new = best_train_entries(before), best_train_entries(after)
+    bounds = {key: max(old[key]["bound_frames_per_s"], new[key]["bound_frames_per_s"]) for key in new if key in old}
+    loads = [result["load_average"][0] for result in (*before, *after)]
+    first = after[0]
+    lines = ["## Training throughput against the bound of the model's own products", "",
+             f"`{COMMANDS['train']}`, run {len(before)} times with the trainer before and {len(after)} times after, "
+             f"alternated ({first['data']}, batch {first['batch_size']}, {first['grid'][0]}x{first['grid'][1]} patches of "
+             f"{first['descriptor_dim']}-d descriptors, both state inputs; revisions {before[0].get('revision', 'unknown')} "
+             f"and {first.get('revision', 'unknown')}; load average {min(loads):.1f}-{max(loads):.1f}). Each row: the "
+             "fastest epoch of any run, against the highest bound of any run. One thread: epoch and bound in CPU time; two: "
+             "wall time.", "",
+             "| case | threads | GFLOP/frame | bound frames/s (GFLOP/s) | before frames/s | after frames/s | speed-up | "
+             "before % of bound | after % of bound |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, entry in new.items():
+        if key not in old:
+            continue
+        case, bound = entry["case"], bounds[key]
+        gflop = case["flops_per_frame"] / 1e9
+        was, now = old[key]["clock_frames_per_s"], entry["clock_frames_per_s"]
+        lines.append(f"| {key[0]} | {key[1]} | {gflop:.3f} | {bound:.0f} ({bound * gflop:.0f}) | {was:.0f} | {now:.0f} | "
+                     f"{now / was:.2f}x | {100 * was / bound:.0f} | {100 * now / bound:.0f} |")
+    lines += ["", "Where the fastest epoch's time went, on the same clock, ms per training frame (validation: per "
+              "validation frame), before / after:", "", "| case | threads | " + " | ".join(TRAIN_PHASES) + " |",
+              "|---|---|" + "---|" * len(TRAIN_PHASES)]
+    for key, entry in new.items():
+        if key not in old:
+            continue
+        cells = [f"{_ms_per_frame(old[key], phase):.2f} / {_ms_per_frame(entry, phase):.2f}" for phase in TRAIN_PHASES]
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(dinov2: dict | None, graph: dict | None, throughput: dict | None, repeats: list[dict] = (),
-           ops: dict | None = None) -> str:
+           ops: dict | None = None, train: tuple[list[dict], list[dict]] | None = None) -> str:
     """The report; `repeats` are further runs of the dinov2 command, shown beside `dinov2` run to run."""
     lines = ["# CPU timing of the extractor the car runs", "",
              "What the road-band extractor costs on this machine's CPU: alone by path (fp32 and int8, dense and token "
@@ -164,6 +231,8 @@ def render(dinov2: dict | None, graph: dict | None, throughput: dict | None, rep
     for section, result in ((ops_section, ops), (graph_section, graph), (eval_section, throughput)):
         if result is not None:
             lines += [""] + section(result)
+    if train is not None:
+        lines += [""] + train_section(*train)
     return "\n".join(lines) + "\n"
 
 
@@ -174,11 +243,15 @@ def main(argv=None) -> int:
     parser.add_argument("--graph", type=Path, help="JSON of `sps-driving bench --graph`")
     parser.add_argument("--eval", type=Path, help="JSON of `sps-driving bench --eval`")
     parser.add_argument("--ops", type=Path, help="JSON of `python -m sps_driving.tools.op_profile`")
+    parser.add_argument("--train-before", type=Path, nargs="+", help="JSON of `sps-driving bench --train` runs of the trainer before")
+    parser.add_argument("--train-after", type=Path, nargs="+", help="... and after, alternated with them")
     parser.add_argument("--out", type=Path, required=True, help="markdown file to write")
     args = parser.parse_args(argv)
     dinov2_runs = [json.loads(path.read_text()) for path in args.dinov2 or ()]
     graph, throughput, ops = (json.loads(path.read_text()) if path else None for path in (args.graph, args.eval, args.ops))
-    args.out.write_text(render(dinov2_runs[0] if dinov2_runs else None, graph, throughput, dinov2_runs[1:], ops))
+    train = None if not (args.train_before and args.train_after) else tuple(
+        [json.loads(path.read_text()) for path in paths] for paths in (args.train_before, args.train_after))
+    args.out.write_text(render(dinov2_runs[0] if dinov2_runs else None, graph, throughput, dinov2_runs[1:], ops, train))
     print(f"wrote {args.out}")
     return 0
 

@@ -17,6 +17,7 @@ less than the machine can do: efficiencies against it are then too high, never t
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,16 +62,22 @@ def _quantized(model):
         return onnx.load(str(target))
 
 
-def _best_rate(run, flops: int, seconds: float) -> float:
-    """The largest FLOP/s of `run()` over repeated calls for about `seconds` (one untimed first)."""
+def _best_rate(run, flops: int, seconds: float, clock=time.perf_counter) -> float:
+    """The largest FLOP/s of `run()` over repeated calls for about `seconds` (one untimed first), timed
+    by `clock` (wall time; `cpu_clock` for one thread on a shared machine)."""
     run()
     best, spent = float("inf"), 0.0
     while spent < seconds or best == float("inf"):
-        start = time.perf_counter()
+        start, wall = clock(), time.perf_counter()
         run()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
+        best, spent = min(best, max(clock() - start, 1e-9)), spent + time.perf_counter() - wall
     return flops / best
+
+
+def cpu_clock(threads: int):
+    """The clock of a product's time on `threads` threads that other load on the machine does not
+    stretch: the process's CPU time on one thread (torch runs it on the calling thread), else wall time."""
+    return time.process_time if threads == 1 else time.perf_counter
 
 
 def _onnxruntime_rates(shapes, threads: int, seconds: float, int8: bool) -> list[float]:
@@ -89,7 +96,9 @@ def _onnxruntime_rates(shapes, threads: int, seconds: float, int8: bool) -> list
     return rates
 
 
-def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtype: str = "float32") -> list[float]:
+def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtype: str = "float32",
+                 clock=time.perf_counter) -> list[float]:
+    """FLOP/s of torch.matmul at each shape (M, K, N), or (batch, M, K, N) for a batched product."""
     import torch
 
     device = torch.device(device)
@@ -106,13 +115,56 @@ def _torch_rates(shapes, threads: int, seconds: float, device: str = "cpu", dtyp
     try:
         rates = []
         generator = torch.Generator().manual_seed(0)
-        for m, k, n in shapes:
-            a, b = (torch.randn(*size, generator=generator).to(device, getattr(torch, dtype)) for size in ((m, k), (k, n)))
+        for shape in shapes:
+            *batch, m, k, n = shape
+            a, b = (torch.randn(*batch, *size, generator=generator).to(device, getattr(torch, dtype))
+                    for size in ((m, k), (k, n)))
             with torch.inference_mode():
-                rates.append(_best_rate(lambda a=a, b=b: product(a, b), 2 * m * k * n, seconds))
+                rates.append(_best_rate(lambda a=a, b=b: product(a, b), 2 * math.prod(shape), seconds, clock))
         return rates
     finally:
         torch.set_num_threads(before)
+
+
+def product_rates(shapes, threads: int, seconds: float = DEFAULT_SECONDS) -> list[float]:
+    """FLOP/s torch reaches on the CPU on `threads` threads for products of each shape (M, K, N) or
+    (batch, M, K, N), each timed alone by `cpu_clock`: a training step's products (sps_driving.tools.bench_train)."""
+    return _torch_rates([tuple(int(v) for v in shape) for shape in shapes], threads, seconds, clock=cpu_clock(threads))
+
+
+def attention_rates(shape, threads: int, seconds: float = DEFAULT_SECONDS) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of torch's fused scaled_dot_product_attention on the CPU at `shape`
+    (batch, heads, tokens, head width), timed by `cpu_clock`, counted as torch's FLOP counter counts it (`attention_flops`):
+    with 16-wide heads it runs several times faster than its products as separate batched matmuls,
+    so a bound from those would not be one."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as attention
+
+    forward_flops, backward_flops = attention_flops(shape)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(*shape, generator=generator, requires_grad=True) for _ in range(3))
+        grad = torch.randn(*shape, generator=generator)
+        with torch.no_grad():
+            forward = _best_rate(lambda: attention(q, k, v), forward_flops, seconds, cpu_clock(threads))
+        both = _best_rate(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad), forward_flops + backward_flops,
+                          seconds, cpu_clock(threads))
+    finally:
+        torch.set_num_threads(before)
+    # The backward's share of the fused pass's time, with the forward's share at the forward's rate.
+    backward_s = (forward_flops + backward_flops) / both - forward_flops / forward
+    return forward, backward_flops / max(backward_s, 1e-12)
+
+
+def attention_flops(shape) -> tuple[int, int]:
+    """(forward, backward) FLOPs of fused attention at (batch, heads, tokens, head width), 2 per
+    multiply-add: q k^T and p v forward; backward the scores again (the kernel recomputes them),
+    dp, dv, dq and dk, as torch's FLOP counter counts it."""
+    batch, heads, tokens, width = (int(v) for v in shape)
+    product = 2 * batch * heads * tokens * tokens * width
+    return 2 * product, 5 * product
 
 
 def measure_peak(threads: int, shapes=(LARGE,), seconds: float = DEFAULT_SECONDS, device: str = "cpu",

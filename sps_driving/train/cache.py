@@ -609,20 +609,25 @@ class FeatureCache:
         return self.state[:, [STATE_NAMES.index(name) for name in names]]
 
     def descriptors(self, indices: Sequence[int]) -> np.ndarray:
+        """float32 [B, N, D] dense descriptor grids of frames `indices` (`descriptor_batch` as an array)."""
+        return self.descriptor_batch(indices).numpy()
+
+    def descriptor_batch(self, indices: Sequence[int]) -> torch.Tensor:
         """float32 [B, N, D] dense descriptor grids of frames `indices`, read shard by shard (one
-        fancy-indexed read per shard: reading frame by frame made training wait on the cache)."""
+        fancy-indexed read per shard: reading frame by frame made training wait on the cache) as
+        float16 and converted once by torch (its vectorized conversion took a seventh of NumPy's)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if indices.size and not (-len(self) <= indices.min() and indices.max() < len(self)):
             raise IndexError(f"frames {indices.min()}..{indices.max()} out of range for a cache of {len(self)} frames")
         indices %= max(len(self), 1)
-        out = np.empty((len(indices), self.grid.n, self.descriptor_dim), dtype=np.float32)
         shards = np.searchsorted(self._starts, indices, side="right") - 1
+        half = np.empty((len(indices), self.grid.n, self.descriptor_dim), dtype=np.float16)
         for shard in np.unique(shards):
             rows = np.flatnonzero(shards == shard)
             offsets = indices[rows] - self._starts[shard]
             order = np.argsort(offsets, kind="stable")  # ascending reads of the mapped file
-            out[rows[order]] = self._shards[shard][offsets[order]]
-        return out
+            half[rows[order]] = self._shards[shard][offsets[order]]
+        return torch.from_numpy(half).float()
 
     def _read_orbital_index(self, parts: list[dict]) -> None:
         """orbital_frames (int64, ascending): the frames with orbital states; orbital_meta: how
@@ -679,7 +684,7 @@ class FeatureDataset(Dataset):
             return grid[0], target[0], stamp[0], index[0]
         index = self.indices[np.asarray(item, dtype=np.int64)]
         return (
-            torch.from_numpy(self.cache.descriptors(index)),
+            self.cache.descriptor_batch(index),
             torch.from_numpy(self.cache.targets[index].astype(np.float32)),
             torch.from_numpy(self.cache.stamps[index].astype(np.int64)),
             torch.from_numpy(index),

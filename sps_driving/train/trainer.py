@@ -40,6 +40,7 @@ DistributedSampler. Random draws (sampler order, selections, augmentation) are s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -95,6 +96,12 @@ STATE_TENSORS = "train_state.safetensors"
 RESUMABLE_CHANGES = {"epochs", "early_stop_patience", "num_workers", "device", "resume", "out"}
 
 DescriptorTransform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+# Times a named phase of a training step (`with clock("forward"): ...`); bench --train passes one.
+PhaseClock = Callable[[str], contextlib.AbstractContextManager]
+
+
+def UNTIMED(phase: str) -> contextlib.AbstractContextManager:  # noqa: N802 - a constant clock
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -351,14 +358,28 @@ def validation_errors(policy: nn.Module, cache: FeatureCache, frames: np.ndarray
     total = np.zeros(2)
     states = cache.state_values(state_names) if state_names else None
     selection = CacheSelection(cache, selector)
-    for start in range(0, len(frames), batch_size):
-        batch = frames[start:start + batch_size]
-        grids = torch.from_numpy(cache.descriptors(batch)).to(device)
-        keep = selection.validation(batch, device)
-        target = torch.from_numpy(cache.targets[batch]).to(device)
-        state = None if states is None else torch.from_numpy(states[batch]).to(device)
-        total += ((policy.forward_selected(grids, keep, state) - target) ** 2).double().sum(dim=0).cpu().numpy()
+    with encoder_layers_unfused():
+        for start in range(0, len(frames), batch_size):
+            batch = frames[start:start + batch_size]
+            grids = cache.descriptor_batch(batch).to(device)
+            keep = selection.validation(batch, device)
+            target = torch.from_numpy(cache.targets[batch]).to(device)
+            state = None if states is None else torch.from_numpy(states[batch]).to(device)
+            total += ((policy.forward_selected(grids, keep, state) - target) ** 2).double().sum(dim=0).cpu().numpy()
     return total
+
+
+@contextlib.contextmanager
+def encoder_layers_unfused():
+    """Inside, torch's transformer layers run their training-mode arithmetic, not their fused
+    inference path: on the CPU that path took twice as long for a validation batch of the
+    positional transformer (64 frames of 288 tokens, width 64), outputs equal within 3e-8."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
 
 
 def evaluate_checkpoint(policy_dir, cache_dir=None, batch_size: int = 64) -> float:
@@ -615,7 +636,7 @@ def _warn_of_unreachable_labels(cache: FeatureCache, config: dict, procs: Proces
 
 
 def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkpoint) -> dict:
-    run = _TrainingRun(cfg, procs, descriptor_transform, init_checkpoint)
+    run = TrainingRun(cfg, procs, descriptor_transform, init_checkpoint)
     epochs = tqdm(range(run.state["epoch"], cfg.epochs), desc="train", unit="epoch", disable=not procs.main,
                   initial=run.state["epoch"], total=cfg.epochs)
     stopped_early = False
@@ -633,7 +654,7 @@ def _train(cfg: TrainConfig, procs: Processes, descriptor_transform, init_checkp
     return run.summary(stopped_early)
 
 
-class _TrainingRun:
+class TrainingRun:
     """One training run as its settings build it: the cache's frames and their split, the model and its
     optimizer, the batches of an epoch, and the bookkeeping that ends each epoch (state, checkpoints)."""
 
@@ -697,37 +718,50 @@ class _TrainingRun:
         self.val_variance = np.maximum(cache.targets[self.val_idx].astype(np.float64).var(axis=0),
                                        MIN_TARGET_STD ** 2)
 
-    def train_epoch(self, epoch: int) -> tuple[float, int]:
-        """One pass over this process's training batches: (sum of the batch losses times their sizes, frames)."""
+    def train_epoch(self, epoch: int, clock: PhaseClock | None = None) -> tuple[float, int]:
+        """One pass over this process's training batches: (sum of the batch losses times their sizes, frames).
+        `clock` (bench --train) times its phases; without one nothing is timed."""
         cfg, procs = self.cfg, self.procs
+        clock = clock or UNTIMED
         self.sampler.set_epoch(epoch)
         generator = torch.Generator(device=procs.device).manual_seed(draw_seed(cfg.seed, epoch, procs.rank))
         torch.manual_seed(draw_seed(cfg.seed, epoch, procs.rank, 1))  # dropout: a resumed run draws the same
         self.model.train()
         loss_sum, frames_seen = 0.0, 0
-        for grids, target, _, index in tqdm(self.loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main):
-            loss = self._batch_loss(grids, target, index, generator)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+        batches = iter(tqdm(self.loader, desc=f"epoch {epoch}", leave=False, disable=not procs.main))
+        while True:
+            with clock("read"):
+                batch = next(batches, None)
+            if batch is None:
+                break
+            grids, target, _, index = batch
+            loss = self.batch_loss(grids, target, index, generator, clock)
+            with clock("backward"):
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            with clock("optimizer"):
+                self.optimizer.step()
             loss_sum += float(loss.detach()) * len(grids)
             frames_seen += len(grids)
         return loss_sum, frames_seen
 
-    def _batch_loss(self, grids, target, index, generator) -> torch.Tensor:
+    def batch_loss(self, grids, target, index, generator, clock) -> torch.Tensor:
         device = self.procs.device
         if self.windows is not None:  # a loss on every readout of each window
-            return self.windows.loss(self.model, grids, target, index, generator, self.weights, self.frame_weights,
-                                     device, self.descriptor_transform)
-        grids, target = grids.to(device), target.to(device)
-        frame_states = None if self.states is None else self.states[index].to(device)
-        if self.descriptor_transform is not None:
-            grids = self.descriptor_transform(grids, generator)
-        if self.augmenter is not None:
-            grids = self.augmenter(grids, index, generator)
-        keep = self.selection.training(index, generator, device)
-        losses = l2_loss(self.model(grids, keep, frame_states), target, self.weights)
-        return (losses * self.frame_weights[index].to(device)).mean()
+            with clock("forward"):
+                return self.windows.loss(self.model, grids, target, index, generator, self.weights, self.frame_weights,
+                                         device, self.descriptor_transform)
+        with clock("select"):
+            grids, target = grids.to(device), target.to(device)
+            frame_states = None if self.states is None else self.states[index].to(device)
+            if self.descriptor_transform is not None:
+                grids = self.descriptor_transform(grids, generator)
+            if self.augmenter is not None:
+                grids = self.augmenter(grids, index, generator)
+            keep = self.selection.training(index, generator, device)
+        with clock("forward"):
+            losses = l2_loss(self.model(grids, keep, frame_states), target, self.weights)
+            return (losses * self.frame_weights[index].to(device)).mean()
 
     def end_epoch(self, epoch: int, train_loss: float, errors: list, epochs: tqdm) -> None:
         """Judge the epoch on its validation errors, step the scheduler, keep its record and save checkpoints."""

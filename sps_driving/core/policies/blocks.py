@@ -100,6 +100,19 @@ class StandardizedInput:
         self.input_mean.copy_(torch.as_tensor(np.asarray(mean, dtype=np.float32)))
         self.input_std.copy_(torch.as_tensor(std))
 
+    def standardized_projection(self, linear: nn.Linear, descriptors: torch.Tensor,
+                                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """linear((descriptors * keep - mean) / std) [B, L, out] for descriptors [B, L, D] and keep
+        masks [B, L] (None: all kept), with the standardization folded into the linear's weights and
+        the mask applied to the projected channels: the same numbers for a fraction of the
+        elementwise work on [B, L, D] (what training waited on)."""
+        weight = linear.weight / self.input_std
+        bias = linear.bias - weight @ self.input_mean
+        projected = descriptors @ weight.T
+        if keep is not None:
+            projected = projected * keep.unsqueeze(-1).to(projected.dtype)
+        return projected + bias
+
 
 def readout_mlp(features: int, width: int, dropout: float) -> list[nn.Module]:
     """The two hidden layers (width, width // 2) that read a flattened grid (and the state)."""

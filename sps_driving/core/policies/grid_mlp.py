@@ -84,12 +84,7 @@ class GridMlpPolicy(DenseGridInput, StandardizedInput, nn.Module):
         """reduce((grids * keep - mean) / std), flattened [B, N * reduce], with the standardization
         folded into the reduction's weights and the mask applied to the reduced channels: the same
         numbers for a fraction of the elementwise work on [B, N, D] (what training waited on)."""
-        weight = self.reduce.weight / self.input_std
-        bias = self.reduce.bias - weight @ self.input_mean
-        projected = grids @ weight.T
-        if keep is not None:
-            projected = projected * keep.unsqueeze(-1).to(projected.dtype)
-        reduced = projected + bias
+        reduced = self.standardized_projection(self.reduce, grids, keep)
         if self.canvas is not None:
             reduced = reduced.new_zeros(len(reduced), self.canvas.n, reduced.shape[-1]).index_copy(1, self.slots, reduced)
         return reduced.flatten(1)

@@ -63,10 +63,11 @@ class _PositionalTransformer(StandardizedInput, nn.Module):
         self.head = BoundedHead(width // 2, max_steering_rad)
 
     def _read(self, descriptors: torch.Tensor, indices: torch.Tensor | None = None, padding: torch.Tensor | None = None,
-              state: torch.Tensor | None = None) -> torch.Tensor:
+              state: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """descriptors [B, L, D] at cells `indices` [B, L] (None: all N cells in order), padding
-        [B, L] True at filler slots (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
-        tokens = self.input_norm(self.input_proj((descriptors - self.input_mean) / self.input_std))
+        [B, L] True at filler slots (and states [B, S]; keep [B, L] False at dropped patches, read as
+        zeros) -> [B, 2] (steering rad, throttle)."""
+        tokens = self.input_norm(self.standardized_projection(self.input_proj, descriptors, keep))
         tokens = tokens + (self.cell_embedding if indices is None else self.cell_embedding[indices])
         reduced = self.reduce(self.norm(self.encoder(tokens, src_key_padding_mask=padding)))
         if indices is None:
@@ -83,6 +84,10 @@ class PositionalGridPolicy(DenseGridInput, _PositionalTransformer):
     def forward(self, grids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """grids [B, N, D] with zeros at dropped patches (and states [B, S]) -> [B, 2] (steering rad, throttle)."""
         return self._read(grids, state=state)
+
+    def forward_selected(self, grids: torch.Tensor, keep: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense grids [B, N, D] and keep masks [B, N] (and states [B, S]); as forward on the zeroed grids."""
+        return self._read(grids, state=state, keep=keep)
 
 
 class PositionalSequencePolicy(SequencePolicy, _PositionalTransformer):
