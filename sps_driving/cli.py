@@ -17,7 +17,7 @@ COMMANDS = {
     "finetune": ("sps_driving.train.finetune_text", "fine-tune a policy with language-guided latent augmentation"),
     "bench": ("sps_driving.tools.bench", "per-frame extraction timing at several selection rates"),
     "replay": ("sps_driving.tools.replay", "play a bag through the live ROS 2 graph and report"),
-    "interventions": ("sps_driving.tools.interventions", "the field-test report of one bag, several, or a folder of them: distance and time per intervention, by kind"),
+    "interventions": ("sps_driving.tools.interventions", "field-test report of bags or a folder: distance and time per intervention"),
     "record": ("sps_driving.tools.record", "record a data drive or field test on the car (ros2 bag record, mcap)"),
     "faults": ("sps_driving.tools.faults", "fault-injection matrix of the drive-by-wire path against the live graph"),
     "collect": ("sps_driving.sim.collect", "record expert drives in the simulator as rosbag2"),
