@@ -26,6 +26,7 @@ COMMANDS = {
     "tables": ("sps_driving.sim.tables", "Tables 1 and 2 and the per-scenario details from eval results"),
     "dagger": ("sps_driving.sim.dagger", "on-policy data: roll out, label with the expert, aggregate, retrain (DAgger)"),
     "analyze": ("sps_driving.analysis.analyze", "redundancy analysis of patch descriptors"),
+    "ood": ("sps_driving.analysis.ood", "out-of-distribution score: calibrate on a policy's training frames, bench, report"),
     "export": ("sps_driving.tools.export", "export the extractor to ONNX / TensorRT"),
 }
 

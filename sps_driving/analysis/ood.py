@@ -1,0 +1,205 @@
+"""`sps-driving ood`: the out-of-distribution score's calibration and its measurement.
+
+    sps-driving ood calibrate --policy models/sps50_dinov2 --cache runs/cache_rb20
+    sps-driving ood report runs/ood_off [runs/ood_on ...] --out docs/results/ood_score
+    sps-driving ood bench --policy models/sps50_dinov2
+
+`calibrate` fits both scores of sps_driving.core.ood on the policy's training frames (a feature
+cache of them): each frame's kept patches are the ones the policy's own selection keeps at the
+frame's stamp, as on the car. The last `holdout_sources` drives of the cache are held out to set
+each score's scale (its 99th percentile there). The files go into the checkpoint folder, with how
+they were made in ood.json.
+
+`report` reads eval folders whose rows carry the per-frame scores (every in-process eval of a
+calibrated policy logs them) and writes the per-scenario AUROC for a failure within the next
+`--horizon-s`, the lead time of the first alarm, and the closed-loop rows by method.
+
+`bench` times each score per frame on the kept patches of a frame (the process's threads as set
+by OMP_NUM_THREADS; the number it prints is the per-frame cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from sps_driving.core.ood import (
+    FORMAT,
+    METHODS,
+    SCALE_QUANTILE,
+    OodScorer,
+    PatchCoreset,
+    PooledMahalanobis,
+    descriptor_settings,
+    load_calibration,
+    load_ood_config,
+    weights_digest,
+)
+from sps_driving.core.resources import portable_path, portable_record, source_revision
+
+HOLDOUT_QUANTILES = (0.5, 0.9, 0.99, 0.999, 1.0)
+
+
+def kept_frames(cache, policy, rows: np.ndarray):
+    """(row, kept descriptors float32 [k, D]) of cache rows, the policy's selection at each frame's stamp."""
+    for row in rows:
+        frame = cache[int(row)]
+        yield int(row), np.asarray(frame.descriptors[policy.selector.select(frame.stamp_ns)], dtype=np.float32)
+
+
+def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: str) -> OodScorer:
+    from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, load_policy, read_policy_config
+    from sps_driving.train.cache import FeatureCache
+
+    policy_config = read_policy_config(policy_dir)
+    expected = descriptor_settings(policy_config)
+    cache = FeatureCache(cache_dirs)
+    cache_settings = descriptor_settings({"descriptor_dim": cache.descriptor_dim, "grid": cache.meta["grid"],
+                                          "extractor": cache.meta.get("extractor") or {}})
+    if cache_settings != expected:
+        raise ValueError(f"cache {cache.name} holds other descriptors than policy {policy_dir} reads: "
+                         f"{cache_settings} against {expected}")
+    policy = load_policy(policy_dir)
+    holdout = int(settings["holdout_sources"])
+    if not 1 <= holdout < len(cache.sources):
+        raise ValueError(f"holdout_sources must lie in 1..{len(cache.sources) - 1} for {len(cache.sources)} sources, got {holdout}")
+    held = np.isin(cache.source_ids, np.arange(len(cache.sources) - holdout, len(cache.sources)))
+    fit_rows, held_rows = np.flatnonzero(~held), np.flatnonzero(held)
+    rng = np.random.default_rng(int(settings["seed"]))
+    pooled, patches = [], []
+    for _, kept in kept_frames(cache, policy, fit_rows):
+        pooled.append(kept.mean(axis=0))
+        patches.append(kept)
+    patches = np.concatenate(patches)
+    sample = rng.choice(len(patches), size=min(int(settings["coreset_sample_patches"]), len(patches)), replace=False)
+    mahalanobis = PooledMahalanobis.fit(np.stack(pooled), float(settings["shrinkage"]))
+    coreset = PatchCoreset.fit(patches[sample], int(settings["coreset_size"]), rng)
+    raw = {m: [] for m in METHODS}
+    for _, kept in kept_frames(cache, policy, held_rows):
+        raw["pooled_mahalanobis"].append(mahalanobis.raw(kept))
+        raw["patch_coreset"].append(coreset.raw(kept))
+    scales = {m: float(np.quantile(raw[m], SCALE_QUANTILE)) for m in METHODS}
+    meta = {
+        "format": FORMAT,
+        "descriptors": expected,
+        "policy_weights_sha256": weights_digest(Path(policy_dir) / WEIGHTS_FILE),
+        "scales": scales,
+        "scale_quantile": SCALE_QUANTILE,
+        "holdout_scores": {m: {f"q{q:g}": float(np.quantile(np.asarray(raw[m]) / scales[m], q)) for q in HOLDOUT_QUANTILES}
+                           for m in METHODS},
+        "settings": dict(settings),
+        "made": portable_record({
+            "command": command, "revision": source_revision(), "caches": [portable_path(d) for d in cache_dirs],
+            "cache_inputs": cache.meta.get("inputs"), "fit_frames": int(len(fit_rows)), "holdout_frames": int(len(held_rows)),
+            "holdout_sources": cache.sources[-holdout:], "fit_patches": int(len(patches)),
+            "selection": "the policy's own selection at each frame's stamp",
+        }),
+    }
+    return OodScorer(mahalanobis, coreset, meta)
+
+
+# ------------------------------------------------------------------------------ measurement
+def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Probability that a positive frame scores above a negative one (ties count half); NaN without both."""
+    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if positives == 0 or negatives == 0:
+        return math.nan
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    # Average ranks over ties.
+    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
+    average = first + (counts - 1) / 2.0 + 1.0
+    ranks[order] = np.repeat(average, counts)
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
+def frame_labels(row: dict, horizon_s: float) -> np.ndarray:
+    """For each logged frame of an episode: a failure follows within `horizon_s` (s) of it."""
+    times = np.asarray(row["ood"]["time_s"])
+    failures = np.asarray(row["ood"]["failure_times_s"], dtype=np.float64)
+    if len(failures) == 0:
+        return np.zeros(len(times), dtype=bool)
+    ahead = failures[None, :] - times[:, None]
+    return ((ahead > 0) & (ahead <= horizon_s)).any(axis=1)
+
+
+def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
+    """A method's per-frame score of an episode; with causal_window n, the mean of the last n frames."""
+    values = np.asarray(row["ood"]["scores"][method], dtype=np.float64)
+    if causal_window <= 1:
+        return values
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(idx - causal_window, 0)
+    return (sums[idx] - sums[lo]) / (idx - lo)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="ood_command", required=True)
+    cal = sub.add_parser("calibrate", help="fit the scores on a policy's training frames into its folder")
+    cal.add_argument("--policy", required=True, help="checkpoint folder; ood.safetensors and ood.json are written there")
+    cal.add_argument("--cache", nargs="+", required=True, help="feature cache(s) of the policy's training frames")
+    cal.add_argument("--config", help="settings file (default config/ood.yaml)")
+    rep = sub.add_parser("report", help="AUROC per scenario, lead time and closed-loop rows from eval folders")
+    rep.add_argument("runs", nargs="+", help="eval output folders (results.jsonl with per-frame scores)")
+    rep.add_argument("--out", required=True, help="folder for ood_report.md and ood_report.json")
+    rep.add_argument("--horizon-s", type=float, default=2.0, help="s: a frame is positive when a failure follows within this")
+    rep.add_argument("--method", help="method (column name) whose rule-off rows the AUROC reads (default: every one)")
+    ben = sub.add_parser("bench", help="per-frame cost of each score")
+    ben.add_argument("--policy", required=True, help="calibrated checkpoint folder")
+    ben.add_argument("--frames", type=int, default=2000, help="frames timed per score")
+
+
+def run(args) -> int:
+    if args.ood_command == "calibrate":
+        return _run_calibrate(args)
+    if args.ood_command == "bench":
+        return _run_bench(args)
+    from sps_driving.analysis.ood_report import write_report
+
+    return write_report(args)
+
+
+def _run_calibrate(args) -> int:
+    config = load_ood_config(args.config)
+    command = "sps-driving " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["ood"] else "sps-driving ood calibrate ..."
+    started = time.perf_counter()
+    try:
+        scorer = calibrate(Path(args.policy), args.cache, config["calibration"], command)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"ood calibrate: {exc}") from None
+    path = scorer.save(args.policy)
+    print(json.dumps({"written": str(path), "scales": scorer.meta["scales"], "holdout_scores": scorer.meta["holdout_scores"],
+                      "seconds": round(time.perf_counter() - started, 1)}, indent=1))
+    return 0
+
+
+def _run_bench(args) -> int:
+    import os
+
+    from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, read_policy_config
+
+    policy_config = read_policy_config(args.policy)
+    scorer = load_calibration(args.policy, policy_config, Path(args.policy) / WEIGHTS_FILE)
+    grid = policy_config["grid"]
+    k = math.ceil(float(policy_config["selection"]["rate"]) * int(grid["rows"]) * int(grid["cols"]))
+    frames = np.random.default_rng(0).standard_normal((16, k, scorer.dim)).astype(np.float32)
+    result = {"kept_patches": k, "dim": scorer.dim, "coreset_centres": len(scorer.models["patch_coreset"].centers),
+              "threads": os.environ.get("OMP_NUM_THREADS", "unset"), "load_average": os.getloadavg()[0]}
+    for method in METHODS:
+        for i in range(20):
+            scorer.score(frames[i % 16], method)
+        started = time.perf_counter()
+        for i in range(args.frames):
+            scorer.score(frames[i % 16], method)
+        result[f"{method}_ms_per_frame"] = round(1e3 * (time.perf_counter() - started) / args.frames, 3)
+    print(json.dumps(result, indent=1))
+    return 0
