@@ -11,7 +11,16 @@ from samples import tiny_policy
 
 from sps_driving.analysis.ood import auroc, frame_labels, frame_scores
 from sps_driving.core.monitor import OodRule, OodRuleConfig
-from sps_driving.core.ood import META_FILE, METHODS, TENSORS_FILE, CalibrationError, PatchCoreset, load_calibration, load_ood_config
+from sps_driving.core.ood import (
+    META_FILE,
+    METHODS,
+    TENSORS_FILE,
+    CalibrationError,
+    PatchCoreset,
+    PooledMahalanobis,
+    load_calibration,
+    load_ood_config,
+)
 from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, read_policy_config
 from sps_driving.sim.ood_log import OodEpisodeLog, ood_settings
 
@@ -172,3 +181,47 @@ def test_auroc_and_failure_labels():
                    "scores": {"patch_coreset": [1.0, 2.0, 3.0, 4.0, 5.0]}}}
     assert frame_labels(row, 2.0).tolist() == [False, False, True, True, False]
     assert frame_scores(row, "patch_coreset", causal_window=2).tolist() == [1.0, 1.5, 2.5, 3.5, 4.5]
+
+
+def high_scoring_calibration(ckpt):
+    """A calibration of `ckpt` whose tiny scales put every frame far above any threshold."""
+    from sps_driving.core.ood import FORMAT, OodScorer, descriptor_settings, weights_digest
+
+    config = read_policy_config(ckpt)
+    dim = int(config["descriptor_dim"])
+    rng = np.random.default_rng(0)
+    scorer = OodScorer(PooledMahalanobis(np.zeros(dim), np.eye(dim)), PatchCoreset(rng.standard_normal((8, dim)).astype(np.float32)),
+                       {"format": FORMAT, "descriptors": descriptor_settings(config), "scales": dict.fromkeys(METHODS, 1e-6),
+                        "policy_weights_sha256": weights_digest(ckpt / WEIGHTS_FILE)})
+    scorer.save(ckpt)
+
+
+def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apart(tmp_path):
+    import yaml
+    from samples import tiny_dinov2_policy
+
+    from sps_driving.cli import main
+
+    ckpt = tiny_dinov2_policy(tmp_path / "policy", state_inputs=("speed_mps", "target_speed_mps"))
+    common = ["eval", "--policy", str(ckpt), "--episodes", "1", "--episode-s", "2.0", "--workers", "1", "--no-failure-strips",
+              "--scenarios", "urban-summer-dry-night-animal"]
+    with pytest.raises(SystemExit, match="no OOD calibration"):
+        main(common + ["--ood-rule", "--out", str(tmp_path / "bare")])
+    high_scoring_calibration(ckpt)
+    config = load_ood_config()
+    config["rule"].update(handover_after_s=0.5)
+    (tmp_path / "ood.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "eval"
+    for extra in ([], ["--ood-rule", "--ood-config", str(tmp_path / "ood.yaml")], ["--cruise-scale", "0.5"]):
+        assert main(common + extra + ["--out", str(out)]) == 0
+    rows = {r["method"]: r for r in (json.loads(line) for line in (out / "results.jsonl").read_text().splitlines())}
+    assert set(rows) == {"SPS-50", "SPS-50+OOD", "SPS-50-slow0.5"}
+    off, on, slow = rows["SPS-50"], rows["SPS-50+OOD"], rows["SPS-50-slow0.5"]
+    assert off["ood"]["frames"] == 20 and not off["handover"] and off["ood"]["handover_s"] is None
+    assert all(v > 100 for v in off["ood"]["scores"][config["score"]["method"]])
+    # Slowed from the second frame, the handover 0.5 s after the first score: the episode ends there.
+    assert on["handover"] and on["ood"]["handover_s"] == pytest.approx(0.5)
+    assert on["ood"]["frames"] == 6 and on["ood"]["slowed_frames"] == 5
+    assert on["success_s"] <= 0.5 + 1e-9 and on["score"] == pytest.approx(on["success_s"] / 2.0)
+    assert on["distance_m"] < off["distance_m"] and on["interventions"] <= off["interventions"]
+    assert slow["ood"]["slowed_frames"] == 20 and slow["ood"]["cruise_scale"] == 0.5 and not slow["handover"]
