@@ -199,7 +199,7 @@ def _run_bench(args) -> int:
              "policy_forward": lambda f: policy.predict(f, indices, state)}
     rounds = {name: [] for name in timed}
     per_round = max(args.frames // 10, 1)
-    for name, fn in timed.items():  # warm up
+    for fn in timed.values():  # warm up
         for i in range(20):
             fn(frames[i % 16])
     for _ in range(10):
