@@ -9,7 +9,7 @@ import pytest
 from ood_samples import DIM, K, calibrated_checkpoint, fitted, training_frames
 from samples import tiny_policy
 
-from sps_driving.analysis.ood import auroc, frame_labels, frame_scores
+from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores
 from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
     META_FILE,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -102,44 +101,6 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
         }),
     }
     return OodScorer(mahalanobis, coreset, meta)
-
-
-# ------------------------------------------------------------------------------ measurement
-def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Probability that a positive frame scores above a negative one (ties count half); NaN without both."""
-    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
-    positives, negatives = int(labels.sum()), int((~labels).sum())
-    if positives == 0 or negatives == 0:
-        return math.nan
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    sorted_scores = scores[order]
-    # Average ranks over ties.
-    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
-    average = first + (counts - 1) / 2.0 + 1.0
-    ranks[order] = np.repeat(average, counts)
-    return float((ranks[labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
-
-
-def frame_labels(row: dict, horizon_s: float) -> np.ndarray:
-    """For each logged frame of an episode: a failure follows within `horizon_s` (s) of it."""
-    times = np.asarray(row["ood"]["time_s"])
-    failures = np.asarray(row["ood"]["failure_times_s"], dtype=np.float64)
-    if len(failures) == 0:
-        return np.zeros(len(times), dtype=bool)
-    ahead = failures[None, :] - times[:, None]
-    return ((ahead > 0) & (ahead <= horizon_s)).any(axis=1)
-
-
-def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
-    """A method's per-frame score of an episode; with causal_window n, the mean of the last n frames."""
-    values = np.asarray(row["ood"]["scores"][method], dtype=np.float64)
-    if causal_window <= 1:
-        return values
-    sums = np.cumsum(np.concatenate([[0.0], values]))
-    idx = np.arange(1, len(values) + 1)
-    lo = np.maximum(idx - causal_window, 0)
-    return (sums[idx] - sums[lo]) / (idx - lo)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

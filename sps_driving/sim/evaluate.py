@@ -142,6 +142,23 @@ def _check_wider_view(policy_dir: str, policy_config: dict, scale: float) -> Non
         raise SystemExit(f"eval: --view-width-scale {scale:g}: {exc}") from None
 
 
+def _method_suffix(args) -> str:
+    """What the options add to the method's name: the int8 graph, the OOD rule, a constant cruise scale."""
+    return ((INT8_SUFFIX if args.precision == "int8" else "") + (OOD_RULE_SUFFIX if args.ood_rule else "")
+            + (f"-slow{args.cruise_scale:g}" if args.cruise_scale != 1.0 else ""))
+
+
+def _ood_settings(args) -> dict:
+    """The `ood` entry of the simulator config (sps_driving.sim.ood_log.ood_settings) the options ask for."""
+    if (args.ood_rule or args.cruise_scale != 1.0) and (args.graph or args.expert):
+        raise SystemExit("eval: --ood-rule and --cruise-scale drive a policy in process")
+    try:
+        ood = load_ood_config(args.ood_config)
+        return ood_settings(ood["rule"] if args.ood_rule else None, ood["score"]["method"], args.cruise_scale)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"eval: {exc}") from None
+
+
 def _check_calibration(policy_dir: str, policy_config: dict) -> None:
     """Exit with the reason unless the policy's OOD calibration is there and its own (a worker that
     cannot start would be started again and again)."""
@@ -216,11 +233,7 @@ def run(args) -> int:
         raise SystemExit(f"eval: {exc}") from None
     if args.episode_s is not None:
         config["episode_s"] = float(args.episode_s)
-    try:
-        ood = load_ood_config(args.ood_config)
-        config["ood"] = ood_settings(ood["rule"] if args.ood_rule else None, ood["score"]["method"], args.cruise_scale)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"eval: {exc}") from None
+    config["ood"] = _ood_settings(args)
     if args.view_width_scale != 1.0:
         if args.graph:
             raise SystemExit("eval: --view-width-scale runs in process; the live graph's extractor takes the checkpoint's settings")
@@ -244,17 +257,13 @@ def run(args) -> int:
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"eval: {exc}") from None
         method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
-        if args.precision == "int8" and not args.name:
-            method += INT8_SUFFIX
         if not args.name:
-            method += (OOD_RULE_SUFFIX if args.ood_rule else "") + (f"-slow{args.cruise_scale:g}" if args.cruise_scale != 1.0 else "")
+            method += _method_suffix(args)
         if args.ood_rule or args.cruise_scale != 1.0:
             _check_calibration(args.policy, policy_config)
         seed = training_seed(policy_config)
         if args.view_width_scale != 1.0:
             _check_wider_view(args.policy, policy_config, args.view_width_scale)
-    if (args.ood_rule or args.cruise_scale != 1.0) and (args.graph or args.expert):
-        raise SystemExit("eval: --ood-rule and --cruise-scale drive a policy in process")
     if args.graph:
         if args.expert:
             raise SystemExit("eval: --graph drives with a policy; the expert runs in process")
