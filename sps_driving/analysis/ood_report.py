@@ -8,7 +8,7 @@
   threshold) before each failure, counted from the previous failure or the episode's start.
 - The rule replayed on those logged scores (sps_driving.core.monitor.OodRule, config/ood.yaml):
   handovers it would request per 10 minutes in the episodes without a failure, by scenario kind.
-- Closed loop, per method (rule off, rule on, constant slow): OOD average, failures per km and per
+- Closed loop, per method (rule off, rule on, constant slow), on the cells every method drove: OOD average, failures per km and per
   minute of autonomous driving, share of frames slowed, handovers, and the OOD cells of the rule-off
   run with a failure in which the method's run requested a handover or slowed before that failure.
 """
@@ -173,6 +173,9 @@ def closed_loop(rows: list[dict], baseline_method: str | None) -> dict:
     methods = defaultdict(list)
     for row in _logged(rows):
         methods[row["method"]].append(row)
+    # Only the cells every method drove: the methods side by side on the same layouts.
+    shared = set.intersection(*({(r["scenario"], r["seed"]) for r in m} for m in methods.values()))
+    methods = {name: [r for r in m if (r["scenario"], r["seed"]) in shared] for name, m in methods.items()}
     base = {(r["scenario"], r["seed"]): r for r in methods.get(baseline_method, [])}
     out = {}
     for method, method_rows in sorted(methods.items()):
