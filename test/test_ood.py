@@ -225,3 +225,25 @@ def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apar
     assert on["success_s"] <= 0.5 + 1e-9 and on["score"] == pytest.approx(on["success_s"] / 2.0)
     assert on["distance_m"] < off["distance_m"] and on["interventions"] <= off["interventions"]
     assert slow["ood"]["slowed_frames"] == 20 and slow["ood"]["cruise_scale"] == 0.5 and not slow["handover"]
+
+
+def test_replay_reports_the_score_distribution_and_the_frames_above_each_threshold():
+    from types import SimpleNamespace
+
+    from sps_driving.core import topics
+    from sps_driving.tools.replay import Record, format_ood_score, ood_score_report
+
+    rule = load_ood_config()["rule"]
+    values = [0.9] * 90 + [rule["slow_threshold"] + 0.05] * 6 + [rule["handover_threshold"] + 0.5] * 4
+
+    def record(i, value):
+        header = SimpleNamespace(stamp=SimpleNamespace(sec=100 + i, nanosec=0))
+        return Record(topics.OOD_SCORE, 0, SimpleNamespace(header=header, name=["patch_coreset"], position=[value]))
+
+    records = [record(i, v) for i, v in enumerate(values)] + [Record(topics.POLICY_COMMAND, 0, None)]
+    report = ood_score_report(records)
+    assert report["frames"] == 100 and report["p50"] == pytest.approx(0.9) and report["max"] == pytest.approx(values[-1])
+    assert report["above"]["slow_threshold"]["frames"] == 10 and report["above"]["handover_threshold"]["frames"] == 4
+    assert report["above"]["handover_threshold"]["first_stamps_ns"][0] == 196 * 10**9
+    assert "above handover_threshold" in format_ood_score(report)
+    assert ood_score_report([]) is None and "none" in format_ood_score(None)
