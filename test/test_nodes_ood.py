@@ -90,6 +90,13 @@ def latest(probe, topic):
 
 def test_the_policy_scores_each_frame_and_the_rule_slows_asks_and_stops(rig):
     probe, publishers, policy, scorer, frames, _ = rig
+
+    def monitor_status():
+        return msgs.status_named(latest(probe, topics.DIAGNOSTICS), "safety_monitor")
+
+    # Before any score the rule is blind, and says so.
+    assert probe.spin_until(lambda: probe.messages(topics.DIAGNOSTICS) and monitor_status()[:2] == (msgs.Level.WARN,
+                                                                                                 "no fresh OOD score"), 10)
     familiar = frames[3]
     indices, command, score_msg = drive_frame(probe, publishers, T0, familiar)
     assert list(score_msg.name) == [load_ood_config()["score"]["method"]]
@@ -120,7 +127,7 @@ def test_the_policy_scores_each_frame_and_the_rule_slows_asks_and_stops(rig):
     assert latest(probe, topics.HANDOVER_REQUEST).data
     events = probe.messages(topics.HANDOVER_EVENTS)
     assert len(events) == 1 and msgs.status_named(events[0], "safety_monitor")[1] == topics.HANDOVER_EVENT
-    level, message, values = msgs.status_named(latest(probe, topics.DIAGNOSTICS), "safety_monitor")
+    level, message, values = monitor_status()
     assert level == msgs.Level.ERROR and "handover requested" in message and values["handovers_requested"] == "1"
     assert not msgs.stop_request_from_message(latest(probe, topics.SAFETY_STOP)).stop
 
@@ -135,6 +142,7 @@ def test_the_policy_scores_each_frame_and_the_rule_slows_asks_and_stops(rig):
     assert not msgs.stop_request_from_message(latest(probe, topics.SAFETY_STOP)).stop
     assert latest(probe, topics.CRUISE_SCALE).data == 1.0
     assert len(probe.messages(topics.HANDOVER_EVENTS)) == 1
+    assert monitor_status()[:2] == (msgs.Level.OK, "ok")
 
 
 def test_a_policy_asked_for_a_score_without_a_calibration_does_not_start(tmp_path):

@@ -107,10 +107,13 @@ class SafetyMonitorNode(Node):
             self.get_logger().warning(f"stop request {stop} ({reason or 'nothing holds'})")
             self._last_stop = stop
         handover = ood is not None and ood.handover_requested
-        level = msgs.Level.ERROR if status.failures or handover else (msgs.Level.STALE if status.stale_inputs else msgs.Level.OK)
+        no_score = ood is not None and ood.stale  # the rule is on but blind: the policy node's ood_score is off or silent
+        level = (msgs.Level.ERROR if status.failures or handover else msgs.Level.STALE if status.stale_inputs
+                 else msgs.Level.WARN if no_score else msgs.Level.OK)
         message = "; ".join(part for part in (f"failures: {failures}" if failures else "",
                                               "handover requested (OOD score)" if handover else "",
-                                              f"stale: {stale}" if stale else "") if part) or "ok"
+                                              f"stale: {stale}" if stale else "",
+                                              "no fresh OOD score" if no_score else "") if part) or "ok"
         self.status_pub.publish(
             msgs.diagnostics(
                 stamp,
