@@ -4,7 +4,8 @@ few prototypes, both scores fitted on three quarters of them and scaled on the r
 import numpy as np
 from samples import tiny_policy
 
-from sps_driving.core.ood import FORMAT, OodScorer, PatchCoreset, PooledMahalanobis, descriptor_settings, weights_digest
+from sps_driving.core.backbones.runtimes import file_sha256
+from sps_driving.core.ood import FORMAT, OodScorer, PatchCoreset, PooledMahalanobis, descriptor_settings
 from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, read_policy_config
 
 DIM = 16
@@ -31,6 +32,6 @@ def calibrated_checkpoint(directory, scorer: OodScorer, **policy):
     ckpt = tiny_policy(directory, dim=DIM, **policy)
     config = read_policy_config(ckpt)
     scorer.meta.update(format=FORMAT, descriptors=descriptor_settings(config),
-                       policy_weights_sha256=weights_digest(ckpt / WEIGHTS_FILE))
+                       policy_weights_sha256=file_sha256(ckpt / WEIGHTS_FILE))
     scorer.save(ckpt)
     return ckpt, config

@@ -185,14 +185,15 @@ def test_auroc_and_failure_labels():
 
 def high_scoring_calibration(ckpt):
     """A calibration of `ckpt` whose tiny scales put every frame far above any threshold."""
-    from sps_driving.core.ood import FORMAT, OodScorer, descriptor_settings, weights_digest
+    from sps_driving.core.backbones.runtimes import file_sha256
+    from sps_driving.core.ood import FORMAT, OodScorer, descriptor_settings
 
     config = read_policy_config(ckpt)
     dim = int(config["descriptor_dim"])
     rng = np.random.default_rng(0)
     scorer = OodScorer(PooledMahalanobis(np.zeros(dim), np.eye(dim)), PatchCoreset(rng.standard_normal((8, dim)).astype(np.float32)),
                        {"format": FORMAT, "descriptors": descriptor_settings(config), "scales": dict.fromkeys(METHODS, 1e-6),
-                        "policy_weights_sha256": weights_digest(ckpt / WEIGHTS_FILE)})
+                        "policy_weights_sha256": file_sha256(ckpt / WEIGHTS_FILE)})
     scorer.save(ckpt)
 
 

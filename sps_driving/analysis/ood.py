@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sps_driving.core.backbones.runtimes import file_sha256
 from sps_driving.core.ood import (
     FORMAT,
     METHODS,
@@ -38,7 +39,6 @@ from sps_driving.core.ood import (
     descriptor_settings,
     load_calibration,
     load_ood_config,
-    weights_digest,
 )
 from sps_driving.core.resources import portable_path, portable_record, source_revision
 
@@ -87,7 +87,7 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
     meta = {
         "format": FORMAT,
         "descriptors": expected,
-        "policy_weights_sha256": weights_digest(Path(policy_dir) / WEIGHTS_FILE),
+        "policy_weights_sha256": file_sha256(Path(policy_dir) / WEIGHTS_FILE),
         "scales": scales,
         "scale_quantile": SCALE_QUANTILE,
         "holdout_scores": {m: {f"q{q:g}": float(np.quantile(np.asarray(raw[m]) / scales[m], q)) for q in HOLDOUT_QUANTILES}

@@ -19,7 +19,6 @@ policy with the reason.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -123,15 +122,6 @@ class PatchCoreset:
         return float(self.distances(descriptors).mean())
 
 
-def weights_digest(path) -> str:
-    """sha256 of a policy's weights file: which policy a calibration belongs to."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def descriptor_settings(policy_config: dict) -> dict:
     """What the checkpoint's descriptors are: dimension, grid and the extraction settings that shape them."""
     extractor = policy_config.get("extractor") or {}
@@ -174,6 +164,8 @@ def load_calibration(directory, policy_config: dict, weights_path=None) -> OodSc
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
+    from sps_driving.core.backbones.runtimes import file_sha256
+
     directory = Path(directory)
     meta_path, tensors_path = directory / META_FILE, directory / TENSORS_FILE
     if not meta_path.is_file() or not tensors_path.is_file():
@@ -190,10 +182,10 @@ def load_calibration(directory, policy_config: dict, weights_path=None) -> OodSc
     if meta.get("descriptors") != expected:
         raise CalibrationError(f"OOD calibration {meta_path} was made for other descriptors: {meta.get('descriptors')} "
                                f"against the policy's {expected}")
-    if weights_path is not None and meta.get("policy_weights_sha256") != weights_digest(weights_path):
+    if weights_path is not None and meta.get("policy_weights_sha256") != file_sha256(Path(weights_path)):
         raise CalibrationError(f"OOD calibration {meta_path} belongs to another policy (weights digest "
                                f"{str(meta.get('policy_weights_sha256'))[:12]}..., {weights_path} is "
-                               f"{weights_digest(weights_path)[:12]}...): calibrate it again")
+                               f"{file_sha256(Path(weights_path))[:12]}...): calibrate it again")
     dim = expected["descriptor_dim"]
     shapes = {"mean": (dim,), "precision": (dim, dim)}
     if any(name not in tensors for name in ("mean", "precision", "centers")) \
