@@ -27,6 +27,7 @@ COMMANDS = {
     "dagger": ("sps_driving.sim.dagger", "on-policy data: roll out, label with the expert, aggregate, retrain (DAgger)"),
     "campaign": ("sps_driving.campaign.command", "a long experiment as a declared plan: run it (resumes after any stop) or show its state"),
     "analyze": ("sps_driving.analysis.analyze", "redundancy analysis of patch descriptors"),
+    "ood": ("sps_driving.analysis.ood", "out-of-distribution score: calibrate on a policy's training frames, bench, report"),
     "export": ("sps_driving.tools.export", "export the extractor to ONNX / TensorRT"),
 }
 

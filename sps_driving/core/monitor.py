@@ -292,3 +292,115 @@ class AutonomyLog:
             "cause_window_s": self.cause_window_ns * 1e-9,
             "transitions": [t.as_dict() for t in self.transitions],
         }
+
+
+@dataclass(frozen=True)
+class OodRuleConfig:
+    """The reaction to the OOD score (sps_driving.core.ood; config/ood.yaml's rule, units there)."""
+
+    slow_threshold: float = 2.0
+    cruise_scale: float = 0.5
+    slow_hold_s: float = 2.0
+    handover_threshold: float = 4.0
+    handover_after_s: float = 1.0
+    handover_clear_threshold: float = 2.0
+    handover_clear_s: float = 2.0
+    handover_timeout_s: float = 5.0
+    max_score_age_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"OOD rule: {name} must be a finite number >= 0, got {value}")
+        if not 0 < self.cruise_scale <= 1:
+            raise ValueError(f"OOD rule: cruise_scale must lie in (0, 1], got {self.cruise_scale}")
+        if not self.handover_clear_threshold <= self.handover_threshold:
+            raise ValueError(f"OOD rule: handover_clear_threshold {self.handover_clear_threshold} must not exceed "
+                             f"handover_threshold {self.handover_threshold} (the hysteresis band)")
+        if self.max_score_age_s <= 0:
+            raise ValueError(f"OOD rule: max_score_age_s must be positive, got {self.max_score_age_s}")
+
+    @classmethod
+    def from_config(cls, rule: dict) -> OodRuleConfig:
+        unknown = set(rule) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"OOD rule: unknown settings {sorted(unknown)}")
+        return cls(**{name: float(value) for name, value in rule.items()})
+
+
+@dataclass(frozen=True)
+class OodStatus:
+    score: float  # the latest score (NaN: none yet or stale)
+    stale: bool  # no score within max_score_age_s
+    slowed: bool  # the cruise target is lowered
+    cruise_scale: float  # what the cruise target is multiplied by now (1.0 when not slowed)
+    handover_requested: bool
+    new_handover: bool  # the request began at this step
+    stop_requested: bool  # a request went unanswered for handover_timeout_s
+    handovers: int  # requests so far
+
+
+class OodRule:
+    """Score -> lowered cruise target, handover request (with hysteresis) and, unanswered, a stop.
+
+    Slowed while the score is above slow_threshold and for slow_hold_s after. A handover is requested
+    once the score has stayed above handover_threshold for handover_after_s, and ends once it has
+    stayed below handover_clear_threshold for handover_clear_s (or by `clear`, the safety driver
+    taking over); a request open for handover_timeout_s asks for a controlled stop. A stale score
+    lowers nothing and keeps an open request open: no evidence is not evidence of being back in
+    distribution."""
+
+    def __init__(self, config: OodRuleConfig):
+        self.config = config
+        self._score = math.nan
+        self._score_time_s: float | None = None
+        self._above_slow_s: float | None = None  # last time above slow_threshold
+        self._above_since_s: float | None = None  # since when above handover_threshold without a break
+        self._below_since_s: float | None = None  # since when below handover_clear_threshold, while requested
+        self._requested_since_s: float | None = None
+        self.handovers = 0
+        self.invalid_scores = 0
+
+    def on_score(self, score: float, now_s: float) -> bool:
+        """A non-finite or negative score is counted and ignored. Returns validity."""
+        if not (math.isfinite(score) and score >= 0):
+            self.invalid_scores += 1
+            return False
+        c = self.config
+        self._score, self._score_time_s = float(score), now_s
+        if score > c.slow_threshold:
+            self._above_slow_s = now_s
+        if score > c.handover_threshold:
+            self._above_since_s = now_s if self._above_since_s is None else self._above_since_s
+        else:
+            self._above_since_s = None
+        if score < c.handover_clear_threshold:
+            self._below_since_s = now_s if self._below_since_s is None else self._below_since_s
+        else:
+            self._below_since_s = None
+        return True
+
+    def clear(self) -> None:
+        """The safety driver took over: the open request is answered."""
+        self._requested_since_s = None
+        self._above_since_s = None
+
+    def step(self, now_s: float) -> OodStatus:
+        c = self.config
+        stale = self._score_time_s is None or now_s - self._score_time_s > c.max_score_age_s
+        slowed = not stale and self._above_slow_s is not None and now_s - self._above_slow_s <= c.slow_hold_s
+        new = False
+        if self._requested_since_s is None:
+            if not stale and self._above_since_s is not None and now_s - self._above_since_s >= c.handover_after_s:
+                self._requested_since_s, new = now_s, True
+                self.handovers += 1
+                self._below_since_s = None
+        elif not stale and self._below_since_s is not None and now_s - self._below_since_s >= c.handover_clear_s:
+            self._requested_since_s = None
+        requested = self._requested_since_s is not None
+        return OodStatus(
+            score=math.nan if stale else self._score, stale=stale, slowed=slowed,
+            cruise_scale=c.cruise_scale if slowed else 1.0, handover_requested=requested, new_handover=new,
+            stop_requested=requested and now_s - self._requested_since_s >= c.handover_timeout_s,
+            handovers=self.handovers,
+        )

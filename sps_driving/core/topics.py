@@ -43,6 +43,16 @@ SAFETY_EVENTS = "/safety/events"  # diagnostic_msgs/DiagnosticArray: one message
 # std_msgs/String: the safety driver's short note on what just happened ("precautionary", "system", ...),
 # published during a field test and recorded; `interventions` shows it beside the event it follows
 DRIVER_NOTE = "/safety_driver/note"
+# diagnostic_msgs/DiagnosticArray, level ERROR: one message per handover the safety monitor requests (message
+# HANDOVER_EVENT; values score, handovers = requests so far); a request, not a failure
+HANDOVER_EVENTS = "/safety/handover_events"
+HANDOVER_EVENT = "requested_handover"
+# sensor_msgs/JointState, name = [the score's method], position = [score]: the OOD score of the kept patches
+# (sps_driving.core.ood; 1.0 = the 99th percentile of held-out training frames), the camera frame's stamp
+OOD_SCORE = "/sps/ood_score"
+CRUISE_SCALE = "/safety/cruise_scale"  # std_msgs/Float32 in (0, 1]: what the safety monitor's OOD rule multiplies the cruise target by
+# std_msgs/Bool at the safety monitor's rate: true while it asks the safety driver to take over (for the HMI to sound)
+HANDOVER_REQUEST = "/safety/handover_request"
 STAGE_TIMING = "/sps/timing"  # diagnostic_msgs/DiagnosticArray per frame and stage: compute time, frame's stamp
 
 # PACMod 3 drive-by-wire (astuff/pacmod3 driver in namespace "pacmod"; pacmod3_msgs, ROS 2 layout).

@@ -60,14 +60,16 @@ def episode_steps(config: dict) -> int:
 
 
 def drive_episode(config: dict, world: World, episode_index: int, driver: Driver, expert: Expert | None = None,
-                  renderer=None, sinks: Sequence[Sink] = (), on_failure: FailureHook | None = None) -> dict:
+                  renderer=None, sinks: Sequence[Sink] = (), on_failure: FailureHook | None = None,
+                  ends: Callable[[], bool] | None = None) -> dict:
     """Drive `world` for one episode; the loop of collection, evaluation and DAgger rollouts.
 
     Each step makes the frame (stamp of `episode_index`, camera image when a `renderer` is given,
     the `expert`'s clean command as the label when one is given), asks `driver` for the command,
     hands the frame and that command to every sink, then steps the world (and calls `on_failure`
-    after a step with a failure). Returns the world's result with min_gap_m, the smallest free gap
-    to any actor over the episode (m).
+    after a step with a failure); `ends` true after a step (a requested handover) ends the episode
+    there. Returns the world's result with min_gap_m, the smallest free gap to any actor over the
+    episode (m).
     """
     steps = episode_steps(config)
     min_gap = math.inf
@@ -82,6 +84,8 @@ def drive_episode(config: dict, world: World, episode_index: int, driver: Driver
         min_gap = min(min_gap, step_result.gap_m)
         if step_result.failures and on_failure is not None:
             on_failure(frame, step_result)
+        if ends is not None and ends():
+            break
     result = world.result(steps * world.dt).as_dict()
     result["min_gap_m"] = min_gap
     return result
@@ -119,10 +123,15 @@ class PolicyDriver:
     extraction is widened to match (sps_driving.core.view.widen_extraction) and the policy reads
     its window of the wider grid, or refuses it (ValueError) if it reads absolute cells.
     precision ("fp32" | "int8"; None: the settings') is the extractor's (int8: onnxruntime's int8 graph).
+    With `ood` (sps_driving.sim.ood_log.ood_settings; None: scores only), the driver scores every
+    frame's kept descriptors with the calibration in the policy's folder when there is one (with
+    the rule or a cruise scale, it must be there), and `ood_log` holds the episode's
+    (sps_driving.sim.ood_log.OodEpisodeLog; None without a calibration).
     """
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
-                 all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0, precision: str | None = None):
+                 all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0, precision: str | None = None,
+                 ood: dict | None = None):
         from sps_driving.core.policies.checkpoint import load_policy, read_policy_config
         from sps_driving.core.policies.streaming import StreamingPolicy
         from sps_driving.export.extractors import extractor_for_policy
@@ -147,10 +156,16 @@ class PolicyDriver:
         self._seen: tuple[np.ndarray, np.ndarray] | None = None  # the last computed frame's (indices, descriptors)
         self.last = (0.0, 0.0)
         self.drops = 0
+        self.ood_settings = ood
+        self.scorer = _ood_scorer(policy_dir, policy_config, ood, view_width_scale)
+        self.ood_log = None
 
     def reset(self) -> None:
+        from sps_driving.sim.ood_log import OodEpisodeLog
+
         self.last = (0.0, 0.0)
         self.streaming.reset()
+        self.ood_log = None if self.scorer is None else OodEpisodeLog(self.ood_settings)
         if self.views is not None:
             self.views.clear()
 
@@ -183,11 +198,43 @@ class PolicyDriver:
         """The episode loop's driver: the command for `frame`'s camera image (with all_patches,
         frame.descriptors gets every patch's descriptor; None for a dropped frame)."""
         state = driving_state(frame.world)
+        if self.ood_log is not None:
+            state["target_speed_mps"] *= self.ood_log.cruise_scale
         command = Command(*self(frame.image, frame.stamp_ns, state))
         frame.descriptors = self.frame_descriptors
+        if self.ood_log is not None:
+            self.ood_log.frame(frame.world.time, None if self._seen is None else self.scorer.scores(self._seen[1]))
         if self.views is not None and self._seen is not None:
             self.views.append(FrameView(frame.world.time, frame.image, *self._seen, state, command.steering))
         return command
+
+
+def _ood_scorer(policy_dir: str, policy_config: dict, ood: dict | None, view_width_scale: float):
+    """The policy's OOD calibration; None where it has none and nothing acts on the score (or the
+    view is widened: other descriptors than it was calibrated on). CalibrationError when the rule
+    or a cruise scale needs it and it is missing or mismatched."""
+    from sps_driving.core.ood import CalibrationError, load_calibration
+    from sps_driving.core.policies.checkpoint import WEIGHTS_FILE
+
+    acts = ood is not None and (ood.get("rule") is not None or float(ood.get("cruise_scale", 1.0)) != 1.0)
+    if view_width_scale != 1.0 and not acts:
+        return None
+    try:
+        return load_calibration(policy_dir, policy_config, Path(policy_dir) / WEIGHTS_FILE)
+    except CalibrationError:
+        if acts:
+            raise
+        return None
+
+
+def _with_handover(result: dict, log) -> dict:
+    """A requested handover ends the episode as a handover: autonomy's success ends there too."""
+    if log.handover_s is not None:
+        result["success_s"] = min(result["success_s"], log.handover_s)
+        result["score"] = result["success_s"] / result["duration_s"]
+    result["handover"] = log.handover_s is not None
+    result["ood"] = log.as_dict()
+    return result
 
 
 def run_episode(config: dict, scenario_name: str, seed: int, driver=None, renderer=None, strips=None) -> dict:
@@ -201,10 +248,24 @@ def run_episode(config: dict, scenario_name: str, seed: int, driver=None, render
     else:
         driver.reset()
         on_failure = None if strips is None else strips.episode(scenario_name, seed)
-        result = drive_episode(config, world, seed, driver.drive, renderer=renderer, on_failure=on_failure)
+        log = getattr(driver, "ood_log", None)
+        if log is not None:
+            on_failure = _logging_failures(log, on_failure)
+        result = drive_episode(config, world, seed, driver.drive, renderer=renderer, on_failure=on_failure,
+                               ends=None if log is None else (lambda: log.handed_over))
+        if log is not None:
+            result = _with_handover(result, log)
     result["episode"] = seed  # as in rows from before layouts were chosen, where the index was the seed
     result["dropped_frames"] = getattr(driver, "drops", 0) - drops_before
     return result
+
+
+def _logging_failures(log, then: FailureHook | None) -> FailureHook:
+    def on_failure(frame: Frame, step: StepResult) -> None:
+        log.failure(frame.world.time)
+        if then is not None:
+            then(frame, step)
+    return on_failure
 
 
 # ------------------------------------------------------------------------------ workers
@@ -229,14 +290,14 @@ def _init_worker(config: dict, policy_dir: str | None, device: str, threads: int
         scale = float(config["camera"].get("view_width_scale", 1.0))  # sim.config.widen_view
         if strips_folder is None:
             _WORKER["driver"] = PolicyDriver(policy_dir, device, threads, backbone_config, view_width_scale=scale,
-                                             precision=precision)
+                                             precision=precision, ood=config.get("ood"))
         else:
             from sps_driving.sim.failure_strips import FailureStrips, StripSettings
 
             settings = StripSettings.from_config(config)
             driver = PolicyDriver(policy_dir, device, threads, backbone_config,
                                   view_history=settings.history_frames(float(config["control_rate_hz"])),
-                                  view_width_scale=scale, precision=precision)
+                                  view_width_scale=scale, precision=precision, ood=config.get("ood"))
             _WORKER["driver"] = driver
             _WORKER["strips"] = FailureStrips(Path(strips_folder), settings, driver)
 

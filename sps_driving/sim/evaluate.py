@@ -14,7 +14,9 @@ for every method, below the first collection seed (sps_driving.sim.world.COLLECT
 so no layout is ever trained on. Every finished episode is appended to OUT/results.jsonl, and a
 rerun skips the episodes already there (sps_driving.sim.results). In process, each failure of a
 policy's episode is drawn as a strip of its last 2 s, what the policy kept and where its steering
-came from, into OUT/failures/<method>/ (sps_driving.sim.failure_strips; --no-failure-strips: none). Tables and plots
+came from, into OUT/failures/<method>/ (sps_driving.sim.failure_strips; --no-failure-strips: none). In process,
+a policy with an OOD calibration in its folder logs every frame's scores in its rows, and with
+--ood-rule the safety monitor's rule acts on them (sps_driving.sim.ood_log). Tables and plots
 (sps_driving.sim.tables) are written from every method's rows in results.jsonl on this run's
 layouts with this run's episode length and image size.
 """
@@ -26,10 +28,12 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+from sps_driving.core.ood import load_ood_config
 from sps_driving.core.resources import source_revision
 from sps_driving.sim.config import PROFILES, load_sim_config, widen_view
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
+from sps_driving.sim.ood_log import ood_settings
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missing_tasks, read_results
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
@@ -37,6 +41,7 @@ from sps_driving.sim.world import COLLECTION_SEED_BASE
 from sps_driving.train.distributed import Processes, file_digest, start_processes
 
 INT8_SUFFIX = "-int8"  # a method evaluated with --precision int8
+OOD_RULE_SUFFIX = "+OOD"  # a method evaluated with --ood-rule
 
 
 def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
@@ -137,6 +142,35 @@ def _check_wider_view(policy_dir: str, policy_config: dict, scale: float) -> Non
         raise SystemExit(f"eval: --view-width-scale {scale:g}: {exc}") from None
 
 
+def _method_suffix(args) -> str:
+    """What the options add to the method's name: the int8 graph, the OOD rule, a constant cruise scale."""
+    return ((INT8_SUFFIX if args.precision == "int8" else "") + (OOD_RULE_SUFFIX if args.ood_rule else "")
+            + (f"-slow{args.cruise_scale:g}" if args.cruise_scale != 1.0 else ""))
+
+
+def _ood_settings(args) -> dict:
+    """The `ood` entry of the simulator config (sps_driving.sim.ood_log.ood_settings) the options ask for."""
+    if (args.ood_rule or args.cruise_scale != 1.0) and (args.graph or args.expert):
+        raise SystemExit("eval: --ood-rule and --cruise-scale drive a policy in process")
+    try:
+        ood = load_ood_config(args.ood_config)
+        return ood_settings(ood["rule"] if args.ood_rule else None, ood["score"]["method"], args.cruise_scale)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"eval: {exc}") from None
+
+
+def _check_calibration(policy_dir: str, policy_config: dict) -> None:
+    """Exit with the reason unless the policy's OOD calibration is there and its own (a worker that
+    cannot start would be started again and again)."""
+    from sps_driving.core.ood import CalibrationError, load_calibration
+    from sps_driving.core.policies.checkpoint import WEIGHTS_FILE
+
+    try:
+        load_calibration(policy_dir, policy_config, Path(policy_dir) / WEIGHTS_FILE)
+    except CalibrationError as exc:
+        raise SystemExit(f"eval: {exc}") from None
+
+
 def _missing(settings: EvalSettings, scenarios: list[str], path: Path) -> list[tuple[str, int]]:
     try:
         return missing_tasks(settings, scenarios, path)
@@ -174,6 +208,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="in process: render S times as wide at the same focal length (the nominal frame is the central "
                              "1/S) and widen the policy's extraction to match (16x16 -> 16x24 at 1.5); for policies that "
                              "read a window about the roi's centre (relative_query, mlp with a canvas)")
+    parser.add_argument("--ood-rule", action="store_true",
+                        help="in process: the safety monitor's OOD rule acts (config/ood.yaml: lowered cruise target, a "
+                             "requested handover ends the episode); needs the policy's calibration; the method is named "
+                             f"with '{OOD_RULE_SUFFIX}' appended")
+    parser.add_argument("--cruise-scale", type=float, default=1.0, metavar="S",
+                        help="in process: every frame's cruise target times S (the rule's constant-slow baseline); the "
+                             "method is named with '-slowS' appended")
+    parser.add_argument("--ood-config", help="OOD score and rule settings (default config/ood.yaml)")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
     parser.add_argument("--graph", action="store_true",
                         help="drive through the live ROS 2 graph (sim_world node + the on-car nodes) instead of in process; "
@@ -191,6 +233,7 @@ def run(args) -> int:
         raise SystemExit(f"eval: {exc}") from None
     if args.episode_s is not None:
         config["episode_s"] = float(args.episode_s)
+    config["ood"] = _ood_settings(args)
     if args.view_width_scale != 1.0:
         if args.graph:
             raise SystemExit("eval: --view-width-scale runs in process; the live graph's extractor takes the checkpoint's settings")
@@ -214,8 +257,10 @@ def run(args) -> int:
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"eval: {exc}") from None
         method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
-        if args.precision == "int8" and not args.name:
-            method += INT8_SUFFIX
+        if not args.name:
+            method += _method_suffix(args)
+        if args.ood_rule or args.cruise_scale != 1.0:
+            _check_calibration(args.policy, policy_config)
         seed = training_seed(policy_config)
         if args.view_width_scale != 1.0:
             _check_wider_view(args.policy, policy_config, args.view_width_scale)

@@ -65,6 +65,7 @@ RECORDED = {
     topics.SAFETY_STOP: "diagnostic_msgs/msg/DiagnosticArray",
     topics.STAGE_TIMING: "diagnostic_msgs/msg/DiagnosticArray",
     topics.POLICY_OVERLAY: "sensor_msgs/msg/Image",  # with --overlay
+    topics.OOD_SCORE: "sensor_msgs/msg/JointState",  # with a calibrated checkpoint
 }
 # Besides the camera; and the topics of the policy's state inputs the bag has (`played_topics`).
 PLAYED = (topics.LANE_POSE, topics.OBSTACLE_RANGE, topics.VEHICLE_TWIST)
@@ -700,6 +701,8 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
     }
     if overlay:
         params["policy"]["publish_overlay"] = True
+    if has_ood_calibration(checkpoint):
+        params["policy"]["ood_score"] = True
     if backbone_config:
         params["extractor"]["backbone_config"] = str(Path(backbone_config).resolve())
     if precision:
@@ -896,6 +899,7 @@ def replay_bag(
     report["mode"] = "lockstep" if lockstep else "realtime"
     report["unreadable_messages"] = player.unreadable
     report["output_bag"] = str(out)
+    report["ood_score"] = ood_score_report(player.records)
     return report
 
 
@@ -935,5 +939,46 @@ def run(args: argparse.Namespace) -> int:
     except (ReplayError, BagError) as exc:  # BagError: a bag damaged part-way through the playback
         print(f"error: {exc}")
         return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report) + f"\noutput bag: {out}")
+    print(json.dumps(report, indent=2) if args.json else format_report(report) + format_ood_score(report["ood_score"])
+          + f"\noutput bag: {out}")
     return 0
+
+
+# ---------------------------------------------------------------- the OOD score of a drive
+
+
+def has_ood_calibration(checkpoint: Path) -> bool:
+    from sps_driving.core.ood import META_FILE, TENSORS_FILE
+
+    return (Path(checkpoint) / META_FILE).is_file() and (Path(checkpoint) / TENSORS_FILE).is_file()
+
+
+def ood_score_report(records: list) -> dict | None:
+    """The distribution of the policy's OOD score over a drive's frames (topics.OOD_SCORE records)
+    and the frames above each threshold of the safety monitor's rule (config/ood.yaml); None when
+    the drive has no score."""
+    from sps_driving.core.ood import load_ood_config
+
+    scores = sorted((msgs.stamp_ns(r.msg.header), float(r.msg.position[0])) for r in records
+                    if r.topic == topics.OOD_SCORE and len(r.msg.position) == 1)
+    if not scores:
+        return None
+    rule = load_ood_config()["rule"]
+    values = np.array([v for _, v in scores])
+    above = {name: [stamp for stamp, v in scores if v > float(rule[name])] for name in ("slow_threshold", "handover_threshold")}
+    return {"frames": len(scores), "method": str(next(r.msg.name[0] for r in records if r.topic == topics.OOD_SCORE)),
+            **{k: v for k, v in percentiles(values).items() if k != "count"}, "p90": float(np.percentile(values, 90)),
+            "above": {name: {"threshold": float(rule[name]), "frames": len(stamps), "share": len(stamps) / len(scores),
+                             "first_stamps_ns": stamps[:20]} for name, stamps in above.items()}}
+
+
+def format_ood_score(section: dict | None) -> str:
+    if section is None:
+        return "\nOOD score: none (the checkpoint has no calibration)"
+    lines = [f"\nOOD score ({section['method']}, {section['frames']} frames; 1.0 = the 99th percentile of training frames): "
+             f"p50 {section['p50']:.2f}, p90 {section['p90']:.2f}, p99 {section['p99']:.2f}, max {section['max']:.2f}"]
+    for name, entry in section["above"].items():
+        first = ", ".join(str(s) for s in entry["first_stamps_ns"][:5])
+        lines.append(f"  above {name} {entry['threshold']:g}: {entry['frames']} frames ({100 * entry['share']:.1f}%)"
+                     + (f", first stamps (ns) {first}" if first else ""))
+    return "\n".join(lines)

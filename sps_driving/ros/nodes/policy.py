@@ -16,6 +16,13 @@ window, kept in a history by camera stamp (sps_driving.core.history): a frame dr
 here leaves its slot empty and shortens the windows that would have used it, stamps that go
 backwards or a long gap restart the history; the counters say how often (`history_*`).
 
+With `ood_score` the node scores every commanded frame's kept descriptors against the calibration
+in the checkpoint's folder (sps_driving.core.ood: a missing or mismatched one stops the node at
+start with the reason) and publishes the score on topics.OOD_SCORE with the frame's stamp, after
+the command; the latest is in its timing diagnostics (`ood_score`). While the safety monitor's
+OOD rule lowers the cruise target (topics.CRUISE_SCALE, fresh within `max_target_speed_age_s`),
+a policy that reads the cruise target reads it multiplied by that scale.
+
 With `publish_overlay` the node also shows what the policy sees, on topics.POLICY_OVERLAY: every
 `overlay_every_n`-th commanded frame's camera image (read from topics.IMAGE, matched to the
 descriptors by stamp) with the kept patches outlined, the dropped ones dimmed and, with
@@ -33,6 +40,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from rclpy.node import Node
 from sensor_msgs.msg import Image, JointState, PointCloud2
@@ -54,6 +62,9 @@ PARAMETERS = {
     "max_speed_age_s": Param(0.1, "the speed nearest a frame's stamp may be this far from it, else the frame is dropped",
                              "s", above=0.0),
     "max_target_speed_age_s": Param(1.0, "the same for the cruise target speed, once one has arrived", "s", above=0.0),
+    "ood_score": Param(False, f"publish the OOD score of every commanded frame on {topics.OOD_SCORE} (needs the "
+                       "checkpoint's calibration, `sps-driving ood calibrate`)"),
+    "ood_config": Param("", "OOD score settings, the score's method among them ('' = config/ood.yaml)"),
     "publish_overlay": Param(False, f"publish {topics.POLICY_OVERLAY}: camera frames with the kept patches drawn (RViz, "
                              "Foxglove); off on the car, where it costs a camera subscription and CPU beside the command path"),
     "overlay_every_n": Param(5, "draw every n-th commanded frame (from the first)", "frames", min=1),
@@ -86,6 +97,8 @@ class PolicyNode(Node):
         self.state_tracker = None
         if self.policy.state_inputs:
             self.state_tracker = self._read_state(p)
+        self.ood = OodPublisher(self, p) if p["ood_score"] else None
+        self.cruise_scale = CruiseScale(self, p["max_target_speed_age_s"]) if "target_speed_mps" in self.policy.state_inputs else None
         self.overlay = OverlayPublisher(self, p) if p["publish_overlay"] else None
         self.create_subscription(PointCloud2, topics.DESCRIPTORS, self._on_descriptors, msgs.qos("stream"))
         sel = self.policy.selection
@@ -118,6 +131,8 @@ class PolicyNode(Node):
         try:
             values, indices = msgs.descriptors_from_message(msg)
             state = self.state_tracker.at(stamp) if self.state_tracker is not None else None
+            if self.cruise_scale is not None:
+                state["target_speed_mps"] *= self.cruise_scale.now()
             steering, throttle = self.streaming.step(stamp, values, indices, state)
         except StateUnavailable as exc:
             self.counters[f"dropped_state_{exc.kind}"] += 1
@@ -130,6 +145,8 @@ class PolicyNode(Node):
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
             return
         self.publisher.publish(msgs.to_ros(msgs.command_fields(steering, throttle, stamp)))
+        if self.ood is not None:
+            self.ood.publish(stamp, values)
         self.counters.update(self.streaming.counts)
         if self.overlay is not None and self.counters["frames"] % self.overlay.every_n == 0:
             self.overlay.submit(stamp, values, indices, state)
@@ -140,6 +157,59 @@ class PolicyNode(Node):
         if self.overlay is not None:
             self.overlay.stop()
         return super().destroy_node()
+
+
+class OodPublisher:
+    """The OOD score of each commanded frame on topics.OOD_SCORE (see the module docstring)."""
+
+    def __init__(self, node: PolicyNode, p: dict):
+        from sps_driving.core.ood import load_calibration, load_ood_config
+        from sps_driving.core.policies.checkpoint import WEIGHTS_FILE
+
+        self.node = node
+        self.method = load_ood_config(p["ood_config"] or None)["score"]["method"]
+        self.scorer = load_calibration(p["checkpoint"], node.policy.config, Path(p["checkpoint"]) / WEIGHTS_FILE)
+        self.publisher = node.create_publisher(JointState, topics.OOD_SCORE, msgs.qos("stream"))
+        node.counters.update(ood_score=float("nan"), ood_invalid=0)
+        node.get_logger().info(f"OOD score {self.method} on {topics.OOD_SCORE} (calibration of {p['checkpoint']}: "
+                               f"scales {self.scorer.scales})")
+
+    def publish(self, stamp: int, descriptors) -> None:
+        try:
+            score = self.scorer.score(descriptors, self.method)
+        except ValueError as exc:
+            self.node.counters["ood_invalid"] += 1
+            self.node.get_logger().error(f"OOD score: {exc}", throttle_duration_sec=1.0)
+            return
+        self.node.counters["ood_score"] = round(score, 4)
+        self.publisher.publish(msgs.to_ros(msgs.Fields("sensor_msgs/msg/JointState", {
+            "header": msgs.header_fields(stamp, "camera"), "name": [self.method], "position": [score]})))
+
+
+class CruiseScale:
+    """The safety monitor's cruise-target scale (topics.CRUISE_SCALE): 1.0 until one arrives, when
+    it is older than `max_age_s`, or when it is not a number in (0, 1] (counted)."""
+
+    def __init__(self, node: PolicyNode, max_age_s: float):
+        from std_msgs.msg import Float32
+
+        self.node, self.max_age_s = node, max_age_s
+        self._scale, self._time_s = 1.0, None
+        node.counters.update(cruise_scale=1.0, cruise_scale_invalid=0)
+        node.create_subscription(Float32, topics.CRUISE_SCALE, self._on_scale, msgs.qos("control"))
+
+    def _on_scale(self, msg) -> None:
+        value = float(msg.data)
+        if not 0.0 < value <= 1.0:
+            self.node.counters["cruise_scale_invalid"] += 1
+            return
+        self._scale, self._time_s = value, time.monotonic()
+
+    def now(self) -> float:
+        fresh = self._time_s is not None and time.monotonic() - self._time_s <= self.max_age_s
+        scale = self._scale if fresh else 1.0
+        self.node.counters["cruise_scale"] = scale
+        return scale
 
 
 class OverlayPublisher:

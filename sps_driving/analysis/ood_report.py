@@ -1,0 +1,302 @@
+"""`sps-driving ood report`: what the OOD score tells, from eval rows that log it per frame.
+
+- Prediction, on the rows of the runs without the rule (and without a cruise scale): for each
+  scenario, the AUROC of each score for "a failure follows within horizon_s", over every frame of
+  its episodes; the median over the OOD scenarios; Spearman's rank correlation, across the OOD
+  scenarios, of a scenario's mean score with its OOD average (a good score ranks the worst
+  scenarios highest); the lead time of the first alarm (the score above the rule's slow or handover
+  threshold) before each failure, counted from the previous failure or the episode's start.
+- The rule replayed on those logged scores (sps_driving.core.monitor.OodRule, config/ood.yaml):
+  handovers it would request per 10 minutes in the episodes without a failure, by scenario kind.
+- Closed loop, per method (rule off, rule on, constant slow), on the cells every method drove: OOD average, failures per km and per
+  minute of autonomous driving, share of frames slowed, handovers, and the OOD cells of the rule-off
+  run with a failure in which the method's run requested a handover or slowed before that failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from sps_driving.core.monitor import OodRule, OodRuleConfig
+from sps_driving.core.ood import METHODS, load_ood_config
+from sps_driving.sim.results import merge_results
+from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
+
+SMOOTHING_FRAMES = 10  # frames of the causal mean variant of each score (1 s at 10 Hz)
+
+
+def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Probability that a positive frame scores above a negative one (ties count half); NaN without both."""
+    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if positives == 0 or negatives == 0:
+        return math.nan
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    # Average ranks over ties.
+    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
+    average = first + (counts - 1) / 2.0 + 1.0
+    ranks[order] = np.repeat(average, counts)
+    return float((ranks[labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
+
+
+def frame_labels(row: dict, horizon_s: float) -> np.ndarray:
+    """For each logged frame of an episode: a failure follows within `horizon_s` (s) of it."""
+    times = np.asarray(row["ood"]["time_s"])
+    failures = np.asarray(row["ood"]["failure_times_s"], dtype=np.float64)
+    if len(failures) == 0:
+        return np.zeros(len(times), dtype=bool)
+    ahead = failures[None, :] - times[:, None]
+    return ((ahead > 0) & (ahead <= horizon_s)).any(axis=1)
+
+
+def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
+    """A method's per-frame score of an episode; with causal_window n, the mean of the last n frames."""
+    values = np.asarray(row["ood"]["scores"][method], dtype=np.float64)
+    if causal_window <= 1:
+        return values
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(idx - causal_window, 0)
+    return (sums[idx] - sums[lo]) / (idx - lo)
+
+
+def score_variants() -> list[tuple[str, str, int]]:
+    """(label, method, causal window in frames)."""
+    return [(m, m, 1) for m in METHODS] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in METHODS]
+
+
+def _logged(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("ood") and r["ood"].get("frames")]
+
+
+def _baseline(rows: list[dict]) -> list[dict]:
+    return [r for r in _logged(rows) if not r["ood"]["rule"] and float(r["ood"]["cruise_scale"]) == 1.0]
+
+
+def _autonomy_s(row: dict) -> float:
+    handover = row["ood"].get("handover_s")
+    return float(row["duration_s"]) if handover is None else float(handover)
+
+
+def prediction(rows: list[dict], horizon_s: float) -> dict:
+    """AUROC per scenario and score variant, their median over OOD scenarios, rank correlation."""
+    by_scenario = defaultdict(list)
+    for row in rows:
+        by_scenario[row["scenario"]].append(row)
+    table, mean_scores = {}, defaultdict(dict)
+    for scenario, episodes in by_scenario.items():
+        labels = np.concatenate([frame_labels(r, horizon_s) for r in episodes])
+        entry = {"frames": int(len(labels)), "positive_frames": int(labels.sum()),
+                 "ood_average": float(np.mean([r["score"] for r in episodes])), "episodes": len(episodes)}
+        for label, method, window in score_variants():
+            scores = np.concatenate([_finite(frame_scores(r, method, window)) for r in episodes])
+            keep = np.isfinite(scores)
+            entry[label] = auroc(scores[keep], labels[keep])
+            mean_scores[label][scenario] = float(np.nanmean(scores))
+        table[scenario] = entry
+    ood = [s for s in OOD_SCENARIO_NAMES if s in table]
+    summary = {}
+    for label, _, _ in score_variants():
+        values = [table[s][label] for s in ood if math.isfinite(table[s][label])]
+        summary[label] = {
+            "median_auroc": float(np.median(values)) if values else math.nan, "scenarios_with_failures": len(values),
+            "spearman_mean_score_vs_ood_average": _spearman([mean_scores[label][s] for s in ood],
+                                                            [table[s]["ood_average"] for s in ood]),
+            "in_distribution_mean": mean_scores[label].get(ID_SCENARIO.name, math.nan),
+            "ood_mean": float(np.mean([mean_scores[label][s] for s in ood])) if ood else math.nan,
+        }
+    return {"per_scenario": table, "summary": summary}
+
+
+def _finite(values: np.ndarray) -> np.ndarray:
+    return np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _spearman(a: list, b: list) -> float:
+    if len(a) < 3:
+        return math.nan
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def lead_times(rows: list[dict], method: str, threshold: float) -> dict:
+    """For each failure, the time from the first frame above `threshold` since the previous failure
+    (or the start) to the failure; failures without such a frame have no alarm."""
+    leads, without = [], 0
+    for row in rows:
+        times = np.asarray(row["ood"]["time_s"])
+        scores = _finite(frame_scores(row, method))
+        previous = -math.inf
+        for failure in row["ood"]["failure_times_s"]:
+            window = (times > previous) & (times < failure) & (scores > threshold)
+            if window.any():
+                leads.append(failure - float(times[window][0]))
+            else:
+                without += 1
+            previous = failure
+    return {"threshold": threshold, "failures": len(leads) + without, "alarmed": len(leads),
+            "median_lead_s": float(np.median(leads)) if leads else math.nan}
+
+
+def replayed_rule(rows: list[dict], rule: OodRuleConfig, method: str) -> dict:
+    """The rule on the logged scores of rule-off episodes without a failure: requests per 10 minutes
+    and the share of frames it would slow, in and out of distribution."""
+    out = {}
+    for kind, names in (("in distribution", {ID_SCENARIO.name}), ("OOD", set(OOD_SCENARIO_NAMES))):
+        clean = [r for r in rows if r["scenario"] in names and not r["ood"]["failure_times_s"]]
+        handovers, slowed, frames, seconds = 0, 0, 0, 0.0
+        for row in clean:
+            replay = OodRule(rule)
+            for t, value in zip(row["ood"]["time_s"], _finite(row["ood"]["scores"][method])):
+                if math.isfinite(value):
+                    replay.on_score(value, t)
+                status = replay.step(t)
+                slowed += status.slowed
+                handovers += status.new_handover
+                frames += 1
+            seconds += float(row["duration_s"])
+        out[kind] = {"episodes": len(clean), "minutes": seconds / 60.0,
+                     "handovers_per_10_min": 600.0 * handovers / seconds if seconds else math.nan,
+                     "slowed_share": slowed / frames if frames else math.nan}
+    return out
+
+
+def closed_loop(rows: list[dict], baseline_method: str | None) -> dict:
+    """Per method: the OOD and in-distribution rows' driving numbers (see the module docstring)."""
+    methods = defaultdict(list)
+    for row in _logged(rows):
+        methods[row["method"]].append(row)
+    # Only the cells every method drove: the methods side by side on the same layouts.
+    shared = set.intersection(*({(r["scenario"], r["seed"]) for r in m} for m in methods.values()))
+    methods = {name: [r for r in m if (r["scenario"], r["seed"]) in shared] for name, m in methods.items()}
+    base = {(r["scenario"], r["seed"]): r for r in methods.get(baseline_method, [])}
+    out = {}
+    for method, method_rows in sorted(methods.items()):
+        entry = {}
+        for kind, names in (("in distribution", {ID_SCENARIO.name}), ("OOD", set(OOD_SCENARIO_NAMES))):
+            cells = [r for r in method_rows if r["scenario"] in names]
+            if not cells:
+                continue
+            km = sum(r["distance_m"] for r in cells) / 1000.0
+            minutes = sum(_autonomy_s(r) for r in cells) / 60.0
+            failures = sum(r["interventions"] for r in cells)
+            handovers = sum(bool(r.get("handover")) for r in cells)
+            entry[kind] = {
+                "episodes": len(cells), "average": float(np.mean([r["score"] for r in cells])),
+                "failures": failures, "failures_per_km": failures / km if km else math.nan,
+                "failures_per_min": failures / minutes if minutes else math.nan,
+                "slowed_share": sum(r["ood"]["slowed_frames"] for r in cells) / max(sum(r["ood"]["frames"] for r in cells), 1),
+                "handovers": handovers, "handovers_per_10_min": 10.0 * handovers / minutes if minutes else math.nan,
+                "mean_speed_mps": float(np.mean([r["mean_speed_mps"] for r in cells])),
+                **_caught(cells, base),
+            }
+        out[method] = entry
+    return out
+
+
+def _caught(cells: list[dict], base: dict) -> dict:
+    """Of the cells whose rule-off run failed: in how many this run handed over or slowed before that
+    first failure; and of the rule-off run's cells without failure, how many this run handed over in."""
+    failing = caught = clean = clean_handovers = 0
+    for row in cells:
+        ref = base.get((row["scenario"], row["seed"]))
+        if ref is None or ref is row:
+            continue
+        first = ref["ood"]["failure_times_s"][0] if ref["ood"]["failure_times_s"] else None
+        if first is None:
+            clean += 1
+            clean_handovers += bool(row.get("handover"))
+            continue
+        failing += 1
+        handover = row["ood"].get("handover_s")
+        slowed_before = row["ood"]["slowed_frames"] > 0 and _first_slowed(row) < first
+        caught += (handover is not None and handover < first) or slowed_before
+    return {"baseline_failing_cells": failing, "caught_before_first_failure": caught,
+            "baseline_clean_cells": clean, "handovers_in_clean_cells": clean_handovers}
+
+
+def _first_slowed(row: dict) -> float:
+    """The time of the first slowed frame, replayed from the logged scores with the run's rule."""
+    rule = OodRule(OodRuleConfig.from_config(load_ood_config()["rule"]))
+    for t, value in zip(row["ood"]["time_s"], _finite(row["ood"]["scores"][row["ood"]["method"]])):
+        if math.isfinite(value):
+            rule.on_score(value, t)
+        if rule.step(t).slowed:
+            return t
+    return math.inf
+
+
+def write_report(args) -> int:
+    rows = merge_results(args.runs)
+    if not _logged(rows):
+        raise SystemExit("ood report: no rows with per-frame OOD scores in " + ", ".join(args.runs))
+    config = load_ood_config()
+    rule = OodRuleConfig.from_config(config["rule"])
+    method = config["score"]["method"]
+    base = [r for r in _baseline(rows) if args.method is None or r["method"] == args.method]
+    baseline_method = args.method or (base[0]["method"] if base else None)
+    report = {
+        "horizon_s": args.horizon_s, "runs": args.runs, "rule": config["rule"], "score_method": method,
+        "prediction": prediction(base, args.horizon_s),
+        "lead_time": {name: lead_times([r for r in base if r["scenario"] in OOD_SCENARIO_NAMES], method, threshold)
+                      for name, threshold in (("slow", rule.slow_threshold), ("handover", rule.handover_threshold))},
+        "replayed_rule": replayed_rule(base, rule, method),
+        "closed_loop": closed_loop(rows, baseline_method),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ood_report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    text = markdown(report)
+    (out / "ood_report.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _f(value, digits: int = 2) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    pred = report["prediction"]
+    labels = [label for label, _, _ in score_variants()]
+    lines = [f"### AUROC for a failure within {report['horizon_s']:g} s, per scenario (rule off)", "",
+             "| scenario | episodes | OOD average | frames (positive) | " + " | ".join(labels) + " |",
+             "|---|---|---|---|" + "---|" * len(labels)]
+    for scenario, e in pred["per_scenario"].items():
+        lines.append(f"| {scenario} | {e['episodes']} | {_f(e['ood_average'])} | {e['frames']} ({e['positive_frames']}) | "
+                     + " | ".join(_f(e[label]) for label in labels) + " |")
+    s = pred["summary"]
+    lines += ["", "| score | median AUROC over OOD scenarios (scenarios with a failure) | Spearman: mean score vs OOD average | "
+              "mean score in distribution / OOD |", "|---|---|---|---|"]
+    for label in labels:
+        lines.append(f"| {label} | {_f(s[label]['median_auroc'])} ({s[label]['scenarios_with_failures']}) | "
+                     f"{_f(s[label]['spearman_mean_score_vs_ood_average'])} | {_f(s[label]['in_distribution_mean'])} / "
+                     f"{_f(s[label]['ood_mean'])} |")
+    lines += ["", f"### Lead time of the first alarm ({report['score_method']}, OOD scenarios)", "",
+              "| alarm | threshold | failures | with an alarm before | median lead s |", "|---|---|---|---|---|"]
+    for name, e in report["lead_time"].items():
+        lines.append(f"| {name} | {e['threshold']:g} | {e['failures']} | {e['alarmed']} | {_f(e['median_lead_s'])} |")
+    lines += ["", "### The rule replayed on the logged scores of episodes without a failure (rule off)", "",
+              "| | episodes | minutes | handovers per 10 min | share of frames slowed |", "|---|---|---|---|---|"]
+    for kind, e in report["replayed_rule"].items():
+        lines.append(f"| {kind} | {e['episodes']} | {_f(e['minutes'], 1)} | {_f(e['handovers_per_10_min'])} | "
+                     f"{_f(e['slowed_share'])} |")
+    lines += ["", "### Closed loop by method", "",
+              "| method | kind | episodes | average | failures | per km | per min | slowed | handovers (per 10 min) | "
+              "mean speed m/s | rule-off failing cells caught before the first failure | handovers in rule-off clean cells |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method, kinds in report["closed_loop"].items():
+        for kind, e in kinds.items():
+            lines.append(f"| {method} | {kind} | {e['episodes']} | {_f(e['average'], 3)} | {e['failures']} | "
+                         f"{_f(e['failures_per_km'])} | {_f(e['failures_per_min'])} | {_f(e['slowed_share'])} | "
+                         f"{e['handovers']} ({_f(e['handovers_per_10_min'])}) | {_f(e['mean_speed_mps'])} | "
+                         f"{e['caught_before_first_failure']} / {e['baseline_failing_cells']} | "
+                         f"{e['handovers_in_clean_cells']} / {e['baseline_clean_cells']} |")
+    return "\n".join(lines) + "\n"

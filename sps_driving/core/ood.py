@@ -1,0 +1,199 @@
+"""Out-of-distribution scores of one frame's kept patch descriptors, calibrated on a policy's
+training frames. Pure logic, no ROS.
+
+Two scores, each a distance from what the policy was trained on:
+- `pooled_mahalanobis`: the Mahalanobis distance of the mean of the kept descriptors from the
+  training frames' means (covariance shrunk toward its average variance, so that the D x D
+  estimate stays well conditioned on a few thousand frames);
+- `patch_coreset`: the mean over the kept patches of each one's Euclidean distance to the nearest
+  centre of a k-center coreset of training patch descriptors (greedy farthest-point selection),
+  so a frame with a few unfamiliar patches among familiar ones scores above a frame of familiar ones.
+
+Each raw value is divided by its 99th percentile over held-out training frames (`scale`), so a
+score of 1.0 is where 1% of in-distribution frames lie above, whichever method. The calibration
+is a pair of files in the checkpoint's folder: `ood.safetensors` (the tensors) and `ood.json`
+(format, the descriptors it was made for, the digest of the policy's weights, the scales, and
+how it was made). `load_calibration` refuses a calibration of other descriptors or another
+policy with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "sps_driving.ood/1"
+TENSORS_FILE = "ood.safetensors"
+META_FILE = "ood.json"
+METHODS = ("pooled_mahalanobis", "patch_coreset")
+SCALE_QUANTILE = 0.99  # the held-out training frames' quantile that a score of 1.0 stands for
+# The extraction settings that decide what a descriptor is (sps_driving.export.extractors): a
+# calibration of other values describes other descriptors.
+DESCRIPTOR_SETTINGS = ("backbone", "input_size", "roi", "masked_layer", "falloff", "alpha", "suppression", "tokens",
+                       "model_path")
+# What a checkpoint written before a setting existed means by its absence.
+SETTING_DEFAULTS = {"tokens": "all"}
+
+
+def load_ood_config(path=None) -> dict:
+    """config/ood.yaml (or `path`): score, calibration and rule settings, the score's method checked."""
+    import yaml
+
+    from sps_driving.core.resources import config_path
+
+    path = Path(path) if path is not None else config_path("ood.yaml")
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    missing = [key for key in ("score", "calibration", "rule") if not isinstance(config.get(key), dict)]
+    if missing:
+        raise ValueError(f"{path}: missing sections {missing}")
+    if config["score"].get("method") not in METHODS:
+        raise ValueError(f"{path}: score method must be one of {METHODS}, got {config['score'].get('method')!r}")
+    return config
+
+
+class CalibrationError(ValueError):
+    """A calibration that is missing, unreadable or made for other descriptors or another policy."""
+
+
+def _pooled(descriptors: np.ndarray) -> np.ndarray:
+    if descriptors.ndim != 2 or len(descriptors) == 0:
+        raise ValueError(f"OOD score: expected [k, D] descriptors with k >= 1, got shape {descriptors.shape}")
+    return descriptors.mean(axis=0, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class PooledMahalanobis:
+    mean: np.ndarray  # float64 [D]
+    precision: np.ndarray  # float64 [D, D]: the inverse of the shrunk covariance
+
+    @classmethod
+    def fit(cls, pooled: np.ndarray, shrinkage: float) -> PooledMahalanobis:
+        """pooled: [n, D] the training frames' mean kept descriptors; shrinkage in [0, 1]: the weight
+        of the average variance on the covariance's diagonal."""
+        if not 0.0 <= shrinkage <= 1.0:
+            raise ValueError(f"shrinkage must lie in [0, 1], got {shrinkage}")
+        pooled = np.asarray(pooled, dtype=np.float64)
+        mean = pooled.mean(axis=0)
+        covariance = np.cov(pooled, rowvar=False)
+        average = np.trace(covariance) / len(covariance)
+        shrunk = (1.0 - shrinkage) * covariance + shrinkage * average * np.eye(len(covariance))
+        return cls(mean, np.linalg.inv(shrunk))
+
+    def raw(self, descriptors: np.ndarray) -> float:
+        delta = _pooled(descriptors) - self.mean
+        return float(math.sqrt(max(float(delta @ self.precision @ delta), 0.0)))
+
+
+@dataclass(frozen=True)
+class PatchCoreset:
+    centers: np.ndarray  # float32 [M, D]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_squared", np.einsum("md,md->m", self.centers, self.centers))
+
+    @classmethod
+    def fit(cls, patches: np.ndarray, size: int, rng: np.random.Generator) -> PatchCoreset:
+        """Greedy k-center: start from a random patch, then add the patch farthest from the centres so far."""
+        patches = np.asarray(patches, dtype=np.float32)
+        if not 1 <= size <= len(patches):
+            raise ValueError(f"a coreset of {size} centres needs at least that many patches, got {len(patches)}")
+        squared = np.einsum("nd,nd->n", patches, patches)
+        chosen = [int(rng.integers(len(patches)))]
+        nearest = np.full(len(patches), np.inf, dtype=np.float32)
+        for _ in range(size - 1):
+            c = patches[chosen[-1]]
+            nearest = np.minimum(nearest, squared - 2.0 * (patches @ c) + squared[chosen[-1]])
+            chosen.append(int(np.argmax(nearest)))
+        return cls(patches[chosen].copy())
+
+    def distances(self, descriptors: np.ndarray) -> np.ndarray:
+        """[k] each patch's Euclidean distance to its nearest centre."""
+        x = np.asarray(descriptors, dtype=np.float32)
+        squared = np.einsum("kd,kd->k", x, x)[:, None] - 2.0 * (x @ self.centers.T) + self._squared[None, :]
+        return np.sqrt(np.maximum(squared.min(axis=1), 0.0))
+
+    def raw(self, descriptors: np.ndarray) -> float:
+        if descriptors.ndim != 2 or len(descriptors) == 0:
+            raise ValueError(f"OOD score: expected [k, D] descriptors with k >= 1, got shape {descriptors.shape}")
+        return float(self.distances(descriptors).mean())
+
+
+def descriptor_settings(policy_config: dict) -> dict:
+    """What the checkpoint's descriptors are: dimension, grid and the extraction settings that shape them."""
+    extractor = policy_config.get("extractor") or {}
+    return {"descriptor_dim": int(policy_config["descriptor_dim"]), "grid": dict(policy_config["grid"]),
+            "extractor": {key: extractor.get(key, SETTING_DEFAULTS.get(key)) for key in DESCRIPTOR_SETTINGS}}
+
+
+class OodScorer:
+    """Both scores of a calibration; `scores` gives each one of a frame, normalized by its scale."""
+
+    def __init__(self, mahalanobis: PooledMahalanobis, coreset: PatchCoreset, meta: dict):
+        self.models = {"pooled_mahalanobis": mahalanobis, "patch_coreset": coreset}
+        self.meta = meta
+        self.scales = {name: float(meta["scales"][name]) for name in METHODS}
+        self.dim = len(mahalanobis.mean)
+
+    def score(self, descriptors: np.ndarray, method: str) -> float:
+        """One method's score of a frame's kept descriptors [k, D]; ValueError for a frame of the wrong shape."""
+        descriptors = np.asarray(descriptors)
+        if descriptors.ndim != 2 or descriptors.shape[1] != self.dim:
+            raise ValueError(f"OOD score: expected [k, {self.dim}] descriptors, got shape {descriptors.shape}")
+        return self.models[method].raw(descriptors) / self.scales[method]
+
+    def scores(self, descriptors: np.ndarray) -> dict:
+        return {name: self.score(descriptors, name) for name in METHODS}
+
+    def save(self, directory) -> Path:
+        from safetensors.numpy import save_file
+
+        directory = Path(directory)
+        save_file({"mean": self.models["pooled_mahalanobis"].mean, "precision": self.models["pooled_mahalanobis"].precision,
+                   "centers": self.models["patch_coreset"].centers}, str(directory / TENSORS_FILE))
+        (directory / META_FILE).write_text(json.dumps(self.meta, indent=1) + "\n")
+        return directory / META_FILE
+
+
+def load_calibration(directory, policy_config: dict, weights_path=None) -> OodScorer:
+    """The calibration in the checkpoint folder `directory`, checked against the checkpoint's
+    config (and, with `weights_path`, its weights); CalibrationError with the reason otherwise."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    from sps_driving.core.backbones.runtimes import file_sha256
+
+    directory = Path(directory)
+    meta_path, tensors_path = directory / META_FILE, directory / TENSORS_FILE
+    if not meta_path.is_file() or not tensors_path.is_file():
+        raise CalibrationError(f"no OOD calibration in {directory} ({META_FILE} and {TENSORS_FILE}): make one with "
+                               f"`sps-driving ood calibrate --policy {directory} --cache CACHE`, or turn the OOD score off")
+    try:
+        meta = json.loads(meta_path.read_text())
+        tensors = load_file(str(tensors_path))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise CalibrationError(f"OOD calibration in {directory} cannot be read: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise CalibrationError(f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    expected = descriptor_settings(policy_config)
+    if meta.get("descriptors") != expected:
+        raise CalibrationError(f"OOD calibration {meta_path} was made for other descriptors: {meta.get('descriptors')} "
+                               f"against the policy's {expected}")
+    if weights_path is not None and meta.get("policy_weights_sha256") != file_sha256(Path(weights_path)):
+        raise CalibrationError(f"OOD calibration {meta_path} belongs to another policy (weights digest "
+                               f"{str(meta.get('policy_weights_sha256'))[:12]}..., {weights_path} is "
+                               f"{file_sha256(Path(weights_path))[:12]}...): calibrate it again")
+    dim = expected["descriptor_dim"]
+    shapes = {"mean": (dim,), "precision": (dim, dim)}
+    if any(name not in tensors for name in ("mean", "precision", "centers")) \
+            or any(tensors[name].shape != shape for name, shape in shapes.items()) \
+            or tensors["centers"].ndim != 2 or tensors["centers"].shape[1] != dim:
+        raise CalibrationError(f"{tensors_path} lacks mean [{dim}], precision [{dim}, {dim}] or centers [M, {dim}]")
+    scales = meta.get("scales", {})
+    if any(not (isinstance(scales.get(m), (int, float)) and scales[m] > 0) for m in METHODS):
+        raise CalibrationError(f"{meta_path} needs a positive scale for each of {METHODS}, got {scales}")
+    return OodScorer(PooledMahalanobis(tensors["mean"].astype(np.float64), tensors["precision"].astype(np.float64)),
+                     PatchCoreset(tensors["centers"].astype(np.float32)), meta)

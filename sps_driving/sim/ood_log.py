@@ -1,0 +1,79 @@
+"""The OOD score in evaluation episodes: every frame's scores logged, and the safety monitor's rule
+(sps_driving.core.monitor.OodRule) acting on them as in the graph.
+
+With the rule on, the policy's cruise target is multiplied by the rule's scale from the frame after
+a score above the slow threshold, and a requested handover ends the episode there: the safety
+driver takes the wheel. A constant cruise scale (the rule's honest baseline, a slower target
+everywhere) multiplies every frame's target instead. Rows get `ood`: per-frame time, scores of
+each method (sps_driving.core.ood.METHODS) and the failure times, the frames driven slowed and the
+handover's time (null: none).
+"""
+
+from __future__ import annotations
+
+import math
+
+from sps_driving.core.monitor import OodRule, OodRuleConfig
+from sps_driving.core.ood import METHODS
+
+SCORE_DIGITS = 4  # decimals kept of each logged score
+
+
+def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0) -> dict:
+    """The `ood` entry of an evaluation's simulator config: the rule's settings (None: off), the
+    score it reads, and a constant cruise scale; checked here so a bad one stops the run, not a worker."""
+    if rule is not None:
+        OodRuleConfig.from_config(rule)
+    if method not in METHODS:
+        raise ValueError(f"OOD score method must be one of {METHODS}, got {method!r}")
+    if not (math.isfinite(cruise_scale) and 0 < cruise_scale <= 1):
+        raise ValueError(f"cruise scale must lie in (0, 1], got {cruise_scale}")
+    if rule is not None and cruise_scale != 1.0:
+        raise ValueError("the OOD rule and a constant cruise scale are two methods: evaluate them apart")
+    return {"rule": rule, "method": method, "cruise_scale": float(cruise_scale)}
+
+
+class OodEpisodeLog:
+    """One episode's scores and the rule's state; `cruise_scale` is what the next frame's target is multiplied by."""
+
+    def __init__(self, settings: dict | None):
+        settings = settings or {}
+        self.method = settings.get("method", METHODS[-1])
+        self.fixed_scale = float(settings.get("cruise_scale", 1.0))
+        rule = settings.get("rule")
+        self.rule = None if rule is None else OodRule(OodRuleConfig.from_config(rule))
+        self.times: list[float] = []
+        self.scores: dict[str, list] = {m: [] for m in METHODS}
+        self.failure_times: list[float] = []
+        self.slowed_frames = 0
+        self.cruise_scale = self.fixed_scale
+        self.handover_s: float | None = None
+
+    def frame(self, time_s: float, scores: dict | None) -> None:
+        """A frame's scores (None: a dropped frame, logged as NaN), then the rule's step at its time."""
+        self.times.append(round(time_s, 3))
+        for m in METHODS:
+            value = math.nan if scores is None else scores[m]
+            self.scores[m].append(round(value, SCORE_DIGITS) if math.isfinite(value) else None)
+        if self.cruise_scale < 1.0:
+            self.slowed_frames += 1
+        if self.rule is None:
+            return
+        if scores is not None:
+            self.rule.on_score(scores[self.method], time_s)
+        status = self.rule.step(time_s)
+        self.cruise_scale = status.cruise_scale
+        if status.new_handover and self.handover_s is None:
+            self.handover_s = time_s
+
+    def failure(self, time_s: float) -> None:
+        self.failure_times.append(round(time_s, 3))
+
+    @property
+    def handed_over(self) -> bool:
+        return self.handover_s is not None
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "rule": self.rule is not None, "cruise_scale": self.fixed_scale,
+                "time_s": self.times, "scores": self.scores, "failure_times_s": self.failure_times,
+                "slowed_frames": self.slowed_frames, "frames": len(self.times), "handover_s": self.handover_s}

@@ -1,0 +1,250 @@
+"""The OOD score (sps_driving.core.ood), its calibration files, the rule that acts on it
+(sps_driving.core.monitor.OodRule), its episode log and the report's AUROC."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from ood_samples import DIM, K, calibrated_checkpoint, fitted, training_frames
+from samples import tiny_policy
+
+from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores
+from sps_driving.core.monitor import OodRule, OodRuleConfig
+from sps_driving.core.ood import (
+    META_FILE,
+    METHODS,
+    TENSORS_FILE,
+    CalibrationError,
+    PatchCoreset,
+    PooledMahalanobis,
+    load_calibration,
+    load_ood_config,
+)
+from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, read_policy_config
+from sps_driving.sim.ood_log import OodEpisodeLog, ood_settings
+
+
+@pytest.fixture(scope="module")
+def scorer_and_frames():
+    rng = np.random.default_rng(0)
+    frames = training_frames(rng)
+    return fitted(rng, frames), frames, rng
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_training_frames_score_low_and_noise_or_shuffled_frames_high(scorer_and_frames, method):
+    scorer, frames, _ = scorer_and_frames
+    rng = np.random.default_rng(1)
+    # A frame made of training descriptors: patches drawn from several training frames.
+    mixed = frames[rng.integers(len(frames), size=K), rng.integers(K, size=K)]
+    noise = rng.standard_normal((K, DIM)).astype(np.float32) * frames.std()
+    shuffled = np.stack([rng.permutation(p) for p in frames[0]])  # each patch's channels shuffled
+    low = scorer.score(mixed, method)
+    assert low < 1.5
+    assert scorer.score(noise, method) > 3 * low
+    assert scorer.score(shuffled, method) > 2 * low
+
+
+def test_a_frame_of_the_wrong_width_is_refused(scorer_and_frames):
+    scorer, _, _ = scorer_and_frames
+    with pytest.raises(ValueError, match="descriptors"):
+        scorer.score(np.zeros((K, DIM + 1), np.float32), "patch_coreset")
+    with pytest.raises(ValueError, match="k >= 1"):
+        scorer.score(np.zeros((0, DIM), np.float32), "pooled_mahalanobis")
+
+
+def test_the_coreset_covers_its_patches_better_than_random_centres():
+    rng = np.random.default_rng(2)
+    patches = training_frames(rng, 50).reshape(-1, DIM)
+    coreset = PatchCoreset.fit(patches, 16, rng)
+    random = PatchCoreset(patches[rng.choice(len(patches), 16, replace=False)])
+    assert coreset.distances(patches).max() < random.distances(patches).max()
+
+
+def test_calibration_round_trips_and_a_missing_or_mismatched_one_is_a_clear_error(tmp_path, scorer_and_frames):
+    scorer, frames, _ = scorer_and_frames
+    ckpt, config = calibrated_checkpoint(tmp_path / "policy", scorer)
+    loaded = load_calibration(ckpt, config, ckpt / WEIGHTS_FILE)
+    assert loaded.scores(frames[5]) == pytest.approx(scorer.scores(frames[5]), rel=1e-5)
+
+    other = tiny_policy(tmp_path / "other", dim=DIM, seed=1)
+    with pytest.raises(CalibrationError, match="no OOD calibration.*ood calibrate"):
+        load_calibration(other, read_policy_config(other), other / WEIGHTS_FILE)
+    for name in (META_FILE, TENSORS_FILE):
+        (other / name).write_bytes((ckpt / name).read_bytes())
+    with pytest.raises(CalibrationError, match="belongs to another policy"):
+        load_calibration(other, read_policy_config(other), other / WEIGHTS_FILE)
+    wider = dict(config, descriptor_dim=DIM * 2)
+    with pytest.raises(CalibrationError, match="other descriptors"):
+        load_calibration(ckpt, wider)
+    meta = json.loads((ckpt / META_FILE).read_text())
+    (ckpt / META_FILE).write_text(json.dumps(dict(meta, scales={"patch_coreset": 1.0})))
+    with pytest.raises(CalibrationError, match="positive scale"):
+        load_calibration(ckpt, config)
+    (ckpt / TENSORS_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(CalibrationError, match="cannot be read"):
+        load_calibration(ckpt, config)
+
+
+def test_the_shipped_settings_and_rule_load():
+    config = load_ood_config()
+    assert config["score"]["method"] in METHODS
+    rule = OodRuleConfig.from_config(config["rule"])
+    assert rule.slow_threshold <= rule.handover_threshold and rule.cruise_scale < 1
+
+
+RULE = OodRuleConfig(slow_threshold=2.0, cruise_scale=0.5, slow_hold_s=1.0, handover_threshold=4.0, handover_after_s=0.5,
+                     handover_clear_threshold=2.0, handover_clear_s=1.0, handover_timeout_s=3.0, max_score_age_s=0.5)
+
+
+def drive(rule, scores, dt=0.1, start=0.0):
+    statuses = []
+    for i, score in enumerate(scores):
+        t = start + i * dt
+        rule.on_score(score, t)
+        statuses.append(rule.step(t))
+    return statuses
+
+
+def test_the_rule_slows_above_the_first_threshold_and_holds_it():
+    rule = OodRule(RULE)
+    s = drive(rule, [1.0, 2.5, 1.0] + [1.0] * 12)
+    assert [x.cruise_scale for x in s[:3]] == [1.0, 0.5, 0.5]
+    assert s[11].slowed and not s[12].slowed  # held for slow_hold_s = 1 s after 0.1 s
+    assert not any(x.handover_requested for x in s)
+
+
+def test_the_rule_requests_a_handover_with_hysteresis_and_stops_when_unanswered():
+    rule = OodRule(RULE)
+    s = drive(rule, [5.0] * 5)
+    assert not any(x.handover_requested for x in s)  # 0.4 s above: not yet
+    s = drive(rule, [5.0, 3.0, 3.0], start=0.5)
+    assert s[0].new_handover and s[0].handover_requested and rule.handovers == 1
+    assert s[2].handover_requested  # 3.0 is inside the band: the request holds
+    s = drive(rule, [1.0] * 9, start=0.8)
+    assert all(x.handover_requested for x in s)  # below the clear threshold for less than 1 s
+    assert drive(rule, [1.0], start=1.8)[0].handover_requested is False
+    assert rule.handovers == 1
+
+    rule = OodRule(RULE)
+    s = drive(rule, [5.0] * 40)
+    requested = [x for x in s if x.handover_requested]
+    assert sum(x.new_handover for x in s) == 1
+    assert not requested[0].stop_requested and s[-1].stop_requested  # 3 s after the request
+
+
+def test_a_stale_or_invalid_score_slows_nothing_and_keeps_a_request():
+    rule = OodRule(RULE)
+    assert rule.step(0.0).stale and rule.step(0.0).cruise_scale == 1.0
+    drive(rule, [5.0] * 10)
+    assert not rule.on_score(math.nan, 1.0) and not rule.on_score(-1.0, 1.0) and rule.invalid_scores == 2
+    later = rule.step(5.0)
+    assert later.stale and not later.slowed and later.handover_requested
+    rule.clear()
+    assert not rule.step(5.1).handover_requested
+
+
+def test_rule_settings_are_checked():
+    with pytest.raises(ValueError, match="hysteresis"):
+        OodRuleConfig(handover_threshold=2.0, handover_clear_threshold=3.0)
+    with pytest.raises(ValueError, match="cruise_scale"):
+        OodRuleConfig(cruise_scale=0.0)
+    with pytest.raises(ValueError, match="unknown"):
+        OodRuleConfig.from_config({"slow_thresold": 1.0})
+
+
+def test_the_episode_log_acts_from_the_next_frame_and_records_the_handover():
+    settings = ood_settings({k: getattr(RULE, k) for k in RULE.__dataclass_fields__}, "patch_coreset")
+    log = OodEpisodeLog(settings)
+    for i, score in enumerate([1.0, 2.5, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0]):
+        assert log.cruise_scale == (1.0 if i < 2 else 0.5)
+        log.frame(0.1 * i, {"pooled_mahalanobis": 0.0, "patch_coreset": score})
+    assert log.handed_over and log.handover_s == pytest.approx(0.7)
+    log.failure(0.75)
+    row = log.as_dict()
+    assert row["frames"] == 8 and row["slowed_frames"] == 6 and row["failure_times_s"] == [0.75]
+    with pytest.raises(ValueError, match="apart"):
+        ood_settings(settings["rule"], "patch_coreset", cruise_scale=0.5)
+
+
+def test_auroc_and_failure_labels():
+    assert auroc(np.array([0.1, 0.2, 0.8, 0.9]), np.array([0, 0, 1, 1])) == 1.0
+    assert auroc(np.array([0.9, 0.8, 0.2, 0.1]), np.array([0, 0, 1, 1])) == 0.0
+    assert auroc(np.array([0.5, 0.5, 0.5, 0.5]), np.array([0, 1, 0, 1])) == 0.5
+    assert math.isnan(auroc(np.array([0.1, 0.2]), np.array([0, 0])))
+    rng = np.random.default_rng(3)
+    scores, labels = rng.standard_normal(300), rng.random(300) < 0.3
+    pairs = np.mean([(a > b) + 0.5 * (a == b) for a in scores[labels] for b in scores[~labels]])
+    assert auroc(scores, labels) == pytest.approx(pairs)
+    row = {"ood": {"time_s": [0.0, 1.0, 2.0, 3.0, 4.0], "failure_times_s": [3.5],
+                   "scores": {"patch_coreset": [1.0, 2.0, 3.0, 4.0, 5.0]}}}
+    assert frame_labels(row, 2.0).tolist() == [False, False, True, True, False]
+    assert frame_scores(row, "patch_coreset", causal_window=2).tolist() == [1.0, 1.5, 2.5, 3.5, 4.5]
+
+
+def high_scoring_calibration(ckpt):
+    """A calibration of `ckpt` whose tiny scales put every frame far above any threshold."""
+    from sps_driving.core.backbones.runtimes import file_sha256
+    from sps_driving.core.ood import FORMAT, OodScorer, descriptor_settings
+
+    config = read_policy_config(ckpt)
+    dim = int(config["descriptor_dim"])
+    rng = np.random.default_rng(0)
+    scorer = OodScorer(PooledMahalanobis(np.zeros(dim), np.eye(dim)), PatchCoreset(rng.standard_normal((8, dim)).astype(np.float32)),
+                       {"format": FORMAT, "descriptors": descriptor_settings(config), "scales": dict.fromkeys(METHODS, 1e-6),
+                        "policy_weights_sha256": file_sha256(ckpt / WEIGHTS_FILE)})
+    scorer.save(ckpt)
+
+
+def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apart(tmp_path):
+    import yaml
+    from samples import tiny_dinov2_policy
+
+    from sps_driving.cli import main
+
+    ckpt = tiny_dinov2_policy(tmp_path / "policy", state_inputs=("speed_mps", "target_speed_mps"))
+    common = ["eval", "--policy", str(ckpt), "--episodes", "1", "--episode-s", "2.0", "--workers", "1", "--no-failure-strips",
+              "--scenarios", "urban-summer-dry-night-animal"]
+    with pytest.raises(SystemExit, match="no OOD calibration"):
+        main(common + ["--ood-rule", "--out", str(tmp_path / "bare")])
+    high_scoring_calibration(ckpt)
+    config = load_ood_config()
+    config["rule"].update(handover_after_s=0.5)
+    (tmp_path / "ood.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "eval"
+    for extra in ([], ["--ood-rule", "--ood-config", str(tmp_path / "ood.yaml")], ["--cruise-scale", "0.5"]):
+        assert main(common + extra + ["--out", str(out)]) == 0
+    rows = {r["method"]: r for r in (json.loads(line) for line in (out / "results.jsonl").read_text().splitlines())}
+    assert set(rows) == {"SPS-50", "SPS-50+OOD", "SPS-50-slow0.5"}
+    off, on, slow = rows["SPS-50"], rows["SPS-50+OOD"], rows["SPS-50-slow0.5"]
+    assert off["ood"]["frames"] == 20 and not off["handover"] and off["ood"]["handover_s"] is None
+    assert all(v > 100 for v in off["ood"]["scores"][config["score"]["method"]])
+    # Slowed from the second frame, the handover 0.5 s after the first score: the episode ends there.
+    assert on["handover"] and on["ood"]["handover_s"] == pytest.approx(0.5)
+    assert on["ood"]["frames"] == 6 and on["ood"]["slowed_frames"] == 5
+    assert on["success_s"] <= 0.5 + 1e-9 and on["score"] == pytest.approx(on["success_s"] / 2.0)
+    assert on["distance_m"] < off["distance_m"] and on["interventions"] <= off["interventions"]
+    assert slow["ood"]["slowed_frames"] == 20 and slow["ood"]["cruise_scale"] == 0.5 and not slow["handover"]
+
+
+def test_replay_reports_the_score_distribution_and_the_frames_above_each_threshold():
+    from types import SimpleNamespace
+
+    from sps_driving.core import topics
+    from sps_driving.tools.replay import Record, format_ood_score, ood_score_report
+
+    rule = load_ood_config()["rule"]
+    values = [0.9] * 90 + [rule["slow_threshold"] + 0.05] * 6 + [rule["handover_threshold"] + 0.5] * 4
+
+    def record(i, value):
+        header = SimpleNamespace(stamp=SimpleNamespace(sec=100 + i, nanosec=0))
+        return Record(topics.OOD_SCORE, 0, SimpleNamespace(header=header, name=["patch_coreset"], position=[value]))
+
+    records = [record(i, v) for i, v in enumerate(values)] + [Record(topics.POLICY_COMMAND, 0, None)]
+    report = ood_score_report(records)
+    assert report["frames"] == 100 and report["p50"] == pytest.approx(0.9) and report["max"] == pytest.approx(values[-1])
+    assert report["above"]["slow_threshold"]["frames"] == 10 and report["above"]["handover_threshold"]["frames"] == 4
+    assert report["above"]["handover_threshold"]["first_stamps_ns"][0] == 196 * 10**9
+    assert "above handover_threshold" in format_ood_score(report)
+    assert ood_score_report([]) is None and "none" in format_ood_score(None)
