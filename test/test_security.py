@@ -129,6 +129,8 @@ def test_every_car_process_has_its_enclave(policy):
         ("rr/vehicle_interface/engageReply", {"vehicle_interface"}),
         ("rr/vehicle_interface/rearmReply", {"vehicle_interface"}),
         ("rt" + topics.TARGET_SPEED, {"operator"}),  # the cruise target the policy reads
+        ("rt" + topics.CRUISE_SCALE, {"safety_monitor"}),  # what the OOD rule multiplies that target by
+        ("rt" + topics.OOD_SCORE, {"policy"}),
         ("rq/vehicle_interface/set_parametersRequest", set()),  # no one changes limits at run time
     ],
 )
