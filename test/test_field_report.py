@@ -23,7 +23,7 @@ DRIVE_A = Plan(70.0, [
 DRIVE_B = Plan(60.0, [
     Engagement(1, 11, "failsafe_stop"), Engagement(16, 24, "safety_stop:lane_boundary"), Engagement(29, 37, "stale_input"),
     Engagement(42, 50, "pacmod_fault")], speed_mps=8.0, storage="sqlite3", notes=[(51.0, "system")])
-DRIVE_C = Plan(30.0, [Engagement(3, None)], speed_mps=6.0)  # no intervention
+DRIVE_C = Plan(30.0, [Engagement(3, None)], speed_mps=6.0, handovers=[10.0, 20.0])  # no intervention; two OOD handover requests
 NO_SPEED = Plan(20.0, [Engagement(2, 10, "override_brake")], speed_reports=False, camera=None)
 
 
@@ -59,7 +59,8 @@ def test_counts_times_and_distances_match_the_generator(day):
         for g, w in zip(interventions, want.events):
             assert g["engaged_s_since"] == pytest.approx(w["engaged_s_since"], abs=1e-6)
             assert g["engaged_m_since"] == pytest.approx(w["engaged_m_since"], abs=0.01)  # speed reported at 30 Hz
-        assert [e["time_ns"] for e in got["events"] if not e["intervention"]] == [d["time_ns"] for d in want.disengagements]
+        disengagements = [e for e in got["events"] if e["kind"] == "operator_disengage"]
+        assert [e["time_ns"] for e in disengagements] == [d["time_ns"] for d in want.disengagements]
         assert got["engaged_s"] == pytest.approx(want.engaged_s, abs=1e-6)
         assert got["engaged_km"] * 1000 == pytest.approx(want.engaged_m, abs=0.05)
         assert got["distance_km"] * 1000 == pytest.approx(want.distance_m, rel=2e-3)
@@ -113,6 +114,16 @@ def test_strip_frames_at_the_stated_offsets(day):
             image = cv2.imread(str(out / "figures" / strip["file"]))
             assert image is not None and image.shape[0] == 200 and image.shape[1] > 3 * 200
         assert d["timeline"] and (out / "figures" / d["timeline"]).is_file()
+
+
+def test_handover_requests_are_listed_and_counted_apart_from_interventions(day):
+    expected, report, out, _, _ = day
+    c = drives_by_name(report)["c"]
+    requests = [e for e in c["events"] if e["kind"] == "requested_handover"]
+    assert [e["time_ns"] for e in requests] == [DRIVE_C.start_ns + int(s * S) for s in DRIVE_C.handovers]
+    assert not any(e["intervention"] for e in requests) and c["rates"]["all"]["count"] == 0
+    assert report["totals"]["requested_handovers"] == 2
+    assert "requested_handover (not counted)" in (out / "report.md").read_text()
 
 
 def test_notes_beside_the_event_they_follow(day):

@@ -13,9 +13,12 @@ and holds until the safety driver takes over). Each such end is one event, of on
 - `controlled_stop:<reason>`: the vehicle interface stopped for another reason (overspeed, gear, ...);
 - `pacmod_fault`, `pacmod_timeout`: the PACMod reported a fault or a CAN timeout and disabled;
 - `operator_disengage`: the operator's disengage (no override, fault or timeout): the end of a run,
-  not an intervention.
+  not an intervention;
+- `requested_handover`: the safety monitor's OOD rule asked the safety driver to take over
+  (topics.HANDOVER_EVENTS): a request, listed and counted apart, not an intervention (what ended
+  the engagement after it is its own event).
 A stop is the event of its episode; the takeover that ends the held stop is not counted again.
-Every kind but `operator_disengage` is an intervention.
+Every kind but `operator_disengage` and `requested_handover` is an intervention.
 
 Rates: engaged distance (or time) per intervention, with the exact (Garwood) two-sided Poisson
 interval on the count at the configured confidence; with no intervention, the one-sided bound
@@ -34,6 +37,7 @@ from sps_driving.core import topics
 from sps_driving.core.monitor import Transition
 
 OPERATOR_DISENGAGE = "operator_disengage"
+REQUESTED_HANDOVER = topics.HANDOVER_EVENT
 OVERRIDE_KINDS = {topic: f"override_{name}" for name, topic in topics.PACMOD_SYSTEM_REPORTS.items()}
 # The vehicle interface's stop reasons (core.control.StopReason) that mean an input went stale or missing.
 STALE_REASONS = ("no_command", "command_timeout", "late_command", "camera_timeout", "safety_monitor_timeout",
@@ -98,6 +102,11 @@ def disengagement_kind(transition: Transition) -> str:
     if transition.cause == "override":
         return override_kind(transition.fields)
     return DISENGAGEMENT_KINDS.get(transition.cause, OPERATOR_DISENGAGE)
+
+
+def handover_events(times_ns: list[int]) -> list[Event]:
+    """The safety monitor's handover requests as events that are not interventions."""
+    return [Event(t, REQUESTED_HANDOVER, "OOD rule", False) for t in times_ns]
 
 
 def episodes(transitions: list[Transition], end_ns: int) -> list[tuple[int, Transition | None]]:

@@ -188,6 +188,7 @@ class Drive:
     stops: list[StopEvent] = field(default_factory=list)
     failures: list[tuple[int, str]] = field(default_factory=list)  # (log time, failure kind) of the safety monitor
     notes: list[Note] = field(default_factory=list)
+    handovers: list[int] = field(default_factory=list)  # log times of the safety monitor's handover requests
     camera: CameraFrames | None = None
     start_ns: int | None = None  # first and last log time read
     end_ns: int | None = None
@@ -262,7 +263,7 @@ def read_drive(path: str | Path, camera_topic: str | None = None) -> Drive:
     engagement = EngagementReader(types)
     wanted = {t for t, m in types.items() if is_series_type(m)} | set(engagement.roles)
     wanted |= {t for t in STOP_TOPICS if types.get(t) == DIAGNOSTICS}
-    wanted |= {t for t in (topics.DIAGNOSTICS, topics.SAFETY_EVENTS) if types.get(t) == DIAGNOSTICS}
+    wanted |= {t for t in (topics.DIAGNOSTICS, topics.SAFETY_EVENTS, topics.HANDOVER_EVENTS) if types.get(t) == DIAGNOSTICS}
     wanted |= {topics.DRIVER_NOTE} if types.get(topics.DRIVER_NOTE) == STRING else set()
     builders: dict[str, _SeriesBuilder] = {}
     stops = _StopTracker()
@@ -305,6 +306,8 @@ def _take(drive: Drive, item: bagio.BagMessage, engagement: EngagementReader, bu
             values = status[2]
             reasons = tuple(r for r in values["stop_reasons"].split(",") if r and r != "disengaged")
             stops.update(t, VEHICLE_INTERFACE, values.get("engagement") == "engaged" and bool(reasons), reasons)
+    elif item.topic == topics.HANDOVER_EVENTS:
+        drive.handovers += [t for _, _, message, _ in msgs.diagnostic_values(msg) if message == topics.HANDOVER_EVENT]
     elif item.topic == topics.DRIVER_NOTE:
         drive.notes.append(Note(t, str(msg.data)))
 

@@ -62,6 +62,7 @@ class Plan:
     selection: bool = True  # record the kept patches
     grid: tuple[int, int] = (12, 24)
     notes: list[tuple[float, str]] = field(default_factory=list)  # (s into the drive, text)
+    handovers: list[float] = field(default_factory=list)  # s into the drive of the safety monitor's handover requests
     distinct_frames: int | None = None  # encode only this many frames and repeat them (long drives)
     pictures: list | None = None  # RGB frames of frame_size shown in turn (default: stripes that say the index)
     start_ns: int = 1_700_000_000 * S
@@ -288,6 +289,9 @@ def write_drive(path: Path, plan: Plan) -> Expected:
             _write_reports(bag, tl, t, plan)
             if cycle % (STATUS_NS // TICK_NS) == 0:
                 _write_status(bag, tl, t)
+            for at in (t0 + int(s * S) for s in plan.handovers):
+                if t <= at < t + TICK_NS:
+                    bag.write(topics.HANDOVER_EVENTS, _diag(at, "safety_monitor", 2, topics.HANDOVER_EVENT, {"score": 3.0}), at)
             while next_note < len(notes) and notes[next_note][0] < t + TICK_NS:
                 bag.write(topics.DRIVER_NOTE, Fields("std_msgs/msg/String", {"data": notes[next_note][1]}), notes[next_note][0])
                 next_note += 1

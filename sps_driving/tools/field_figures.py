@@ -178,7 +178,8 @@ def summary_tables(report: dict) -> str:
     """The printed summary: a row per drive, the totals by kind, and the bags not read whole."""
     t = report["totals"]
     lines = [f"{t['drives']} drives ({t['drives_counted']} with an engagement history, {t['drives_with_distance']} with speed): "
-             f"{_minutes(t['engaged_s'])} engaged min, {_num(t['engaged_km'], '.2f')} engaged km; "
+             f"{_minutes(t['engaged_s'])} engaged min, {_num(t['engaged_km'], '.2f')} engaged km, "
+             f"{t['requested_handovers']} handover requests of the OOD rule (not interventions); "
              f"[{report['confidence']:.0%} interval, {report['interval']}]", ""]
     lines += _table(DRIVE_HEADER, drive_rows(report)) + [""] + _table(KIND_HEADER, kind_rows(report))
     bad = [d for d in report["drives"] if not d["read_whole"]]

@@ -31,6 +31,7 @@ import yaml
 
 from sps_driving.core import topics
 from sps_driving.core.field_report import (
+    REQUESTED_HANDOVER,
     Event,
     Odometer,
     Stop,
@@ -38,6 +39,7 @@ from sps_driving.core.field_report import (
     drive_events,
     engaged_between,
     fill_since,
+    handover_events,
     per_event,
 )
 from sps_driving.core.resources import config_path, shipped_policy
@@ -130,6 +132,7 @@ def report_drive(bag: Path, settings: dict) -> DriveReport:
     stops = [Stop(s.time_ns, s.source, s.reasons) for s in drive.stops]
     window_ns = int(settings["stop_failure_window_s"] * 1e9)
     out.events, out.driving = drive_events(drive.engagement.transitions, stops, drive.failures, drive.end_ns, window_ns)
+    out.events = sorted(out.events + handover_events(drive.handovers), key=lambda e: e.time_ns)
     fill_since(out.events, out.driving, odometer, drive.start_ns)
     out.loose_notes = attach_notes(out.events, [(n.time_ns, n.text) for n in drive.notes], int(settings["note_window_s"] * 1e9))
     out.engaged_s, out.engaged_m = engaged_between(out.driving, odometer, drive.start_ns, drive.end_ns)
@@ -194,6 +197,7 @@ def totals_json(reports: list[DriveReport], confidence: float) -> dict:
     return {
         "drives": len(reports), "drives_counted": len(counted), "drives_with_distance": len(measured),
         "engaged_s": engaged_s, "engaged_km": None if engaged_m is None else engaged_m / 1000.0,
+        "requested_handovers": sum(e.kind == REQUESTED_HANDOVER for e in events),
         "distance_km": sum(d.distance_m for d in measured) / 1000.0 if measured else None,
         "rates": rates(engaged_s, events, engaged_m, [e for d in measured for e in d.events], confidence),
     }
