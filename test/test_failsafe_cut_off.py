@@ -31,7 +31,7 @@ def test_a_vehicle_interface_silent_past_the_lease_but_still_in_the_graph_is_rep
         global_rpt.publish(pacmod.GlobalRpt(enabled=True))
 
     try:
-        with graph.start():
+        with graph:
             wait_for_nodes(probe.node, ["failsafe"], 30, graph)
             assert probe.spin_until(lambda: probe.status("failsafe")[0] >= 0, 20, every=car_enabled)
             end = time.monotonic() + 1.0
