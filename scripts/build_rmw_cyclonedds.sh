@@ -91,6 +91,7 @@ export LD_PRELOAD="$prefix/lib/librmw_cyclonedds_cpp.so\${LD_PRELOAD:+:\$LD_PREL
 export LD_LIBRARY_PATH="$plugins\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export RMW_IMPLEMENTATION=rmw_cyclonedds_cpp
 SETUP
+echo "$venv" > "$prefix/venv.txt" # test/test_security.py preloads it only into this venv's Python
 "$python" -c "import rclpy" # the venv's rclpy imports
 LD_PRELOAD="$prefix/lib/librmw_cyclonedds_cpp.so" "$python" -c \
     "import rclpy; from rclpy.utilities import get_rmw_implementation_identifier as i; rclpy.init(); print('rmw:', i())"
