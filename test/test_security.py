@@ -7,7 +7,8 @@
   could not start under enforcement;
 - the keystore built with openssl by scripts/create_keystore.sh: layout, certificates, S/MIME
   signatures, and each enclave's signed permissions equal to the policy;
-- enforcement over real secured rclpy processes, where the installed rmw has DDS Security.
+- enforcement over real secured rclpy processes, where the installed rmw has DDS Security or
+  scripts/build_rmw_cyclonedds.sh has built rmw_cyclonedds_cpp for this venv.
 """
 
 import os
@@ -353,14 +354,30 @@ def ros_peer(log_dir, label, mode, node, namespace, enclave, env) -> Peer:
     return Peer(log_dir, label, command, env)
 
 
+# rmw_cyclonedds_cpp built by scripts/build_rmw_cyclonedds.sh for this venv (the PyPI Fast DDS has
+# no DDS Security): preloaded into the peers when present, else they run on the venv's Fast DDS.
+BUILT_RMW = Path(os.environ.get("SPS_RMW_CYCLONEDDS", "/opt/rmw_cyclonedds"))
+
+
+def built_rmw() -> dict:
+    library = BUILT_RMW / "lib" / "librmw_cyclonedds_cpp.so"
+    built_for = BUILT_RMW / "venv.txt"
+    if not (library.is_file() and built_for.is_file() and CYCLONE_PLUGINS):
+        return {}
+    if Path(built_for.read_text().strip()).resolve() != Path(sys.prefix).resolve():
+        return {}
+    library_path = os.pathsep.join(p for p in (str(CYCLONE_PLUGINS[0].parent), os.environ.get("LD_LIBRARY_PATH")) if p)
+    return {"LD_PRELOAD": str(library), "LD_LIBRARY_PATH": library_path, "RMW_IMPLEMENTATION": "rmw_cyclonedds_cpp"}
+
+
 def secured(keystore: Path) -> dict:
-    return {**os.environ, "ROS_SECURITY_ENABLE": "true", "ROS_SECURITY_STRATEGY": "Enforce",
+    return {**os.environ, **built_rmw(), "ROS_SECURITY_ENABLE": "true", "ROS_SECURITY_STRATEGY": "Enforce",
             "ROS_SECURITY_KEYSTORE": str(keystore), "PYTHONUNBUFFERED": "1"}
 
 
 def unsecured() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROS_SECURITY_")}
-    return {**env, "PYTHONUNBUFFERED": "1"}
+    return {**env, **built_rmw(), "PYTHONUNBUFFERED": "1"}
 
 
 def wait_for(predicate, timeout_s: float) -> bool:
@@ -383,7 +400,8 @@ def test_only_the_vehicle_interface_enclave_reaches_the_driver(keystore, tmp_pat
         assert wait_for(driver.settled, 30), driver.lines()
         log = driver.log.read_text()
         if "doesn't have the security libraries" in log:
-            pytest.skip("the installed rmw has no DDS Security: " + " ".join(log[log.index("refused:"):].split()))
+            refusal = " ".join(log[log.index("refused:"):].split())
+            pytest.skip("the installed rmw has no DDS Security (scripts/build_rmw_cyclonedds.sh builds one): " + refusal)
         assert "ready" in driver.lines(), driver.lines()
 
         rogue = create_keystore(tmp_path / "rogue")  # same enclave names, another CA
