@@ -241,6 +241,9 @@ def run(node_class, args=None) -> int:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        # Ctrl-C reaches every process of the launch's group and launch passes it on as well: the
+        # second SIGINT must not cut the teardown short (SIGTERM and SIGKILL still end it).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
