@@ -6,6 +6,7 @@ from their seeds only when a step needs them, and come out bit for bit the same.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -68,7 +70,27 @@ def git(root: Path, *args: str) -> str:
 def campaign(root: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
     return subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", *args], cwd=root, env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            start_new_session=True, stdout=open(root / "campaign.log", "a"), stderr=subprocess.STDOUT)
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+@pytest.fixture
+def orphans_left_unreaped():
+    """The killed runs' orphans (their DVC among them) are re-parented to this process and left as
+    zombies until the test ends, as under an init that reaps late or a subreaper that never does:
+    their PIDs still exist, which is all DVC asks of a lock's holder."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    if prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        pytest.skip(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        yield
+    finally:
+        prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for child in psutil.Process().children():
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, 0)
 
 
 def kill_when(root: Path, process: subprocess.Popen, ready, timeout_s: float = 120.0) -> None:
@@ -102,7 +124,8 @@ def reference(tmp_path_factory) -> Path:
     return root
 
 
-def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_result(reference, tmp_path):
+def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_result(reference, tmp_path,
+                                                                                      orphans_left_unreaped):
     # The same repository with drives and cache done and nothing after them, as a run killed just then.
     root = tmp_path / "killed"
     shutil.copytree(reference, root)
@@ -273,3 +296,22 @@ def test_a_lock_file_cut_by_a_kill_is_replaced_by_its_copy_from_before_the_step(
     lock.write_text(whole[: len(whole) // 2] + "\n  - {")  # DVC killed while it wrote the lock
     assert all(s.state == runner.DONE for s in runner.states(plan))
     assert lock.read_text() == whole
+
+
+def test_a_lock_left_by_a_killed_run_does_not_block_the_next(tmp_path):
+    # A killed DVC not yet reaped is a zombie (its PID exists, which is all DVC asks); a live run's entry stays.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        while psutil.Process(dead.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        entry = lambda process: {"pid": process.pid, "cmd": "dvc/__main__.py repro results/dvc.yaml:train"}  # noqa: E731
+        lock = tmp_path / ".dvc" / "tmp" / "rwlock"
+        lock.parent.mkdir(parents=True)
+        lock.write_text(json.dumps({"write": {"a": entry(dead), "b": entry(live)}, "read": {"c": [entry(dead), entry(live)]}}))
+        engine.release_dead_locks(tmp_path)
+        assert json.loads(lock.read_text()) == {"write": {"b": entry(live)}, "read": {"c": [entry(live)]}}
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()

@@ -45,7 +45,49 @@ def environment(root: Path) -> dict:
     return env
 
 
+def process_running(pid: int, started: float | None = None) -> bool:
+    """Whether `pid` is a live process; with `started` (a time it recorded), the one that recorded it,
+    not a later one given the same PID. A killed process not yet reaped by its new parent is a
+    zombie: its PID exists, which is all DVC asks of a lock's holder."""
+    import psutil  # DVC's own dependency
+
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE and (started is None or process.create_time() <= started + 1.0)
+    except psutil.Error:
+        return False
+
+
+def _lock_holder_running(info: dict) -> bool:
+    try:
+        return process_running(int(info["pid"]))
+    except (KeyError, ValueError):
+        return False
+
+
+def release_dead_locks(root: Path) -> None:
+    """Drop the entries of DVC's lock file (.dvc/tmp/rwlock) whose process is gone, so that a run
+    killed at any moment never blocks the next one."""
+    from dvc.lock import make_lock
+
+    folder = root / ".dvc" / "tmp"
+    path = folder / "rwlock"
+    if not path.is_file():
+        return
+    with make_lock(str(folder / "rwlock.lock"), tmp_dir=str(folder)):  # the guard DVC edits it under
+        try:
+            lock = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # DVC reports a corrupt lock file itself
+        kept = {"write": {p: i for p, i in lock.get("write", {}).items() if _lock_holder_running(i)},
+                "read": {p: live for p, infos in lock.get("read", {}).items()
+                         if (live := [i for i in infos if _lock_holder_running(i)])}}
+        if kept != lock:
+            path.write_text(json.dumps(kept))
+
+
 def dvc(root: Path, *args: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    release_dead_locks(root)
     result = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=environment(root), text=True, **kwargs)
     if check and result.returncode != 0:
         raise RuntimeError(f"dvc {' '.join(args)} failed (exit {result.returncode}): {(result.stderr or '').strip()}")
@@ -143,5 +185,6 @@ def reproduce(plan: Plan, step: Step, env_extra: dict | None = None) -> int:
     if lock.is_file():
         lock_copy(plan).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(lock, lock_copy(plan))
+    release_dead_locks(plan.root)
     return subprocess.run([sys.executable, "-m", "dvc", "repro", "--quiet", "--single-item", stage_target(plan, step)],
                           cwd=plan.root, env=env).returncode

@@ -112,10 +112,10 @@ def running_step(plan: Plan) -> str | None:
     path = engine.results_dir(plan) / RUNNING_FILE
     try:
         record = json.loads(path.read_text())
-        os.kill(int(record["pid"]), 0)
-    except (OSError, ValueError, KeyError):
+        alive = engine.process_running(int(record["pid"]), float(record["started"]))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return record["step"]
+    return record["step"] if alive else None
 
 
 def states(plan: Plan) -> list[StepState]:
@@ -209,6 +209,10 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
     engine.ensure_repository(plan.root)
     deadline = None if budget_min is None else time.time() + 60.0 * budget_min
     current = states(plan)
+    busy = [s.step.name for s in current if s.state == RUNNING]
+    if busy:
+        log(f"campaign {plan.name}: {busy[0]} is running in another process of this plan; not starting a second run")
+        return 1
     pending = to_run(plan, current)
     if not pending:
         log(f"campaign {plan.name}: nothing left to run")
