@@ -180,8 +180,8 @@ def test_peak_memory_sees_a_large_allocation():
 def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_path, capsys):
     """`bench --graph --tokens all kept` on a 4-frame drive (DINOv2 at 112 px, a tiny policy): for
     the checkpoint itself and a token-dropping timing copy of it, both sides ran the same backend,
-    and the ratio is the graph's extractor time over standalone's; FLOPs and efficiency against the
-    given peak. No speed asserted."""
+    and the ratios are the graph's and a 1 s evaluation episode's extractor time over standalone's;
+    FLOPs and efficiency against the given peak. No speed asserted."""
     from samples import tiny_policy
 
     from sps_driving.core import topics
@@ -198,7 +198,7 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
             bag.write(topics.IMAGE, msgs.image_fields(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8), t, "camera"), t)
     argv = ["bench", "--graph", "--bag", str(tmp_path / "drive"), "--checkpoint", str(ckpt), "--backbone-config",
             str(tmp_path / "extraction.yaml"), "--repeats", "1", "--tokens", "all", "kept", "--peak-gflops", "50", "--json",
-            "--out", str(tmp_path / "graph.json")]
+            "--episode-s", "1", "--first-seed", "3", "--out", str(tmp_path / "graph.json")]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "graph.json").read_text())
@@ -213,6 +213,8 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
         assert {k: run["graph_extractor"][k] for k in ("backend", "runtime", "precision")} == {
             k: str(standalone[k]) for k in ("backend", "runtime", "precision")}
         assert run["graph_over_standalone"] == pytest.approx(run["graph_extractor_ms"] / run["standalone_ms"])
+        assert run["eval_worker_extractor_ms"] > 0
+        assert run["eval_worker_over_standalone"] == pytest.approx(run["eval_worker_extractor_ms"] / run["standalone_ms"])
         assert run["camera_to_command_p99_ms"] >= run["camera_to_command_p50_ms"] > 0
         assert configuration["summary"]["graph_over_standalone"]["median"] == pytest.approx(run["graph_over_standalone"])
         counted = dinov2_flops(shape, 64, 32, tokens=configuration["tokens"])
@@ -221,10 +223,15 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
         assert efficiency["standalone_peak_fraction"] == pytest.approx(
             configuration["flops"]["extractor"] / (run["standalone_ms"] / 1e3) / 1e9 / 50)
     assert kept["flops"]["extractor"] < 0.6 * dense["flops"]["extractor"]
+    assert result["eval_worker_episode"] == {"scenario": "rural-summer-dry-day-car", "layout": 3, "episode_s": 1.0}
     text = bench.format_graph(result)
     assert "graph / standalone" in text and "camera->command p99" in text and "a timing copy" in text
+    assert "eval worker / standalone" in text and "in an eval worker" in text
     assert "FLOPs per frame: extractor" in text and "% of the fp32 peak" in text
-    assert "| 0.5 | kept | fp32 |" in bench_report.render(None, result, None)
+    report = bench_report.render(None, result, None)
+    assert "| 0.5 | kept | fp32 |" in report and "rural-summer-dry-day-car, layout 3, 1 s" in report
+    (row,) = [line for line in report.splitlines() if line.startswith("| 0.5 | all | fp32 |")]
+    assert row.split(" | ")[7] == f"{dense['summary']['eval_worker_over_standalone']['median']:.2f}"
 
 
 def test_run_to_run_table_has_a_row_per_run_with_its_own_speedups():

@@ -64,8 +64,9 @@ class StageClock:
         setattr(owner, name, timed)
 
 
-def stage_split(config: dict, policy_dir: str, task: tuple[str, int], threads: int, precision: str) -> dict:
-    """ms per frame of each stage (STAGES) of one episode driven in this process."""
+def stage_split(config: dict, policy_dir: str, task: tuple[str, int], threads: int, precision: str,
+                backbone_config: str | None = None) -> dict:
+    """ms per frame of each stage (STAGES) of one episode driven in this process, as an eval worker drives it."""
     import torch
 
     from sps_driving.sim.episodes import PolicyDriver, drive_episode, episode_steps
@@ -76,7 +77,7 @@ def stage_split(config: dict, policy_dir: str, task: tuple[str, int], threads: i
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        driver = PolicyDriver(policy_dir, "cpu", threads, precision=precision)
+        driver = PolicyDriver(policy_dir, "cpu", threads, backbone_config, precision=precision)
         renderer = get_renderer(config)
         clock = StageClock()
         clock.wrap(renderer, "render", "render")

@@ -74,6 +74,9 @@ DINOV2_PATHS = ("torch", "torch-kept", "onnxruntime", "onnxruntime-int8", "onnxr
 CPU_PATHS = ("onnxruntime", "onnxruntime-int8", "onnxruntime-kept", "onnxruntime-kept-int8")
 GPU_PATHS = ("torch", "torch-kept")
 REFERENCE_PATH = "onnxruntime"  # what each path's speed-up is measured against (the CPU default)
+# --graph: the evaluation worker drives one episode of the training scenario (layout --first-seed) per
+# configuration and repeat; 10 s is about as many frames as the bundled drive has.
+GRAPH_EPISODE_S = 10.0
 DINOV2_STAGES = ("encode", "descriptors", "policy")
 
 
@@ -117,9 +120,13 @@ def add_arguments(parser) -> None:
                         help="--eval: default (eval's 2 workers x 1 thread), threads (1 worker x 2 threads), int8, kept "
                              "(token dropping, a timing copy), kept-int8")
     parser.add_argument("--episodes", type=int, default=4, help="--eval: episodes per configuration and round")
-    parser.add_argument("--episode-s", type=float, help="--eval: episode length in s (default the quick profile's)")
-    parser.add_argument("--first-seed", type=int, default=0, help="--eval: the first layout (development layouts 0..99)")
-    parser.add_argument("--scenarios", nargs="+", help="--eval: scenarios the episodes cycle through (default all 15)")
+    parser.add_argument("--episode-s", type=float,
+                        help=f"--eval: episode length in s (default the quick profile's); --graph: the evaluation worker's "
+                             f"episode (default {GRAPH_EPISODE_S:g})")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="--eval: the first layout (development layouts 0..99); --graph: the evaluation worker's layout")
+    parser.add_argument("--scenarios", nargs="+", help="--eval: scenarios the episodes cycle through (default all 15); "
+                                                       "--graph: the evaluation worker's (default the training scenario)")
     parser.add_argument("--train", action="store_true",
                         help="training throughput of the positional transformer and the grid MLP against the bound of "
                              "their own products, and where an epoch's time goes (sps_driving.tools.bench_train)")
@@ -602,11 +609,16 @@ def _rss() -> int:
 
 def run_graph(args) -> int:
     from sps_driving.core.resources import package_path
+    from sps_driving.sim.config import load_sim_config
+    from sps_driving.sim.scenarios import SCENARIOS
 
     bag = args.bag or package_path("data/demo_drive")
     checkpoint = args.checkpoint or package_path("models/sps50_dinov2")
+    episode = load_sim_config(profile="quick")
+    episode["episode_s"] = float(args.episode_s or GRAPH_EPISODE_S)
+    task = ((args.scenarios or [next(s.name for s in SCENARIOS if s.in_distribution)])[0], args.first_seed)
     result = bench_graph(bag, checkpoint, args.backbone_config, args.repeats or 3, args.rates, args.tokens, args.precisions,
-                         args)
+                         args, (episode, task))
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -668,13 +680,17 @@ def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates,
 
 
 def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repeats: int, rates=None, tokens=None,
-                precisions=None, args=None) -> dict:
+                precisions=None, args=None, episode=None) -> dict:
+    """Each configuration's extractor, side by side in each repeat: alone on the bag's frames, as the
+    extractor node of the live graph replaying the bag, and, with `episode` ((sim config, (scenario,
+    layout seed))), inside an evaluation worker driving that episode on the same threads."""
     import tempfile
 
     from sps_driving.core.grid import PatchGrid
     from sps_driving.core.policies.checkpoint import read_policy_config
     from sps_driving.core.selection import PatchSelector, SelectionConfig
     from sps_driving.export.extractors import extractor_for_policy
+    from sps_driving.sim.throughput import stage_split
     from sps_driving.tools.replay import replay_bag
 
     frames = bag_frames(bag)
@@ -697,6 +713,9 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
                 report = replay_bag(bag, Path(scratch) / f"replay_{repeat}_{index}", checkpoint=configuration["checkpoint"],
                                     backbone_config=configuration["backbone_config"])
                 graph = report["compute_ms"].get("extractor", {}).get("p50")
+                worker = None if episode is None else stage_split(
+                    episode[0], str(configuration["checkpoint"]), episode[1], configuration["opened"].facts["threads"],
+                    configuration["precision"], configuration["backbone_config"])["ms_per_frame"]["extraction"]
                 configuration["runs"].append({
                     "standalone_ms": standalone,
                     "standalone_fps": 1e3 / standalone,
@@ -708,13 +727,15 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
                     "frames_out": report["frames_out"],
                     "frames_in": report["frames_in"],
                     "graph_over_standalone": None if graph is None else graph / standalone,
+                    "eval_worker_extractor_ms": worker,
+                    "eval_worker_over_standalone": None if worker is None else worker / standalone,
                     "graph_extractor": report["extractor"],
                 })
     results = []
     for configuration in configurations:
         summary = {}
         for key in ("standalone_ms", "standalone_fps", "graph_extractor_ms", "graph_fps", "camera_to_command_p50_ms",
-                    "camera_to_command_p99_ms", "graph_over_standalone"):
+                    "camera_to_command_p99_ms", "graph_over_standalone", "eval_worker_extractor_ms", "eval_worker_over_standalone"):
             values = [run[key] for run in configuration["runs"] if run[key] is not None]
             summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))} if values else None
         results.append({
@@ -724,6 +745,8 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
                                                                             configuration["precision"]),
         })
     return {"bag": str(bag), "frames": len(frames), "checkpoint": str(checkpoint),
+            "eval_worker_episode": None if episode is None else {
+                "scenario": episode[1][0], "layout": episode[1][1], "episode_s": episode[0]["episode_s"]},
             "policy_architecture": read_policy_config(checkpoint).get("architecture"),
             "backbone_config": str(backbone_config) if backbone_config else None, "repeats": repeats, "peak": peak,
             "configurations": results, "revision": source_revision(), "load_average": list(os.getloadavg())}
@@ -770,7 +793,7 @@ def graph_efficiency(flops: dict, summary: dict, peak: dict | None, precision: s
     if flops["extractor"] is None or peak is None:
         return None
     out = {}
-    for key in ("standalone_ms", "graph_extractor_ms"):
+    for key in ("standalone_ms", "graph_extractor_ms", "eval_worker_extractor_ms"):
         stats = summary.get(key)
         rate = None if not stats else flops["extractor"] / (stats["median"] / 1e3) / 1e9
         out[key.replace("_ms", "_gflops_per_s")] = rate
@@ -786,7 +809,8 @@ def format_graph(result: dict) -> str:
     if result["peak"]:
         lines.append(format_peak(result["peak"]))
     names = {"standalone_ms": "standalone extractor [ms]", "graph_extractor_ms": "in the graph [ms]",
-             "graph_over_standalone": "graph / standalone", "standalone_fps": "standalone [frames/s]",
+             "graph_over_standalone": "graph / standalone", "eval_worker_extractor_ms": "in an eval worker [ms]",
+             "eval_worker_over_standalone": "eval worker / standalone", "standalone_fps": "standalone [frames/s]",
              "graph_fps": "graph lockstep [frames/s]", "camera_to_command_p50_ms": "camera->command p50 [ms]",
              "camera_to_command_p99_ms": "camera->command p99 [ms]"}
     for configuration in result["configurations"]:
@@ -807,7 +831,8 @@ def format_graph(result: dict) -> str:
         if efficiency:
             lines.append("extractor: " + ", ".join(
                 f"{where} {efficiency[f'{key}_gflops_per_s']:.1f} GFLOP/s ({100 * efficiency[f'{key}_peak_fraction']:.0f}% of the "
-                f"{configuration['precision']} peak)" for key, where in (("standalone", "standalone"), ("graph_extractor", "in the graph"))
+                f"{configuration['precision']} peak)" for key, where in (("standalone", "standalone"), ("graph_extractor", "in the graph"),
+                                                                          ("eval_worker_extractor", "in an eval worker"))
                 if efficiency[f"{key}_gflops_per_s"] is not None))
         ran = {tuple(sorted(run["graph_extractor"].items())) for run in configuration["runs"]}
         for item in ran:

@@ -98,13 +98,18 @@ def run_to_run_section(results: list[dict]) -> list[str]:
 
 
 def graph_section(result: dict) -> list[str]:
-    lines = ["## The extractor in the live graph, lockstep replay of the bundled drive", "",
-             f"`{COMMANDS['graph']}` ({_load(result)}; {result['frames']} frames, {result['repeats']} repeat(s) each, "
-             f"medians). {_peak(result['peak'])} Rows other than the shipped policy's own rate and tokens run a timing "
+    episode = result.get("eval_worker_episode")
+    worker = "" if not episode else (f" The evaluation worker drives {episode['scenario']}, layout {episode['layout']}, "
+                                     f"{episode['episode_s']:g} s, in this process on the extractor's threads.")
+    lines = ["## The extractor alone, in the live graph and in an evaluation worker, side by side", "",
+             f"`{COMMANDS['graph']}` ({_load(result)}; the bundled drive's {result['frames']} frames alone and through the "
+             f"live graph in lockstep, {result['repeats']} repeat(s) each, medians).{worker} {_peak(result['peak'])} "
+             "Rows other than the shipped policy's own rate and tokens run a timing "
              "copy of it (its weights at that rate and tokens): their times, not their commands, mean something.", "",
-             "| rate | tokens | precision | standalone ms | in the graph ms | graph / standalone | lockstep frames/s | "
-             "camera->command p50 ms | p99 ms | GFLOP | % of peak (standalone / graph) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| rate | tokens | precision | standalone ms | in the graph ms | graph / standalone | in an eval worker ms | "
+             "eval worker / standalone | lockstep frames/s | camera->command p50 ms | p99 ms | GFLOP | "
+             "% of peak (standalone / graph / eval worker) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["configurations"]:
         summary, efficiency = c["summary"], c["efficiency"] or {}
 
@@ -112,11 +117,15 @@ def graph_section(result: dict) -> list[str]:
             return "" if not summary.get(key) else f"{summary[key]['median']:.1f}"
 
         shares = " / ".join("" if efficiency.get(f"{key}_peak_fraction") is None else f"{100 * efficiency[f'{key}_peak_fraction']:.0f}"
-                            for key in ("standalone", "graph_extractor"))
+                            for key in ("standalone", "graph_extractor", "eval_worker_extractor"))
         gflop = "" if c["flops"]["extractor"] is None else f"{c['flops']['extractor'] / 1e9:.2f}"
-        ratio = "" if not summary.get("graph_over_standalone") else f"{summary['graph_over_standalone']['median']:.2f}"
+
+        def ratio(key, summary=summary):
+            return "" if not summary.get(key) else f"{summary[key]['median']:.2f}"
+
         lines.append(f"| {c['rate']:g} | {c['tokens']} | {c['precision']} | {median('standalone_ms')} | {median('graph_extractor_ms')} | "
-                     f"{ratio} | {median('graph_fps')} | {median('camera_to_command_p50_ms')} | "
+                     f"{ratio('graph_over_standalone')} | {median('eval_worker_extractor_ms')} | "
+                     f"{ratio('eval_worker_over_standalone')} | {median('graph_fps')} | {median('camera_to_command_p50_ms')} | "
                      f"{median('camera_to_command_p99_ms')} | {gflop} | {shares} |")
     return lines
 
