@@ -2,8 +2,7 @@
 
     sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json
     python -m sps_driving.tools.op_profile --frames 20 --out runs/bench/ops.json
-    sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 \\
-        --json --out runs/bench/graph.json
+    sps-driving bench --graph --tokens all kept --precisions fp32 int8 --repeats 3 --json --out runs/bench/graph.json
     sps-driving bench --eval --episodes 2 --repeats 2 --json --out runs/bench/eval.json
     python -m sps_driving.tools.bench_report --dinov2 runs/bench/dinov2.json --graph runs/bench/graph.json \\
         --eval runs/bench/eval.json --ops runs/bench/ops.json --out docs/results/bench_cpu.md
@@ -36,8 +35,7 @@ from sps_driving.tools.bench_train import PHASES as TRAIN_PHASES
 
 COMMANDS = {
     "dinov2": "sps-driving bench --blip2 none --rates 1.0 0.5 0.3 --repeats 20 --json --out runs/bench/dinov2.json",
-    "graph": ("sps-driving bench --graph --rates 1.0 0.5 0.3 --tokens all kept --precisions fp32 int8 --repeats 2 --json "
-              "--out runs/bench/graph.json"),
+    "graph": "sps-driving bench --graph --tokens all kept --precisions fp32 int8 --repeats 3 --json --out runs/bench/graph.json",
     "eval": "sps-driving bench --eval --episodes 2 --repeats 2 --json --out runs/bench/eval.json",
     "ops": "python -m sps_driving.tools.op_profile --frames 20 --out runs/bench/ops.json",
     "train": "sps-driving bench --train --repeats 1 --train-cases PT-50 MLP-50 --json --out runs/bench/train_N.json",
