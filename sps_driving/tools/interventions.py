@@ -13,9 +13,11 @@ command against the measured steering; engagement shaded; each intervention mark
 per intervention of the camera frames at the configured offsets before it (only those frames are
 decoded), the kept patches outlined where the selection or the descriptors were recorded.
 
-A bag that cannot be read, or is damaged part-way, or lacks the speed, the camera or the
-engagement history, is listed with what was read and why the rest was not; the others' report is
-written all the same. Exit status 0 when every bag was read whole with all of that, 1 when not,
+A recording stopped hard (an MCAP file without its end: a power cut, a kill -9 of the recorder)
+is read up to its cut from a copy of its whole records (sps_driving.ros.bagio.recover_mcap). A bag
+that cannot be read, or is damaged part-way, or lacks the speed, the camera or the engagement
+history, is listed with what was read and why the rest was not; the others' report is written all
+the same. Exit status 0 when every bag was read whole with all of that, 1 when not,
 2 when there was nothing to report on.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -80,6 +83,26 @@ def _cut_short(path: Path) -> bool:
     return bool(stored) and all(p.stem.rpartition("_")[0] == path.name for p in stored)
 
 
+def read_up_to_the_cut(bag: Path, error: bagio.BagError, scratch: Path, problems: list[str]) -> Drive | None:
+    """The drive of a recording stopped hard (a bare .mcap without its end, or a rosbag2 folder of
+    .mcap files without metadata.yaml) from a copy of its whole records (bagio.recover_mcap);
+    None, with the reason in `problems`, when nothing could be read."""
+    sources = [bag] if bag.is_file() and bag.suffix == ".mcap" else sorted(bag.glob("*.mcap")) if _cut_short(bag) else []
+    copy = scratch / f"{bagio.bag_name(bag)}.mcap"
+    copied = bagio.recover_mcap(sources, copy) if sources else 0
+    if not copied:
+        problems.append(f"nothing read: {error}")
+        return None
+    try:
+        drive = read_drive(copy)
+    except bagio.BagError as again:
+        problems.append(f"nothing read: {error}; a copy of its {copied} whole messages could not be read either: {again}")
+        return None
+    problems.append(f"cut short ({error}): read the {copied} whole messages before the cut from a copy with an end "
+                    "(`mcap recover` makes a lasting one)")
+    return drive
+
+
 @dataclass
 class DriveReport:
     """One drive's part of the report."""
@@ -106,15 +129,16 @@ class DriveReport:
         return [e for e in self.events if e.intervention]
 
 
-def report_drive(bag: Path, settings: dict) -> DriveReport:
-    """Read one bag and find its events; never raises for a bad bag (its problems say why)."""
+def report_drive(bag: Path, settings: dict, scratch: Path) -> DriveReport:
+    """Read one bag and find its events; never raises for a bad bag (its problems say why). A
+    recording stopped hard is read up to its cut from a copy in `scratch`."""
     out = DriveReport(bag)
     try:
         drive = out.drive = read_drive(bag)
     except bagio.BagError as error:
-        cut = " (an MCAP file cut short: `mcap recover FILE -o FIXED.mcap` rebuilds its end)" if "end magic" in str(error) else ""
-        out.problems.append(f"nothing read: {error}{cut}")
-        return out
+        drive = out.drive = read_up_to_the_cut(bag, error, scratch, out.problems)
+        if drive is None:
+            return out
     out.problems += [f"read {drive.messages_read} messages ({drive.duration_s():.1f} s), then: {p}" for p in drive.problems]
     speed = drive.speed
     odometer = Odometer(speed.log_ns, speed.values[:, 0]) if speed is not None and len(speed) else None
@@ -207,16 +231,18 @@ def build_report(inputs: list[Path], out: Path, settings: dict, checkpoint: Path
     """Read every bag, draw the figures into out/figures, and return report.json's content."""
     from sps_driving.tools.field_figures import draw_strips, draw_timeline
 
-    reports = [report_drive(bag, settings) for bag in bag_inputs(inputs)]
     figures = out / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    for index, d in enumerate(reports):
-        if d.drive is None or d.drive.start_ns is None:
-            continue
-        stem = f"{index:02d}_{d.drive.name}"
-        d.timeline = draw_timeline(d, figures / f"{stem}_timeline.png", settings)
-        if d.drive.camera is not None:
-            d.strips = draw_strips(d, figures, stem, settings, checkpoint or shipped_policy())
+    # Copies of recordings cut short, on the report's disk (they are as large as the bags), until the figures are drawn.
+    with tempfile.TemporaryDirectory(prefix=".cut_short_", dir=out) as scratch:
+        reports = [report_drive(bag, settings, Path(scratch)) for bag in bag_inputs(inputs)]
+        for index, d in enumerate(reports):
+            if d.drive is None or d.drive.start_ns is None:
+                continue
+            stem = f"{index:02d}_{d.drive.name}"
+            d.timeline = draw_timeline(d, figures / f"{stem}_timeline.png", settings)
+            if d.drive.camera is not None:
+                d.strips = draw_strips(d, figures, stem, settings, checkpoint or shipped_policy())
     confidence = float(settings["confidence"])
     return {
         "confidence": confidence, "interval": INTERVAL, "all_read": all(not d.problems for d in reports),
