@@ -5,7 +5,7 @@ import numpy as np
 from samples import tiny_policy
 
 from sps_driving.core.backbones.runtimes import file_sha256
-from sps_driving.core.ood import FORMAT, OodScorer, PatchCoreset, PooledMahalanobis, descriptor_settings
+from sps_driving.core.ood import FORMAT, METHODS, OodScorer, PatchCoreset, PooledMahalanobis, descriptor_settings
 from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, read_policy_config
 
 DIM = 16
@@ -35,3 +35,15 @@ def calibrated_checkpoint(directory, scorer: OodScorer, **policy):
                        policy_weights_sha256=file_sha256(ckpt / WEIGHTS_FILE))
     scorer.save(ckpt)
     return ckpt, config
+
+
+def calibration_of(ckpt, scale: float = 1.0) -> None:
+    """A calibration of `ckpt` for its own descriptors (an identity Mahalanobis, a random coreset),
+    each score divided by `scale`: a tiny one puts every frame far above any threshold."""
+    config = read_policy_config(ckpt)
+    dim = int(config["descriptor_dim"])
+    rng = np.random.default_rng(0)
+    scorer = OodScorer(PooledMahalanobis(np.zeros(dim), np.eye(dim)), PatchCoreset(rng.standard_normal((8, dim)).astype(np.float32)),
+                       {"format": FORMAT, "descriptors": descriptor_settings(config), "scales": dict.fromkeys(METHODS, scale),
+                        "policy_weights_sha256": file_sha256(ckpt / WEIGHTS_FILE)})
+    scorer.save(ckpt)

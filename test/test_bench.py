@@ -182,6 +182,7 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
     the checkpoint itself and a token-dropping timing copy of it, both sides ran the same backend,
     and the ratios are the graph's and a 1 s evaluation episode's extractor time over standalone's;
     FLOPs and efficiency against the given peak. No speed asserted."""
+    from ood_samples import calibration_of
     from samples import tiny_policy
 
     from sps_driving.core import topics
@@ -190,6 +191,7 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
     from sps_driving.ros.bagio import BagWriter
 
     ckpt = tiny_policy(tmp_path / "ckpt", rows=8, cols=8, dim=384)
+    calibration_of(ckpt)  # made for its own descriptors (all tokens): the kept copy must not carry it
     (tmp_path / "extraction.yaml").write_text("input_size: [112, 112]\n")
     rng = np.random.default_rng(0)
     with BagWriter(tmp_path / "drive", "sqlite3") as bag:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from ood_samples import DIM, K, calibrated_checkpoint, fitted, training_frames
+from ood_samples import DIM, K, calibrated_checkpoint, calibration_of, fitted, training_frames
 from samples import tiny_policy
 
 from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores
@@ -17,7 +17,6 @@ from sps_driving.core.ood import (
     TENSORS_FILE,
     CalibrationError,
     PatchCoreset,
-    PooledMahalanobis,
     load_calibration,
     load_ood_config,
 )
@@ -183,20 +182,6 @@ def test_auroc_and_failure_labels():
     assert frame_scores(row, "patch_coreset", causal_window=2).tolist() == [1.0, 1.5, 2.5, 3.5, 4.5]
 
 
-def high_scoring_calibration(ckpt):
-    """A calibration of `ckpt` whose tiny scales put every frame far above any threshold."""
-    from sps_driving.core.backbones.runtimes import file_sha256
-    from sps_driving.core.ood import FORMAT, OodScorer, descriptor_settings
-
-    config = read_policy_config(ckpt)
-    dim = int(config["descriptor_dim"])
-    rng = np.random.default_rng(0)
-    scorer = OodScorer(PooledMahalanobis(np.zeros(dim), np.eye(dim)), PatchCoreset(rng.standard_normal((8, dim)).astype(np.float32)),
-                       {"format": FORMAT, "descriptors": descriptor_settings(config), "scales": dict.fromkeys(METHODS, 1e-6),
-                        "policy_weights_sha256": file_sha256(ckpt / WEIGHTS_FILE)})
-    scorer.save(ckpt)
-
-
 def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apart(tmp_path):
     import yaml
     from samples import tiny_dinov2_policy
@@ -208,7 +193,7 @@ def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apar
               "--scenarios", "urban-summer-dry-night-animal"]
     with pytest.raises(SystemExit, match="no OOD calibration"):
         main(common + ["--ood-rule", "--out", str(tmp_path / "bare")])
-    high_scoring_calibration(ckpt)
+    calibration_of(ckpt, scale=1e-6)  # every frame far above any threshold
     config = load_ood_config()
     config["rule"].update(handover_after_s=0.5)
     (tmp_path / "ood.yaml").write_text(yaml.safe_dump(config))
