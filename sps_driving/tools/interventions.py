@@ -14,7 +14,7 @@ per intervention of the camera frames at the configured offsets before it (only 
 decoded), the kept patches outlined where the selection or the descriptors were recorded.
 
 A recording stopped hard (an MCAP file without its end: a power cut, a kill -9 of the recorder)
-is read up to its cut from a copy of its whole records (sps_driving.ros.bagio.recover_mcap). A bag
+is read up to its cut from a copy of its whole records (sps_driving.ros.mcap_recovery). A bag
 that cannot be read, or is damaged part-way, or lacks the speed, the camera or the engagement
 history, is listed with what was read and why the rest was not; the others' report is written all
 the same. Exit status 0 when every bag was read whole with all of that, 1 when not,
@@ -48,6 +48,7 @@ from sps_driving.core.field_report import (
 from sps_driving.core.resources import config_path, shipped_policy
 from sps_driving.ros import bagio
 from sps_driving.ros.drive import Drive, read_drive
+from sps_driving.ros.mcap_recovery import recover_mcap
 
 CONFIG = config_path("field_report.yaml")
 INTERVAL = "exact Poisson (Garwood) on the count"
@@ -85,11 +86,11 @@ def _cut_short(path: Path) -> bool:
 
 def read_up_to_the_cut(bag: Path, error: bagio.BagError, scratch: Path, problems: list[str]) -> Drive | None:
     """The drive of a recording stopped hard (a bare .mcap without its end, or a rosbag2 folder of
-    .mcap files without metadata.yaml) from a copy of its whole records (bagio.recover_mcap);
+    .mcap files without metadata.yaml) from a copy of its whole records (recover_mcap);
     None, with the reason in `problems`, when nothing could be read."""
     sources = [bag] if bag.is_file() and bag.suffix == ".mcap" else sorted(bag.glob("*.mcap")) if _cut_short(bag) else []
     copy = scratch / f"{bagio.bag_name(bag)}.mcap"
-    copied = bagio.recover_mcap(sources, copy) if sources else 0
+    copied = recover_mcap(sources, copy) if sources else 0
     if not copied:
         problems.append(f"nothing read: {error}")
         return None
