@@ -45,7 +45,7 @@ def test_core_never_reaches_export_or_ros():
 
 
 def test_node_modules_load_torch_only_when_a_node_starts():
-    """nodes/common.run sets OMP_WAIT_POLICY before a node is built; torch reads it when it loads."""
+    """Importing every node module (as `ros2 run` and the launch do) loads neither torch nor onnxruntime."""
     import subprocess
     import sys
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import math
-import os
 import signal
 import sys
 import time
@@ -213,10 +212,6 @@ def run(node_class, args=None) -> int:
     handlers, which would shut the context down first, are not installed) and an exception raised
     by a callback (then the exit status is 1). Every node also gets SIGTERM when the process that
     started it dies (`stop_with_parent`)."""
-    # Idle OpenMP threads (torch's) sleep instead of busy-waiting for 100s of ms after each op:
-    # on a few cores a spinning policy node takes the CPU the extractor needs (measured: 20 ms of
-    # CPU per frame for 2 ms of work). Read when torch loads, which no node module does on import.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     stop_with_parent()
     fail_safe = hasattr(node_class, "fail_safe_exit")
     if fail_safe:
