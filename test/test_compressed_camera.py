@@ -83,7 +83,7 @@ def test_replay_plays_the_compressed_camera_decoded(bags, tmp_path, capsys):
 
 
 def test_a_vendor_camera_is_found_raw_or_compressed(bags, tmp_path):
-    from sps_driving.ros.drive import COMPRESSED_IMAGE, IMAGE, camera_topic_of
+    from sps_driving.ros.drive import COMPRESSED_IMAGE, IMAGE, camera_topic_of, read_drive
     from sps_driving.tools.replay import camera_map
 
     vendor = "/flir_camera/image_raw"
@@ -92,7 +92,7 @@ def test_a_vendor_camera_is_found_raw_or_compressed(bags, tmp_path):
     assert camera_topic_of({topics.IMAGE: IMAGE, topics.IMAGE_COMPRESSED: COMPRESSED_IMAGE}) == topics.IMAGE
     assert camera_topic_of({topics.IMAGE_COMPRESSED: COMPRESSED_IMAGE}) == topics.IMAGE_COMPRESSED
     assert camera_topic_of({vendor: "sensor_msgs/msg/CameraInfo"}, vendor) is None
-    raw, jpeg = bags
+    raw, jpeg = (read_drive(bag).topics for bag in bags)
     assert camera_map(raw, {}) == {}
     assert camera_map(jpeg, {}) == {topics.IMAGE_COMPRESSED: topics.IMAGE}
     assert camera_map(jpeg, {topics.IMAGE: topics.IMAGE, "/other": "/x"}) == {topics.IMAGE_COMPRESSED: topics.IMAGE, "/other": "/x"}

@@ -717,17 +717,13 @@ def graph_parameters(checkpoint: Path, bag_topics: dict, lockstep: bool, frame_t
     return params
 
 
-def _graph_topics(bag: Path, topic_map: dict) -> dict:
-    """{topic: message type} of the bag, its topics renamed by `topic_map` to the graph's, the camera
-    as the graph receives it (a compressed camera is played decoded); ReplayError for a bag that
-    cannot be read or that has no camera frames to play."""
-    from sps_driving.ros.bagio import BagError, topic_types
+def _graph_topics(bag: Path, present: dict, topic_map: dict) -> dict:
+    """{topic: message type} of the bag's topics `present`, renamed by `topic_map` to the graph's,
+    the camera as the graph receives it (a compressed camera is played decoded); ReplayError for a
+    bag that has no camera frames to play."""
     from sps_driving.ros.drive import COMPRESSED_IMAGE, IMAGE
 
-    try:
-        bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in topic_types(bag).items()}
-    except BagError as exc:
-        raise ReplayError(str(exc)) from None
+    bag_topics = {topic_map.get(t, t): msgtype for t, msgtype in present.items()}
     if bag_topics.get(topics.IMAGE) == COMPRESSED_IMAGE:
         bag_topics[topics.IMAGE] = IMAGE
     if bag_topics.get(topics.IMAGE) != IMAGE:
@@ -736,16 +732,12 @@ def _graph_topics(bag: Path, topic_map: dict) -> dict:
     return bag_topics
 
 
-def camera_map(bag: Path, topic_map: dict) -> dict:
-    """`topic_map` with the bag's camera played as the graph's: the camera mapped onto it (or the
-    graph's own), or where the bag records that one only compressed, its /compressed topic."""
-    from sps_driving.ros.bagio import BagError, topic_types
+def camera_map(present: dict, topic_map: dict) -> dict:
+    """`topic_map` with the camera of a bag of topics `present` ({topic: message type}) played as the
+    graph's: the camera mapped onto it (or the graph's own), or where the bag records that one only
+    compressed, its /compressed topic."""
     from sps_driving.ros.drive import camera_topic_of
 
-    try:
-        present = topic_types(bag)
-    except BagError:
-        return topic_map  # _graph_topics names the error
     asked = next((b for b, g in topic_map.items() if g == topics.IMAGE), None)
     found = camera_topic_of(present, asked or topics.IMAGE)
     if found is None or found == (asked or topics.IMAGE):
@@ -865,12 +857,18 @@ def replay_bag(
     with the vendor camera driver); `supplied_state` ({state input: value}) supplies state inputs
     the bag does not record (`state_plan`). Raises ReplayError."""
     from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.ros.bagio import BagError
     from sps_driving.ros.drive import read_drive
     from sps_driving.ros.graph import default_params_file
 
     bag, out = Path(bag), Path(out)
-    topic_map = camera_map(bag, dict(topic_map or {}))
-    bag_topics = _graph_topics(bag, topic_map)
+    topic_map = dict(topic_map or {})
+    try:  # the one reading of the bag besides playing it: its topics, reports and commands
+        drive = read_drive(bag, camera_topic=next((b for b, g in topic_map.items() if g == topics.IMAGE), None))
+    except BagError as exc:
+        raise ReplayError(str(exc)) from None
+    topic_map = camera_map(drive.topics, topic_map)
+    bag_topics = _graph_topics(bag, drive.topics, topic_map)
     params_file = Path(params_file) if params_file else default_params_file()
     checkpoint = _policy_checkpoint(checkpoint, params_file)
     if out.exists():
@@ -880,7 +878,6 @@ def replay_bag(
     played = played_topics(policy_config, bag_topics)
     supplied, state_sources = state_plan(policy_config, bag_topics, supplied_state or {}, params_file, topic_map)
     reference_topic = {g: b for b, g in topic_map.items()}.get(topics.REFERENCE_COMMAND, topics.REFERENCE_COMMAND)
-    drive = read_drive(bag, camera_topic=next((b for b, g in topic_map.items() if g == topics.IMAGE), None))
     try:
         car, unavailable = car_reference(drive, reference_topic, params_file), None
     except ValueError as exc:  # a car bag whose reports cannot tell the human's driving: replayed without a reference
