@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import math
+import os
 import signal
 import sys
 import time
@@ -203,6 +204,19 @@ class StageTimer:
         self.publisher.publish(msgs.stage_drop_message(stamp, self.stage, reason, counters))
 
 
+def quiet_thread_pools() -> None:
+    """The thread pools of a node process, which shares a few cores with the extractor's threads:
+    torch's OpenMP threads sleep when idle instead of busy-waiting for 100s of ms after each op
+    (measured: 20 ms of CPU per frame for 2 ms of work; read when torch loads, which no node module
+    does on import), and numpy's OpenBLAS runs on one thread, whose idle workers would spin after
+    each product (measured: the extractor node at 1.57x its standalone time beside the policy
+    node's OOD score, 1.13x with one thread; docs/results/bench_cpu.md)."""
+    from threadpoolctl import ThreadpoolController
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    ThreadpoolController().select(internal_api="openblas").limit(limits=1)
+
+
 def run(node_class, args=None) -> int:
     """Init, spin until Ctrl-C or shutdown, clean up. A node that cannot start (bad parameter,
     missing checkpoint) prints one clear error and exits with status CANNOT_START (78).
@@ -212,6 +226,7 @@ def run(node_class, args=None) -> int:
     handlers, which would shut the context down first, are not installed) and an exception raised
     by a callback (then the exit status is 1). Every node also gets SIGTERM when the process that
     started it dies (`stop_with_parent`)."""
+    quiet_thread_pools()
     stop_with_parent()
     fail_safe = hasattr(node_class, "fail_safe_exit")
     if fail_safe:
