@@ -684,7 +684,8 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
                 precisions=None, args=None, episode=None) -> dict:
     """Each configuration's extractor, side by side in each repeat: alone on the bag's frames, as the
     extractor node of the live graph replaying the bag, and, with `episode` ((sim config, (scenario,
-    layout seed))), inside an evaluation worker driving that episode on the same threads."""
+    layout seed))), inside an evaluation worker (a spawned process) driving that episode on the same
+    threads."""
     import tempfile
 
     from sps_driving.core.grid import PatchGrid
@@ -714,9 +715,10 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
                 report = replay_bag(bag, Path(scratch) / f"replay_{repeat}_{index}", checkpoint=configuration["checkpoint"],
                                     backbone_config=configuration["backbone_config"])
                 graph = report["compute_ms"].get("extractor", {}).get("p50")
-                worker = None if episode is None else stage_split(
-                    episode[0], str(configuration["checkpoint"]), episode[1], configuration["opened"].facts["threads"],
-                    configuration["precision"], configuration["backbone_config"])["ms_per_frame"]["extraction"]
+                worker = None if episode is None else _in_a_worker(
+                    stage_split, episode[0], str(configuration["checkpoint"]), episode[1],
+                    configuration["opened"].facts["threads"], configuration["precision"],
+                    configuration["backbone_config"])["ms_per_frame"]["extraction"]
                 configuration["runs"].append({
                     "standalone_ms": standalone,
                     "standalone_fps": 1e3 / standalone,
@@ -751,6 +753,16 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
             "policy_architecture": read_policy_config(checkpoint).get("architecture"),
             "backbone_config": str(backbone_config) if backbone_config else None, "repeats": repeats, "peak": peak,
             "configurations": results, "revision": source_revision(), "load_average": list(os.getloadavg())}
+
+
+def _in_a_worker(function, *args):
+    """function(*args) in a fresh process started as eval starts its workers (spawn): its renderer,
+    extractor and thread pools its own, as an evaluation worker's are."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as worker:
+        return worker.submit(function, *args).result()
 
 
 def _vit_shape(opened):

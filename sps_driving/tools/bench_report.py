@@ -98,7 +98,7 @@ def run_to_run_section(results: list[dict]) -> list[str]:
 def graph_section(result: dict) -> list[str]:
     episode = result.get("eval_worker_episode")
     worker = "" if not episode else (f" The evaluation worker drives {episode['scenario']}, layout {episode['layout']}, "
-                                     f"{episode['episode_s']:g} s, in this process on the extractor's threads.")
+                                     f"{episode['episode_s']:g} s, in a spawned process on the extractor's threads.")
     lines = ["## The extractor alone, in the live graph and in an evaluation worker, side by side", "",
              f"`{COMMANDS['graph']}` ({_load(result)}; the bundled drive's {result['frames']} frames alone and through the "
              f"live graph in lockstep, {result['repeats']} repeat(s) each, medians).{worker} {_peak(result['peak'])} "
