@@ -118,21 +118,10 @@ def same_results(rows: list[dict], reference: list[dict]) -> bool:
     return all(theirs.get(key) == value for key, value in mine.items())
 
 
-def timing_policy(checkpoint: Path, folder: Path, rate: float | None = None, tokens: str | None = None) -> Path:
-    """A timing copy of a checkpoint (sps_driving.core.policies.checkpoint.timing_copy) without its OOD
-    calibration: that was made on the checkpoint's own descriptors, and a runtime refuses it for a
-    copy that drops tokens."""
-    from sps_driving.core import ood
-    from sps_driving.core.policies.checkpoint import timing_copy
-
-    copy = timing_copy(checkpoint, folder, rate, tokens)
-    for name in (ood.META_FILE, ood.TENSORS_FILE):
-        (copy / name).unlink(missing_ok=True)
-    return copy
-
-
 def bench_eval(config: dict, policy_dir: Path, tasks: list[tuple[str, int]], names: list[str], repeats: int = 1) -> dict:
     """Each configuration of `names` on `tasks`, interleaved `repeats` times (module docstring)."""
+    from sps_driving.core.policies.checkpoint import timing_copy
+
     unknown = sorted(set(names) - set(CONFIGURATIONS))
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; known: {list(CONFIGURATIONS)}")
@@ -140,8 +129,8 @@ def bench_eval(config: dict, policy_dir: Path, tasks: list[tuple[str, int]], nam
     results = {name: {"walls": [], "rows": []} for name in names}
     with tempfile.TemporaryDirectory(prefix="sps_bench_eval_") as scratch:
         policies = {name: str(policy_dir if CONFIGURATIONS[name][3] is None
-                              else timing_policy(policy_dir, Path(scratch) / f"policy_{CONFIGURATIONS[name][3]}",
-                                                 tokens=CONFIGURATIONS[name][3]))
+                              else timing_copy(policy_dir, Path(scratch) / f"policy_{CONFIGURATIONS[name][3]}",
+                                               tokens=CONFIGURATIONS[name][3]))
                     for name in names}
         for _ in range(repeats):
             for name in names:

@@ -655,9 +655,8 @@ def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates,
     the settings' a settings file that adds it to --backbone-config's."""
     import yaml
 
-    from sps_driving.core.policies.checkpoint import read_policy_config
+    from sps_driving.core.policies.checkpoint import read_policy_config, timing_copy
     from sps_driving.export.extractors import extraction_settings
-    from sps_driving.sim.throughput import timing_policy
 
     policy = read_policy_config(checkpoint)
     own_rate, settings = policy["selection"]["rate"], extraction_settings(checkpoint=checkpoint, config_file=backbone_config)
@@ -670,7 +669,7 @@ def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates,
                 label = f"rate {rate:g}, tokens {mode}, {precision}"
                 folder, config_file = checkpoint, backbone_config
                 if (rate, mode) != (own_rate, own_tokens):
-                    folder = timing_policy(checkpoint, scratch / f"policy_rate{rate:g}_{mode}", rate, mode)
+                    folder = timing_copy(checkpoint, scratch / f"policy_rate{rate:g}_{mode}", rate, mode)
                 if precision != own_precision:
                     config_file = scratch / f"extraction_{precision}.yaml"
                     config_file.write_text(yaml.safe_dump({**given, "precision": precision}))

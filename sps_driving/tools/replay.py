@@ -862,6 +862,10 @@ def replay_bag(
     from sps_driving.ros.graph import default_params_file
 
     bag, out = Path(bag), Path(out)
+    params_file = Path(params_file) if params_file else default_params_file()
+    checkpoint = _policy_checkpoint(checkpoint, params_file)
+    if out.exists():
+        raise ReplayError(f"output bag {out} exists; pass another --out")
     topic_map = dict(topic_map or {})
     try:  # the one reading of the bag besides playing it: its topics, reports and commands
         drive = read_drive(bag, camera_topic=next((b for b, g in topic_map.items() if g == topics.IMAGE), None))
@@ -869,10 +873,6 @@ def replay_bag(
         raise ReplayError(str(exc)) from None
     topic_map = camera_map(drive.topics, topic_map)
     bag_topics = _graph_topics(bag, drive.topics, topic_map)
-    params_file = Path(params_file) if params_file else default_params_file()
-    checkpoint = _policy_checkpoint(checkpoint, params_file)
-    if out.exists():
-        raise ReplayError(f"output bag {out} exists; pass another --out")
     has_info = bag_topics.get(topics.CAMERA_INFO) == "sensor_msgs/msg/CameraInfo"
     policy_config = read_policy_config(checkpoint)
     played = played_topics(policy_config, bag_topics)

@@ -71,10 +71,13 @@ def read_policy_config(directory) -> dict:
 def timing_copy(checkpoint: Path, folder: Path, rate: float | None = None, tokens: str | None = None) -> Path:
     """A copy of a policy checkpoint at `folder` (made once) with another selection rate and tokens:
     for timing what another rate or token dropping costs (its weights read descriptors they were
-    not trained on: its commands mean nothing)."""
+    not trained on: its commands mean nothing). The checkpoint's OOD calibration stays behind: it
+    was made on the checkpoint's own descriptors, and a runtime refuses it for a copy that drops tokens."""
+    from sps_driving.core import ood
+
     if not folder.exists():
         policy = read_policy_config(checkpoint)
-        shutil.copytree(checkpoint, folder)
+        shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns(ood.META_FILE, ood.TENSORS_FILE))
         copy = {**policy, "selection": {**policy["selection"], "rate": policy["selection"]["rate"] if rate is None else rate},
                 "extractor": {**(policy.get("extractor") or {}), **({} if tokens is None else {"tokens": tokens})}}
         (folder / CONFIG_FILE).write_text(json.dumps(copy, indent=1) + "\n")
