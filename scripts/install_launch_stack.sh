@@ -29,8 +29,9 @@ if [[ ! -x "$python" ]]; then
 fi
 
 # The Python dependencies the launch and ros2cli packages declare (package.xml exec_depend), as the
-# distro's python3-* packages provide them, and colcon.
-"$python" -m pip install --quiet osrf-pycommon==2.0.2 psutil==7.2.2 argcomplete==3.7.2 colcon-common-extensions==0.3.0
+# distro's python3-* packages provide them, colcon, and wheel (the packages below are built without
+# isolation, and a venv's setuptools before 70.1 has no bdist_wheel of its own).
+"$python" -m pip install --quiet osrf-pycommon==2.0.2 psutil==7.2.2 argcomplete==3.7.2 colcon-common-extensions==0.3.0 wheel==0.45.1
 
 packages=(
     rosidl_runtime_py

@@ -120,9 +120,17 @@ def test_the_driver_starts_before_our_nodes(launch):
     assert '"sps_driving.launch.xml"' in (ROOT / "launch" / "sps_driving.launch.py").read_text()
 
 
-def car_launch_module(monkeypatch):
-    """sps_driving.launch.py with `launch`'s classes as recording stand-ins (`launch` is not on PyPI;
-    the file was run under the real Humble and Jazzy front ends, docs/vehicle.md)."""
+def test_both_car_launch_files_pass_a_sigint_to_the_launch_alone_on_before_any_process_starts(launch):
+    # sps_driving.launch.py includes the XML, so the XML's include covers both files; before the
+    # driver and our nodes, so that the handlers know every process launch starts.
+    children = [c for c in launch if c.tag in ("include", "group", "node")]
+    assert children[0].tag == "include" and children[0].get("file") == "$(dirname)/stop_on_sigint.launch.py"
+    assert (ROOT / "launch" / "stop_on_sigint.launch.py").is_file()
+
+
+def car_launch_module(monkeypatch, file="sps_driving.launch.py"):
+    """A Python launch file of launch/ with `launch`'s classes as recording stand-ins (`launch` is not
+    on PyPI; the files were run under the real Humble and Jazzy front ends, docs/vehicle.md)."""
     class Recorded:
         def __init__(self, *args, **kwargs):
             self.args, self.kwargs = args, kwargs
@@ -135,7 +143,7 @@ def car_launch_module(monkeypatch):
         for name in classes:
             setattr(module, name, type(name, (Recorded,), {}))
         monkeypatch.setitem(sys.modules, module_name, module)
-    spec = importlib.util.spec_from_file_location("car_launch", ROOT / "launch" / "sps_driving.launch.py")
+    spec = importlib.util.spec_from_file_location(file.split(".")[0], ROOT / "launch" / file)
     car_launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(car_launch)
     return car_launch
@@ -143,7 +151,7 @@ def car_launch_module(monkeypatch):
 
 def car_launch_exit_handler(monkeypatch):
     """(matcher, on_exit) of the car launch's process-exit handler."""
-    *_sigint, graph, tie = car_launch_module(monkeypatch).generate_launch_description().args[0]
+    graph, tie = car_launch_module(monkeypatch).generate_launch_description().args[0]
     assert tie.kwargs["condition"].args[0].args == ("launch_driver",)
     handler = tie.args[0].kwargs
     return handler["target_action"], handler["on_exit"]
@@ -154,7 +162,7 @@ def test_a_sigint_to_the_launch_alone_reaches_every_process_it_still_runs(monkey
     """launch takes any SIGINT for a terminal's Ctrl-C and signals nothing for 5 s: the car launch
     passes it on to each process started and not yet exited (real processes here), and leaves a
     shutdown of another cause to launch."""
-    passer = car_launch_module(monkeypatch).SigintToEveryProcess()
+    passer = car_launch_module(monkeypatch, "stop_on_sigint.launch.py").SigintToEveryProcess()
     event = lambda **fields: type("Event", (), fields)()  # noqa: E731
     children = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]  # default SIGINT action: end
     try:
@@ -178,7 +186,7 @@ def test_a_sigint_to_the_launch_alone_reaches_every_process_it_still_runs(monkey
 def test_a_launch_started_with_sigint_ignored_takes_it_again(monkeypatch):
     """`ros2 launch ... &` in a script starts launch with SIGINT ignored, and launch hears SIGINT
     only through Python's handler: the car launch puts that handler back (and says so)."""
-    car_launch = car_launch_module(monkeypatch)
+    car_launch = car_launch_module(monkeypatch, "stop_on_sigint.launch.py")
     before = signal.getsignal(signal.SIGINT)
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
