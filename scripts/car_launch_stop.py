@@ -32,6 +32,10 @@ failsafe sends (`/pacmod/brake_cmd`, enable and brake > 0) and to the first peri
 to the car with it (`/pacmod3_standin/sent`), and from the signal until no process of the launch is
 left. Also: the accelerator the car last got before the brake, and whether any period after the
 brake carried an accelerator.
+
+Secured (ROS_SECURITY_ENABLE=true, ROS_SECURITY_STRATEGY=Enforce, ROS_SECURITY_KEYSTORE): the launch's
+nodes run in their own enclaves; `--bench-enclave` names the one enclave of what is not the car's
+(this script's node, which publishes the lane pose and obstacle range and engages, and the stand-in).
 """
 
 from __future__ import annotations
@@ -174,8 +178,8 @@ def signal_launch(way: str, launch: subprocess.Popen, processes: list[int]) -> N
         raise ValueError(way)
 
 
-def one_run(way: str, args, bus: Bus, env: dict) -> dict:
-    standin = subprocess.Popen(["ros2", "run", "sps_driving", "pacmod3_standin"], env=env, stdout=subprocess.DEVNULL,
+def one_run(way: str, args, bus: Bus, env: dict, bench_env: dict) -> dict:
+    standin = subprocess.Popen(["ros2", "run", "sps_driving", "pacmod3_standin"], env=bench_env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     log = open(args.log_dir / f"{way}.log", "w")
     stdin = args.stdin or ("null" if way.startswith("systemd") else "tty")
@@ -283,16 +287,22 @@ def main(argv=None) -> int:
     parser.add_argument("--attempts", type=int, default=3, help="launches tried per run until the car drives when signalled")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/car_launch_stop"))
     parser.add_argument("--json", type=Path, default=None, help="append each run's result here (JSON lines)")
+    parser.add_argument("--bench-enclave", default=None,
+                        help="secured (ROS_SECURITY_ENABLE=true): the enclave of what is not the car's, this script's node and "
+                             "the stand-in driver; the launch's nodes keep their own")
     args = parser.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "ROS_SECURITY_ENCLAVE_OVERRIDE"}
+    bench_env = {**env, "ROS_SECURITY_ENCLAVE_OVERRIDE": args.bench_enclave} if args.bench_enclave else env
+    os.environ.clear()
+    os.environ.update(bench_env)  # read by rclpy.init
     bus = Bus()
     try:
         for run in range(args.runs):
             for way in args.ways:
                 for attempt in range(args.attempts):
                     try:
-                        result = {"run": run, "attempt": attempt, **one_run(way, args, bus, env)}
+                        result = {"run": run, "attempt": attempt, **one_run(way, args, bus, env, bench_env)}
                         break
                     except RuntimeError as exc:  # a graph too slow on a busy machine to drive
                         result = {"run": run, "attempt": attempt, "way": way, "not_measured": str(exc)}
