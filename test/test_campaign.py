@@ -152,6 +152,7 @@ def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_
         assert (root / "results" / kept).read_bytes() == (reference / "results" / kept).read_bytes(), kept
     attempts = [r for r in runner.read_records(plan) if r["step"] == "train" and r["event"] == "start"]
     assert len(attempts) >= 2 and "--resume" in attempts[-1]["argv"]  # continued from its last epoch, not from scratch
+    assert attempts[-1]["host"] == runner.host_cpu() and "avx2" in attempts[-1]["host"]["isa"]  # x86-64 CI and dev hosts
     assert {s.step.name: s.state for s in runner.states(plan)} == dict.fromkeys(("drives", "cache", "train", "eval", "tables"),
                                                                                  runner.DONE)
     assert "tables done" in git(root, "log", "--format=%s", "-1")

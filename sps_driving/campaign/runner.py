@@ -32,9 +32,29 @@ DEADLINE_ENV = "SPS_DRIVING_CAMPAIGN_DEADLINE"  # unix time at which a running s
 STOPPED_AT_BUDGET = 75  # exit code of a step stopped at its deadline (its finished units are kept)
 STOP_GRACE_S = 20.0  # s between asking a stopped step to end and killing it
 DONE, ABSENT, RUNNING, LEFT = "done", "done, not here", "running", "left"
+# Instruction sets by which onnxruntime and torch choose their CPU kernels: the same step gives
+# results that differ in their last digits, and closed loops that drift apart, from one host to
+# another (docs/results/driving/ood_policy/README.md), so each attempt records its host's.
+KERNEL_ISA = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 # ---- records ----------------------------------------------------------------------------------
+
+
+def host_cpu() -> dict:
+    """The CPU model and which of KERNEL_ISA it has (Linux's /proc/cpuinfo; empty elsewhere)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": model, "isa": [name for name in KERNEL_ISA if name in flags]}
 
 
 def read_records(plan: Plan) -> list[dict]:
@@ -263,7 +283,7 @@ def run_step(plan: Plan, step: Step) -> int:
     folder = engine.results_dir(plan)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RUNNING_FILE).write_text(json.dumps({"step": step.name, "pid": os.getpid(), "started": time.time()}))
-    append_record(plan, {"step": step.name, "key": key, "event": "start", "time": time.time(), "argv": argv})
+    append_record(plan, {"step": step.name, "key": key, "event": "start", "time": time.time(), "argv": argv, "host": host_cpu()})
     began = time.time()
     deadline = float(os.environ[DEADLINE_ENV]) if DEADLINE_ENV in os.environ else None
     # Outputs that record when they were made record when this attempt key first started: the same on any machine.
