@@ -83,6 +83,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def left_process(pid: int) -> str:
+    """A process left after the timeout: its command line, state and what each thread waits in."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        waits = sorted({(task / "wchan").read_text() for task in Path(f"/proc/{pid}/task").iterdir()})
+    except OSError:
+        return ""
+    return f"{command} (state {state}, threads waiting in {', '.join(waits)})"
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -245,7 +256,7 @@ def one_run(way: str, args, bus: Bus, env: dict, bench_env: dict) -> dict:
             "brake_cmd_s": None if brake is None else round(brake - signalled, 3),
             "brake_on_bus_s": None if on_bus is None else round(on_bus - signalled, 3),
             "no_process_left_s": None if gone_at is None else round(gone_at - signalled, 3),
-            "left_after_timeout": [pid for pid in everyone if alive(pid)],
+            "left_after_timeout": {pid: left_process(pid) for pid in everyone if alive(pid)},
             "accel_last_before_brake": accel_last[0] if accel_last else None,
             "accel_periods_after_brake": sum(1 for a in accel_after if a > 0),
             "launch_status": launch.returncode,
