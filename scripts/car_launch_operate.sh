@@ -68,7 +68,7 @@ start_launch() {  # the car's nodes in their own enclaves
     launch_log="$logs/env_$((${#started[@]} - 1)).log"
 }
 
-echo "# revision $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo '(installed)'); $(ros2 pkg prefix sps_driving)"
+echo "# these scripts at $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo '(no checkout)'); sps_driving from $(ros2 pkg prefix sps_driving)"
 background ros2 run sps_driving pacmod3_standin
 background ros2 topic pub -r 30 /lane/pose geometry_msgs/msg/PoseStamped "{header: {frame_id: lane}}"
 background ros2 topic pub -r 30 /obstacles/nearest sensor_msgs/msg/Range "{range: .inf, max_range: 100.0}"
@@ -110,7 +110,7 @@ if [[ "$mode" == secured ]]; then
     sent
     sleep 9
     grep -aE "SIGINT|finished cleanly|exit code" "$launch_log" | head -12
-    show pgrep -f "lib/sps_driving/|ros2 launch"
+    show pgrep -f "lib/sps_driving/(respawn|camera_driver|selection|extractor|policy|safety_monitor|vehicle_interface|failsafe) |ros2 launch"  # not the stand-in
     exit 0
 fi
 
