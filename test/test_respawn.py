@@ -29,6 +29,11 @@ CHILD = textwrap.dedent(
     signal.signal(signal.SIGINT, stopped)
     signal.signal(signal.SIGTERM, stopped)
     exit_with = int(sys.argv[2])
+    if exit_with == -2:  # a node hung in its teardown: it takes no stop signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(log, "a") as f:
+            f.write("deaf\\n")
     if exit_with >= 0:
         sys.exit(exit_with)
     time.sleep(60)
@@ -99,7 +104,9 @@ def test_a_killed_node_is_started_again_and_ctrl_c_stops_it_for_good(tmp_path):
         # Ctrl-C of the supervisor reaches the node once, and nothing is started after it.
         time.sleep(0.5)  # the node's handlers are installed
         supervisor.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
         out, _ = supervisor.communicate(timeout=20)
+        assert time.monotonic() - signalled < 5.0  # gone with its node, not after the grace time (10 s)
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
@@ -107,6 +114,23 @@ def test_a_killed_node_is_started_again_and_ctrl_c_stops_it_for_good(tmp_path):
     assert len(starts(log)) == 2
     assert supervisor.returncode == 0  # the node's own status after the stop
     assert "child exited (killed by SIGKILL); starting it again in 0.2 s (restart 1" in out
+
+
+def test_a_node_that_does_not_end_after_a_stop_signal_is_killed_after_the_grace_time(tmp_path):
+    # After a SIGTERM to the launch alone nothing else ends a hung node: the supervisor must.
+    supervisor, log = supervise(tmp_path, exit_with=-2, stop_grace_s=1.0)
+    try:
+        wait_for(lambda: log.exists() and "deaf" in log.read_text())
+        node = starts(log)[0]
+        supervisor.send_signal(signal.SIGTERM)
+        out, _ = supervisor.communicate(timeout=20)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+    assert "child still running 1 s after SIGTERM: killing it (SIGKILL)" in out
+    assert supervisor.returncode == 128 + signal.SIGKILL and len(starts(log)) == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(node, 0)
 
 
 def test_after_the_allowed_restarts_the_node_stays_down_with_its_status(tmp_path):

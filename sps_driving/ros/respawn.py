@@ -7,7 +7,10 @@ A node that exits by a signal or with a failure status is started again after a 
 with the restarts in the last `window_s` (config/respawn.yaml); after `max_restarts` of them it
 stays down and this process exits with its status. A node that ends cleanly (status 0), or cannot
 start (a bad parameter or a missing model: sps_driving.ros.process.CANNOT_START), is not started
-again. SIGINT, SIGTERM and SIGHUP go to the node, and then this process exits with it.
+again. SIGINT, SIGTERM and SIGHUP go to the node, and then this process exits with it; a node still
+running `stop_grace_s` after the first of them is killed (SIGKILL), so that a node hung in its
+teardown cannot outlive the launch (after a SIGTERM launch itself ends at once, and nothing else
+would end it).
 
 A restart never moves the car: the vehicle interface holds its stop while any input is missing and
 until the safety driver disengages and engages again (docs/vehicle.md). The vehicle interface and
@@ -34,17 +37,19 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass(frozen=True)
 class BackOff:
-    """When to start a crashed node again (units: s); config/respawn.yaml says why each value."""
+    """When to start a crashed node again, and how long a stopped one may take to end (units: s);
+    config/respawn.yaml says why each value."""
 
     first_delay_s: float = 4.0
     factor: float = 2.0
     max_delay_s: float = 30.0
     max_restarts: int = 5
     window_s: float = 600.0
+    stop_grace_s: float = 10.0
 
     def __post_init__(self):
         if not (self.first_delay_s >= 0 and self.factor >= 1 and self.max_delay_s >= self.first_delay_s
-                and self.max_restarts >= 0 and self.window_s > 0):
+                and self.max_restarts >= 0 and self.window_s > 0 and self.stop_grace_s > 0):
             raise ValueError(f"respawn settings out of range: {self}")
 
     @classmethod
@@ -88,9 +93,22 @@ class Supervisor:
         with self._lock:
             if self.stop_signal is None:
                 self.stop_signal = signum
+                # A thread: this runs in a signal handler, while run() waits for the node. A daemon,
+                # so that this process exits as soon as the node has.
+                killer = threading.Timer(self.back_off.stop_grace_s, self._kill_if_running, args=(signum,))
+                killer.daemon = True
+                killer.start()
             self._received.append(signum)
             self._pass_on_stop()
         self._stopped.set()
+
+    def _kill_if_running(self, signum: int) -> None:
+        with self._lock:
+            if self.child is None or self.child.poll() is not None:
+                return
+            self.log(f"[respawn] {self.name} still running {self.back_off.stop_grace_s:g} s after "
+                     f"{signal.Signals(signum).name}: killing it (SIGKILL)")
+            self.child.kill()
 
     def _pass_on_stop(self) -> None:
         if self.child is None or self.child.poll() is not None:
