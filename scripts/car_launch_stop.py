@@ -263,7 +263,8 @@ def one_run(way: str, args, bus: Bus, env: dict, bench_env: dict) -> dict:
         })
         return result
     finally:
-        for pid in [launch.pid, *descendants(launch.pid)]:
+        # Also those found when signalled: a process left after launch died is no longer below it.
+        for pid in {launch.pid, *descendants(launch.pid), *result.get("left_after_timeout", {})}:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
