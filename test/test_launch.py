@@ -164,7 +164,10 @@ def test_a_sigint_to_the_launch_alone_reaches_every_process_it_still_runs(monkey
     shutdown of another cause to launch."""
     passer = car_launch_module(monkeypatch, "stop_on_sigint.launch.py").SigintToEveryProcess()
     event = lambda **fields: type("Event", (), fields)()  # noqa: E731
-    children = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]  # default SIGINT action: end
+    # Default SIGINT action (end), as each node sets its own, even where the test runs with SIGINT
+    # ignored (a non-interactive shell's background job), which children would inherit.
+    children = [subprocess.Popen(["sleep", "30"], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                for _ in range(3)]
     try:
         for i, child in enumerate(children):
             passer.started(event(pid=child.pid, process_name=f"node-{i}"), None)
