@@ -732,15 +732,20 @@ def _graph_topics(bag: Path, present: dict, topic_map: dict) -> dict:
     return bag_topics
 
 
+def mapped_camera(topic_map: dict) -> str | None:
+    """The bag topic that `topic_map` maps onto the graph's camera, if any."""
+    return next((b for b, g in topic_map.items() if g == topics.IMAGE), None)
+
+
 def camera_map(present: dict, topic_map: dict) -> dict:
     """`topic_map` with the camera of a bag of topics `present` ({topic: message type}) played as the
     graph's: the camera mapped onto it (or the graph's own), or where the bag records that one only
     compressed, its /compressed topic."""
     from sps_driving.ros.drive import camera_topic_of
 
-    asked = next((b for b, g in topic_map.items() if g == topics.IMAGE), None)
-    found = camera_topic_of(present, asked or topics.IMAGE)
-    if found is None or found == (asked or topics.IMAGE):
+    asked = mapped_camera(topic_map) or topics.IMAGE
+    found = camera_topic_of(present, asked)
+    if found is None or found == asked:
         return topic_map
     return {**{b: g for b, g in topic_map.items() if g != topics.IMAGE}, found: topics.IMAGE}
 
@@ -868,7 +873,7 @@ def replay_bag(
         raise ReplayError(f"output bag {out} exists; pass another --out")
     topic_map = dict(topic_map or {})
     try:  # the one reading of the bag besides playing it: its topics, reports and commands
-        drive = read_drive(bag, camera_topic=next((b for b, g in topic_map.items() if g == topics.IMAGE), None))
+        drive = read_drive(bag, camera_topic=mapped_camera(topic_map))
     except BagError as exc:
         raise ReplayError(str(exc)) from None
     topic_map = camera_map(drive.topics, topic_map)
