@@ -9,7 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from sps_driving.core.grid import PatchGrid
-from sps_driving.core.policies.blocks import CELL_EMBEDDING_STD, SequencePolicy, pack_kept
+from sps_driving.core.policies.blocks import (
+    CELL_EMBEDDING_STD,
+    FastDropout,
+    SequencePolicy,
+    StridedSelfAttention,
+    pack_kept,
+)
 from sps_driving.core.policies.checkpoint import load_policy, save_policy
 from sps_driving.core.policies.positional_transformer import PositionalGridPolicy, PositionalSequencePolicy
 from sps_driving.core.policies.registry import build_policy
@@ -422,3 +428,61 @@ def test_an_mlp_with_the_state_to_head_reads_the_state_through_its_head_and_olde
     assert "state_to_head" not in loaded_old.config["policy"] and old.head.in_features == settings["width"] // 2
     with pytest.raises(ValueError, match="needs state inputs"):
         build_policy(PolicyArchitecture("mlp", {**settings, "state_to_head": True}, 0.5).config(GRID, D, selection))
+
+
+@pytest.mark.parametrize("padding", [None, "bool", "float"])
+def test_the_strided_attention_trains_as_the_stock_one(padding):
+    """Same outputs and, up to the order of float sums, the same gradients as nn.MultiheadAttention
+    in a training step (with the sequence policies' padding masks as bool and as the encoder's -inf
+    floats); the same parameters, so checkpoints load either way; built without drawing from the
+    random generator; evaluation takes the stock path itself."""
+    torch.manual_seed(3)
+    stock = torch.nn.MultiheadAttention(16, 4, batch_first=True).train()
+    after_stock = torch.rand(3)
+    torch.manual_seed(3)
+    strided = StridedSelfAttention.replacing(torch.nn.MultiheadAttention(16, 4, batch_first=True)).train()
+    assert torch.equal(torch.rand(3), after_stock)
+    assert list(strided.state_dict()) == list(stock.state_dict())
+    x = torch.randn(5, 11, 16, requires_grad=True)
+    mask = None
+    if padding is not None:
+        mask = torch.zeros(5, 11, dtype=torch.bool)
+        mask[:, 8:], mask[0, 3:] = True, True
+        if padding == "float":
+            mask = torch.zeros(5, 11).masked_fill(mask, float("-inf"))
+    outputs, grads = [], []
+    for attention in (stock, strided):
+        y = attention(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+        outputs.append(y)
+        grads.append(torch.autograd.grad((y * torch.linspace(-1, 1, 16)).sum(), [x, *attention.parameters()]))
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-6)
+    for g_stock, g_strided in zip(*grads):
+        assert torch.allclose(g_stock, g_strided, rtol=1e-4, atol=1e-5)
+    strided.eval(), stock.eval()
+    with torch.no_grad():
+        assert torch.equal(strided(x, x, x, need_weights=False)[0], stock(x, x, x, need_weights=False)[0])
+
+
+def test_fast_dropout_drops_a_fraction_p_scales_the_rest_and_follows_torchs_seed():
+    dropout = FastDropout(0.1).train()
+    x = torch.ones(200_000, requires_grad=True)
+    torch.manual_seed(7)
+    y = dropout(x)
+    kept = y != 0
+    # 0.1 of 200,000 drawn: the dropped share is within 5 standard deviations (0.0034) of p.
+    assert abs(1.0 - kept.double().mean().item() - 0.1) < 0.0034
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.9))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(grad, y.detach())  # the gradient passes where the value did, scaled alike
+    torch.manual_seed(7)
+    assert torch.equal(dropout(x), y)  # torch.manual_seed fixes it (a resumed epoch draws the same)
+    assert not torch.equal(dropout(x), y)  # and each call draws anew
+    assert torch.equal(dropout.eval()(x), x)
+
+
+def test_a_positional_transformer_trains_with_the_strided_attention_and_fast_dropout():
+    model = make("sps", architecture="positional_transformer")
+    layers = model.encoder.layers
+    assert all(isinstance(layer.self_attn, StridedSelfAttention) for layer in layers)
+    assert all(isinstance(getattr(layer, name), FastDropout) for layer in layers
+               for name in ("dropout", "dropout1", "dropout2"))

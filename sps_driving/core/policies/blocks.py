@@ -114,6 +114,60 @@ class StandardizedInput:
         return projected + bias
 
 
+class FastDropout(nn.Dropout):
+    """nn.Dropout whose mask, on the CPU, is drawn by numpy's PCG64 (32-bit uniforms, seeded by one
+    draw from torch's generator, so torch.manual_seed fixes it as before): torch's CPU Bernoulli
+    draws one Mersenne-twister number per element on one thread, and took a fifth of a
+    positional transformer's training step on two threads (bench --train). Elsewhere, nn.Dropout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0 or x.device.type != "cpu":
+            return super().forward(x)
+        seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+        uniforms = np.random.Generator(np.random.PCG64(seed)).bit_generator.random_raw((x.numel() + 1) // 2)
+        dropped = uniforms.view(np.uint32)[:x.numel()] < np.uint32(round(self.p * 2 ** 32))
+        mask = np.where(dropped, np.float32(0.0), np.float32(1.0 / (1.0 - self.p)))
+        return x * torch.from_numpy(mask).view(x.shape).to(x.dtype)
+
+
+class StridedSelfAttention(nn.MultiheadAttention):
+    """nn.MultiheadAttention (same parameters, state-dict keys and results) whose training forward,
+    for batch-first self-attention without attention dropout, takes q, k and v as strided views of
+    one projection and hands them to the fused kernel as they lie. The stock path transposes to
+    sequence-first, copies q, k and v apart, and in the backward zero-fills and copies the same
+    tensors again: about a fifth of a positional transformer's training step (bench --train).
+    Anything else (evaluation, whose fused fast path is already lean; weights asked for) is the stock path."""
+
+    @classmethod
+    def replacing(cls, attention: nn.MultiheadAttention) -> StridedSelfAttention:
+        """This attention with `attention`'s settings and weights (built without drawing from the
+        random generator, so the modules after it initialize as they did beside the stock one)."""
+        with torch.random.fork_rng(devices=[]):
+            strided = cls(attention.embed_dim, attention.num_heads, dropout=attention.dropout,
+                          bias=attention.in_proj_bias is not None, batch_first=attention.batch_first)
+        strided.load_state_dict(attention.state_dict())
+        return strided
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if not (self.training and query is key and key is value and self.batch_first and not need_weights
+                and attn_mask is None and not is_causal and self.dropout == 0.0 and self._qkv_same_embed_dim
+                and self.in_proj_bias is not None and self.bias_k is None and not self.add_zero_attn):
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                                   attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+        batch, length, width = query.shape
+        qkv = nn.functional.linear(query, self.in_proj_weight, self.in_proj_bias)
+        q, k, v = qkv.view(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = None
+        if key_padding_mask is not None:  # True (or -inf) at filler slots, as the stock path reads it
+            if key_padding_mask.dtype == torch.bool:
+                key_padding_mask = torch.zeros_like(key_padding_mask, dtype=q.dtype).masked_fill(key_padding_mask,
+                                                                                               float("-inf"))
+            mask = key_padding_mask.to(q.dtype).view(batch, 1, 1, length)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(attended.transpose(1, 2).reshape(batch, length, width)), None
+
+
 def readout_mlp(features: int, width: int, dropout: float) -> list[nn.Module]:
     """The two hidden layers (width, width // 2) that read a flattened grid (and the state)."""
     return [nn.Linear(features, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, width // 2), nn.GELU()]
