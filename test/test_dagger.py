@@ -212,6 +212,26 @@ def test_an_interrupted_run_redoes_only_its_unfinished_round(setup, two_rounds, 
     assert calls == {"rollouts": [], "train": 0, "interrupt": None}
 
 
+def test_a_run_moved_with_what_it_reads_resumes_without_redoing_anything(setup, two_rounds, tmp_path, monkeypatch):
+    """A checkout at another path, or another machine: dagger.json names the initial cache
+    relative to the run folder, so the moved run is the same run; another cache is still refused."""
+    import shutil
+
+    import sps_driving.train.trainer as trainer
+
+    recorded = json.loads((two_rounds / "dagger.json").read_text())["settings"]
+    assert recorded["init_cache"] == ["../cache0"] and recorded["backbone_config"] == "../pixels.yaml"
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(setup, moved, symlinks=True, ignore=shutil.ignore_patterns("drives"))
+    calls = []
+    monkeypatch.setattr(dagger, "rollout_episode", lambda *a: calls.append("rollout"))
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: calls.append("train"))
+    assert main(args(moved, moved / "run")) == 0
+    assert calls == []
+    shutil.copytree(moved / "cache0", moved / "cache1")
+    assert main(args(moved, moved / "run", init_cache=moved / "cache1")) == 2
+
+
 @pytest.mark.parametrize("flags, options, named", [
     ((), {"episodes_per_round": 3}, "--episodes-per-round (was 2, now 3)"),
     ((), {"beta0": 0.7}, "--beta0 (was 0.5, now 0.7)"),

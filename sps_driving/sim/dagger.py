@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shlex
 import shutil
 import sys
@@ -361,6 +362,24 @@ def run_settings(args, config: dict, train_settings: dict) -> dict:
     })
 
 
+PATH_SETTINGS = ("init_cache", "init_policy", "backbone_config")
+
+
+def recorded_settings(settings: dict, out: Path) -> dict:
+    """`settings` as dagger.json records them: paths relative to the run folder, so that a run moved
+    with what it reads (a checkout at another path, another machine) resumes; a path an older record
+    holds absolute is read the same way."""
+    def relative(path):
+        return os.path.relpath(out.resolve() / path, out.resolve())
+
+    recorded = dict(settings)
+    for key in PATH_SETTINGS:
+        value = recorded.get(key)
+        if value:
+            recorded[key] = [relative(v) for v in value] if isinstance(value, list) else relative(value)
+    return recorded
+
+
 def changed_settings(stored: dict, current: dict) -> list[str]:
     """The settings that differ, named by their option (with the differing keys of a config file)."""
     changes = []
@@ -460,12 +479,14 @@ class Run:
     def start(self) -> None:
         """Refuse changed settings; record this invocation's command and the code revision."""
         if self.record is not None:
-            changes = changed_settings(self.record["settings"], self.settings)
+            changes = changed_settings(recorded_settings(self.record["settings"], self.out),
+                                       recorded_settings(self.settings, self.out))
             if changes:
                 raise ValueError(f"{self.out} was started with other settings: changed {'; '.join(changes)}. Its rounds "
                                  f"would be inconsistent: rerun with the original values or choose another --out")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.record = self.record or {"format": FORMAT, "settings": self.settings, "commands": []}
+        self.record = self.record or {"format": FORMAT, "settings": recorded_settings(self.settings, self.out),
+                                      "commands": []}
         if self.command not in self.record["commands"]:
             self.record["commands"].append(self.command)
         revision = source_revision()
@@ -481,7 +502,7 @@ class Run:
         s = self.settings
         provenance = {
             **{k: v for k, v in self.record.items() if k in ("format", "commands", "revision")},
-            "settings": {k: v for k, v in s.items() if k != "sim_config"},
+            "settings": {k: v for k, v in recorded_settings(s, self.out).items() if k != "sim_config"},
             "beta_schedule": {"beta0": s["beta0"], "decay": s["decay"], "mixing": s["mixing"],
                               "betas": [r["beta"] for r in rounds]},
             "initial": {"policy": run_path(self.out, initial["policy"]), "trained": initial["train"] is not None,
@@ -493,7 +514,7 @@ class Run:
             "best": {"name": best_name, "policy": run_path(self.out, self._policy_dir(best)), "dev": best["dev"]},
             "stopped": stopped,
         }
-        self.record = {**self.record, **provenance, "settings": s}
+        self.record = {**self.record, **provenance, "settings": recorded_settings(s, self.out)}
         _write_json(self.path, self.record)
         policy_dir = self._policy_dir(best)
         config = {**read_policy_config(policy_dir), "dagger": provenance}
