@@ -224,6 +224,68 @@ def test_code_key_follows_the_code_a_step_runs_not_the_repository():
     assert "sps_driving/sim/evaluate.py" in {p.relative_to(SOURCE_ROOT).as_posix() for p in code_files("eval")}
 
 
+PINNED_PLAN = """\
+campaign: pinned
+results: results
+work: work
+steps:
+  pinned:
+    run: collect --out {work}/pinned --episodes 1 --episode-s 1 --width 64 --seed 0
+    outs: ["{work}/pinned"]
+    estimate_min: 0.1
+    code: %s
+  checkout:
+    run: collect --out {work}/checkout --episodes 1 --episode-s 1 --width 64 --seed 0
+    outs: ["{work}/checkout"]
+    estimate_min: 0.1
+"""
+
+
+def test_a_step_pinned_to_a_commit_runs_that_commits_code_and_later_commits_do_not_touch_it(tmp_path):
+    """A clone whose commit P makes every import of its collect module log where it came from: a step
+    pinned to P runs P's tree (a worktree under work/code/) and records P; a commit after P changes
+    the key of the step that runs the checkout (here the clone), not the pinned one's."""
+    root = tmp_path / "repo"
+    subprocess.run(["git", "clone", "--quiet", "--shared", str(SOURCE_ROOT), str(root)], check=True)
+    git(root, "config", "user.email", "campaign@test")
+    git(root, "config", "user.name", "campaign test")
+    for folder in ("sps_driving", "config"):  # the code under test, committed or not
+        shutil.copytree(SOURCE_ROOT / folder, root / folder, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    git(root, "add", "-A", "sps_driving", "config")
+    git(root, "commit", "-q", "--allow-empty", "-m", "the code under test")
+    package = root / "sps_driving" / "sim" / "collect.py"
+    package.write_text(package.read_text() + "\nwith open('imports.log', 'a') as _log:\n    _log.write(__file__ + '\\n')\n")
+    git(root, "commit", "-q", "-am", "log imports")
+    pinned = git(root, "rev-parse", "HEAD").strip()
+    (root / "plan.yaml").write_text(PINNED_PLAN % pinned[:10])
+    plan = load_plan(root / "plan.yaml")
+    tree = root / "work" / "code" / pinned
+    assert plan.step("pinned").code_revision == pinned and plan.step("pinned").code_root == tree
+    assert plan.step("checkout").code_revision is None
+
+    def clone_campaign(*args):  # the clone's checkout is the one its campaign runs (as from a shell in it)
+        done = subprocess.run([sys.executable, "-m", "sps_driving.cli", "campaign", *args], cwd=root, check=True,
+                              capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        return yaml.safe_load((root / "results" / engine.KEYS_FILE).read_text()), done.stdout
+
+    keys, _ = clone_campaign("run", "plan.yaml", "--no-commit")
+    assert str(tree / "sps_driving" / "sim" / "collect.py") in (root / "imports.log").read_text().splitlines()
+    starts = {r["step"]: r for r in runner.read_records(plan) if r["event"] == "start"}
+    assert starts["pinned"]["code"] == pinned and "code" not in starts["checkout"]
+    assert (root / "work" / "pinned" / "collect.json").is_file() and (root / "work" / "checkout" / "collect.json").is_file()
+
+    package.write_text(package.read_text() + "# a later commit\n")
+    git(root, "commit", "-q", "-am", "later")
+    later, shown = clone_campaign("status", "plan.yaml")
+    assert later["pinned"] == keys["pinned"] and later["checkout"] != keys["checkout"]
+    assert f"code {pinned[:12]} (pinned; its worktree under work/code/): pinned\n" in shown
+
+    (root / "plan.yaml").write_text(PINNED_PLAN % "no-such-revision")
+    with pytest.raises(ValueError, match="step pinned: code: 'no-such-revision' is no commit"):
+        load_plan(root / "plan.yaml")
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda s: s.replace("run: collect", "run: demo"), "must start with one of"),
     (lambda s: s.replace("outs: [\"{work}/cache\"]", "outs: [\"{work}/drives/cache\"]"), "overlaps"),

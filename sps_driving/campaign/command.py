@@ -70,6 +70,12 @@ def status_table(plan, current) -> str:
         measured = f"{s.measured_min:.1f} min" if s.measured_min else ""
         left = f"{s.left_min:.0f} min" if s.left_min else ""
         lines.append(f"{s.step.name:<{width}}  {s.state:<14}  {measured:>9}  {left:>11}  {s.reason}".rstrip())
+    pins = sorted({s.step.code_revision for s in current if s.step.code_revision})
+    for pin in pins:
+        steps = [s.step.name for s in current if s.step.code_revision == pin]
+        lines.append(f"code {pin[:12]} (pinned; its worktree under {plan.work}/code/): {', '.join(steps)}")
+    if pins and any(s.step.code_revision is None for s in current):
+        lines.append("the other steps run this checkout's code")
     total = sum(s.left_min for s in current)
     spent = sum(s.measured_min for s in done)
     lines.append(f"measured so far: {spent:.0f} min; left: about {total:.0f} min ({total / 60:.1f} h) on this machine, "

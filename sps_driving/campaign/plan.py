@@ -20,6 +20,10 @@ Paths are relative to the repository root (the folder holding the plan's `.git`,
 `{work}` and `{results}` expand in `run`, `deps` and `outs`. A step's code is the import closure
 of its command's module inside the package, and the configuration files that code names
 (`code_files`); its key (`Step.code_key`) is their contents' hash with the command line's.
+
+A step runs the checkout's code, or with `code: REVISION` (for the plan, or for one step) that
+commit's: a git worktree of it under WORK/code/, which the step runs and is keyed by, so that
+commits made while a campaign runs redo none of its steps until the plan's pins move.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import ast
 import hashlib
 import re
 import shlex
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +56,8 @@ class Step:
     outs: tuple[str, ...]
     estimate_min: float  # stated cost of the whole step (min), until one is measured
     unit_min: float | None = None  # cost of one unit the command resumes from (min); None: not resumable in units
+    code_revision: str | None = None  # the commit whose code it runs (`code:`); None: the checkout's
+    code_root: Path = SOURCE_ROOT  # the source tree it runs: the checkout, or a worktree of code_revision
 
     @property
     def command(self) -> str:
@@ -65,8 +73,8 @@ class Step:
     def code_key(self) -> str:
         """sha256 of the command line and of the contents of the code it runs (`code_files`)."""
         sha = hashlib.sha256(shlex.join(self.argv).encode())
-        for path in code_files(self.command):
-            sha.update(str(path.relative_to(SOURCE_ROOT)).encode() + b"\0" + path.read_bytes())
+        for path in code_files(self.command, self.code_root):
+            sha.update(str(path.relative_to(self.code_root)).encode() + b"\0" + path.read_bytes())
         return sha.hexdigest()
 
 
@@ -109,9 +117,21 @@ def load_plan(path) -> Plan:
             raise ValueError(f"{path}: `{key}` must be a non-empty string")
     root = (path.parent / raw["root"]).resolve() if "root" in raw else repository_root(path)
     names = {"work": raw["work"], "results": raw["results"]}
+    pins = {}  # revision -> (commit, its worktree)
+
+    def pinned(where: str, revision) -> dict:
+        if revision is None:
+            return {}
+        if revision not in pins:
+            pins[revision] = pinned_tree(root, raw["work"].rstrip("/"), revision, where)
+        commit, tree = pins[revision]
+        return {"code_revision": commit, "code_root": tree}
+
+    plan_pin = pinned(f"{path}: code", raw.get("code"))
     steps, outs_seen = [], {}
     for name, spec in raw["steps"].items():
-        steps.append(_step(path, name, spec, names))
+        code = spec.get("code") if isinstance(spec, dict) else None
+        steps.append(_step(path, name, spec, names, pinned(f"{path}: step {name}: code", code) if code else plan_pin))
         for out in steps[-1].outs:
             for other, taken in outs_seen.items():
                 if out == taken or out.startswith(taken + "/") or taken.startswith(out + "/"):
@@ -126,11 +146,11 @@ def load_plan(path) -> Plan:
     return plan
 
 
-def _step(path: Path, name: str, spec, names: dict) -> Step:
+def _step(path: Path, name: str, spec, names: dict, code: dict) -> Step:
     where = f"{path}: step {name}"
     if not isinstance(spec, dict) or not isinstance(spec.get("run"), str):
         raise ValueError(f"{where}: needs `run`, an sps-driving command line")
-    unknown = set(spec) - {"run", "deps", "outs", "estimate_min", "unit_min"}
+    unknown = set(spec) - {"run", "deps", "outs", "estimate_min", "unit_min", "code"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
 
@@ -153,7 +173,7 @@ def _step(path: Path, name: str, spec, names: dict) -> Step:
     if unit is not None and (not isinstance(unit, (int, float)) or not 0 < unit <= estimate):
         raise ValueError(f"{where}: `unit_min` must be a positive number of minutes, at most estimate_min")
     return Step(name, argv, tuple(expand(p).rstrip("/") for p in spec.get("deps") or ()), outs, float(estimate),
-                None if unit is None else float(unit))
+                None if unit is None else float(unit), **code)
 
 
 def repository_root(path: Path) -> Path:
@@ -167,27 +187,50 @@ def repository_root(path: Path) -> Path:
 # ---- the code a step runs ---------------------------------------------------------------------
 
 
-def code_files(command: str) -> list[Path]:
-    """The package's source files the command's module imports, directly or not (at any depth,
-    function-level imports too), with the config/*.yaml files they name, sorted."""
+def pinned_tree(root: Path, work: str, revision, where: str) -> tuple[str, Path]:
+    """(the commit `revision` names in the repository at `root`, a git worktree of it at
+    WORK/code/COMMIT), the worktree made on first use. A worktree, not an export, so that what
+    the step records as its code revision (resources.source_revision) is the pinned commit."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+    found = git("rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
+    if not isinstance(revision, str) or found.returncode != 0:
+        raise ValueError(f"{where}: {revision!r} is no commit of the repository at {root}")
+    commit = found.stdout.strip()
+    tree = root / work / "code" / commit
+    ready = tree.is_dir() and git("-C", str(tree), "rev-parse", "HEAD").stdout.strip() == commit
+    if not ready:  # never made, or cut short while made
+        shutil.rmtree(tree, ignore_errors=True)
+        git("worktree", "prune")
+        added = git("worktree", "add", "--detach", "--force", str(tree), commit)
+        if added.returncode != 0:
+            raise ValueError(f"{where}: could not check out {commit} at {tree}: {added.stderr.strip()}")
+    return commit, tree
+
+
+def code_files(command: str, root: Path = SOURCE_ROOT) -> list[Path]:
+    """The package's source files (in the source tree at `root`) the command's module imports,
+    directly or not (at any depth, function-level imports too), with the config/*.yaml files they
+    name, sorted."""
     modules, todo = set(), [COMMANDS[command][0]]
     while todo:
         module = todo.pop()
-        source = _module_file(module)
+        source = _module_file(module, root)
         if source is None or module in modules:
             continue
         modules.add(module)
         todo.extend(_imports(module, source))
-    files = {_module_file(m) for m in modules}
+    files = {_module_file(m, root) for m in modules}
     texts = "".join(path.read_text() for path in files)
-    configs = {SOURCE_ROOT / "config" / name for name in YAML_NAME.findall(texts)}
+    configs = {root / "config" / name for name in YAML_NAME.findall(texts)}
     return sorted(files | {p for p in configs if p.is_file()})
 
 
-def _module_file(module: str) -> Path | None:
+def _module_file(module: str, root: Path) -> Path | None:
     if module != PACKAGE and not module.startswith(PACKAGE + "."):
         return None
-    base = SOURCE_ROOT.joinpath(*module.split("."))
+    base = root.joinpath(*module.split("."))
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
             return candidate

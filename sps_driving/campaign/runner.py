@@ -283,13 +283,16 @@ def run_step(plan: Plan, step: Step) -> int:
     folder = engine.results_dir(plan)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RUNNING_FILE).write_text(json.dumps({"step": step.name, "pid": os.getpid(), "started": time.time()}))
-    append_record(plan, {"step": step.name, "key": key, "event": "start", "time": time.time(), "argv": argv, "host": host_cpu()})
+    append_record(plan, {"step": step.name, "key": key, "event": "start", "time": time.time(), "argv": argv, "host": host_cpu(),
+                         **({"code": step.code_revision} if step.code_revision else {})})
     began = time.time()
     deadline = float(os.environ[DEADLINE_ENV]) if DEADLINE_ENV in os.environ else None
     # Outputs that record when they were made record when this attempt key first started: the same on any machine.
     first = next(r["time"] for r in read_records(plan) if r["step"] == step.name and r["key"] == key)
-    env = {**os.environ, "SOURCE_DATE_EPOCH": str(int(first))}
-    process = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", *argv], cwd=plan.root, env=env)
+    # The step's own source tree first on the path, and not the working folder (-P), which is the checkout.
+    path = os.pathsep.join([str(step.code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(int(first)), "PYTHONPATH": path}
+    process = subprocess.Popen([sys.executable, "-P", "-m", "sps_driving.cli", *argv], cwd=plan.root, env=env)
     try:
         code = process.wait(None if deadline is None else max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
