@@ -159,6 +159,40 @@ def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_
     assert not git(root, "status", "--porcelain", "--", "results")  # everything finished is committed
 
 
+def test_a_campaign_started_with_sigint_ignored_stops_on_sigint_and_resumes(reference, tmp_path):
+    """As from `campaign run ... &` in a script, whose shell starts it with SIGINT ignored (and DVC
+    ignores it around each step): a SIGINT to the run's process group still stops the run, DVC and
+    the step's command at once, and the next run resumes the training from its last epoch."""
+    root = tmp_path / "interrupted"
+    shutil.copytree(reference, root)
+    for name in ("policy", "eval", "tables"):
+        shutil.rmtree(root / "results" / name)
+    lock_path = root / "results" / engine.LOCK_FILE
+    lock = yaml.safe_load(lock_path.read_text())
+    lock["stages"] = {k: v for k, v in lock["stages"].items() if k in ("drives", "cache")}
+    lock_path.write_text(yaml.safe_dump(lock))
+    env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
+    run = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", "run", "plan.yaml", "--no-commit"], cwd=root,
+                           env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    state = root / "results/policy/last/train_state.json"
+    end = time.time() + 120
+    while not state.is_file():
+        assert run.poll() is None and time.time() < end, "the training never saved an epoch"
+        time.sleep(0.05)
+    group = [run.pid] + [child.pid for child in psutil.Process(run.pid).children(recursive=True)]
+    assert any("train" in psutil.Process(pid).cmdline() for pid in group)
+    os.killpg(run.pid, signal.SIGINT)
+    assert run.wait(timeout=30) != 0
+    deadline = time.time() + 30
+    while any(engine.process_running(pid) for pid in group) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in group if engine.process_running(pid)]
+    assert campaign(root, "run", "plan.yaml", "--no-commit").wait() == 0
+    attempts = [r for r in runner.read_records(load_plan(root / "plan.yaml")) if r["step"] == "train" and r["event"] == "start"]
+    assert "--resume" in attempts[-1]["argv"]
+
+
 def test_a_fresh_machine_resumes_from_the_repository_and_rebuilds_the_cache_bit_for_bit(reference, tmp_path):
     root = tmp_path / "fresh"
     git(tmp_path, "clone", "-q", str(reference), str(root))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from sps_driving.campaign.plan import load_plan
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from sps_driving.campaign import engine, runner
 
+    if args.action in ("run", "step"):
+        # Ctrl-C or `kill -INT` stops a run and its step, also one started in the background, where
+        # shells ignore SIGINT and DVC ignores it around the step (which its children would inherit).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         plan = load_plan(args.plan)
         if args.action == "step":
