@@ -267,6 +267,12 @@ def commit_results(plan: Plan, what: str) -> None:
     subprocess.run(["git", "commit", "-q", "-m", f"campaign {plan.name}: {what}", "--", *paths], cwd=plan.root, check=True)
 
 
+# `python -m sps_driving.cli ARGV` with the step's own source tree first on the path in place of the
+# working folder, which is the checkout (`-P` does that from Python 3.11 only).
+STEP_LAUNCHER = ("import runpy, sys; sys.path[0] = sys.argv.pop(1); "
+                 "runpy.run_module('sps_driving.cli', run_name='__main__', alter_sys=True)")
+
+
 def run_step(plan: Plan, step: Step) -> int:
     """The step as DVC runs it: remove outputs of another attempt key, run the command with its
     resume flags (stopped at the deadline of DEADLINE_ENV), record start and end."""
@@ -289,10 +295,9 @@ def run_step(plan: Plan, step: Step) -> int:
     deadline = float(os.environ[DEADLINE_ENV]) if DEADLINE_ENV in os.environ else None
     # Outputs that record when they were made record when this attempt key first started: the same on any machine.
     first = next(r["time"] for r in read_records(plan) if r["step"] == step.name and r["key"] == key)
-    # The step's own source tree first on the path, and not the working folder (-P), which is the checkout.
     path = os.pathsep.join([str(step.code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "SOURCE_DATE_EPOCH": str(int(first)), "PYTHONPATH": path}
-    process = subprocess.Popen([sys.executable, "-P", "-m", "sps_driving.cli", *argv], cwd=plan.root, env=env)
+    process = subprocess.Popen([sys.executable, "-c", STEP_LAUNCHER, str(step.code_root), *argv], cwd=plan.root, env=env)
     try:
         code = process.wait(None if deadline is None else max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:

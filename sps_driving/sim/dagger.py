@@ -499,10 +499,10 @@ class Run:
         from sps_driving.core.policies.checkpoint import load_policy, read_policy_config, save_policy
 
         best = initial if best_name == "initial" else rounds[int(best_name.split()[-1])]
-        s = self.settings
+        s, recorded = self.settings, recorded_settings(self.settings, self.out)
         provenance = {
             **{k: v for k, v in self.record.items() if k in ("format", "commands", "revision")},
-            "settings": {k: v for k, v in recorded_settings(s, self.out).items() if k != "sim_config"},
+            "settings": {k: v for k, v in recorded.items() if k != "sim_config"},
             "beta_schedule": {"beta0": s["beta0"], "decay": s["decay"], "mixing": s["mixing"],
                               "betas": [r["beta"] for r in rounds]},
             "initial": {"policy": run_path(self.out, initial["policy"]), "trained": initial["train"] is not None,
@@ -514,7 +514,7 @@ class Run:
             "best": {"name": best_name, "policy": run_path(self.out, self._policy_dir(best)), "dev": best["dev"]},
             "stopped": stopped,
         }
-        self.record = {**self.record, **provenance, "settings": recorded_settings(s, self.out)}
+        self.record = {**self.record, **provenance, "settings": recorded}
         _write_json(self.path, self.record)
         policy_dir = self._policy_dir(best)
         config = {**read_policy_config(policy_dir), "dagger": provenance}
