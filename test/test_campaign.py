@@ -124,10 +124,9 @@ def reference(tmp_path_factory) -> Path:
     return root
 
 
-def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_result(reference, tmp_path,
-                                                                                      orphans_left_unreaped):
-    # The same repository with drives and cache done and nothing after them, as a run killed just then.
-    root = tmp_path / "killed"
+def cut_after_cache(reference: Path, root: Path) -> Path:
+    """A copy of the reference repository with drives and cache done and nothing after them, as a
+    run killed just then."""
     shutil.copytree(reference, root)
     plan = load_plan(root / "plan.yaml")
     for name in ("policy", "eval", "tables"):
@@ -138,6 +137,13 @@ def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_
     lock_path.write_text(yaml.safe_dump(lock))
     records = root / "results" / runner.RECORD_FILE
     records.write_text("".join(f"{json.dumps(r)}\n" for r in runner.read_records(plan) if r["step"] in ("drives", "cache")))
+    return root
+
+
+def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_result(reference, tmp_path,
+                                                                                      orphans_left_unreaped):
+    root = cut_after_cache(reference, tmp_path / "killed")
+    plan = load_plan(root / "plan.yaml")
 
     state = root / "results/policy/last/train_state.json"
     kill_when(root, campaign(root, "run", "plan.yaml"), lambda: state.is_file())
@@ -163,14 +169,7 @@ def test_a_campaign_started_with_sigint_ignored_stops_on_sigint_and_resumes(refe
     """As from `campaign run ... &` in a script, whose shell starts it with SIGINT ignored (and DVC
     ignores it around each step): a SIGINT to the run's process group still stops the run, DVC and
     the step's command at once, and the next run resumes the training from its last epoch."""
-    root = tmp_path / "interrupted"
-    shutil.copytree(reference, root)
-    for name in ("policy", "eval", "tables"):
-        shutil.rmtree(root / "results" / name)
-    lock_path = root / "results" / engine.LOCK_FILE
-    lock = yaml.safe_load(lock_path.read_text())
-    lock["stages"] = {k: v for k, v in lock["stages"].items() if k in ("drives", "cache")}
-    lock_path.write_text(yaml.safe_dump(lock))
+    root = cut_after_cache(reference, tmp_path / "interrupted")
     env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
     run = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", "run", "plan.yaml", "--no-commit"], cwd=root,
                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
