@@ -296,6 +296,7 @@ def test_a_step_pinned_to_a_commit_runs_that_commits_code_and_later_commits_do_n
     tree = root / "work" / "code" / pinned
     assert plan.step("pinned").code_revision == pinned and plan.step("pinned").code_root == tree
     assert plan.step("checkout").code_revision is None
+    assert (tree.parent / "COLCON_IGNORE").is_file()  # a colcon build of the workspace finds one sps_driving
 
     def clone_campaign(*args):  # the clone's checkout is the one its campaign runs (as from a shell in it)
         done = subprocess.run([sys.executable, "-m", "sps_driving.cli", "campaign", *args], cwd=root, check=True,

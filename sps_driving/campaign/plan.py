@@ -201,6 +201,9 @@ def pinned_tree(root: Path, work: str, revision, where: str) -> tuple[str, Path]
     tree = root / work / "code" / commit
     ready = tree.is_dir() and git("-C", str(tree), "rev-parse", "HEAD").stdout.strip() == commit
     if not ready:  # never made, or cut short while made
+        tree.parent.mkdir(parents=True, exist_ok=True)
+        # Each tree is a whole checkout with its package.xml: a colcon build of the workspace skips them.
+        (tree.parent / "COLCON_IGNORE").touch()
         shutil.rmtree(tree, ignore_errors=True)
         git("worktree", "prune")
         added = git("worktree", "add", "--detach", "--force", str(tree), commit)
