@@ -165,10 +165,11 @@ def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_
     assert not git(root, "status", "--porcelain", "--", "results")  # everything finished is committed
 
 
-def test_a_campaign_started_with_sigint_ignored_stops_on_sigint_and_resumes(reference, tmp_path):
+def test_a_campaign_started_with_sigint_ignored_shows_its_status_stops_on_sigint_and_resumes(reference, tmp_path):
     """As from `campaign run ... &` in a script, whose shell starts it with SIGINT ignored (and DVC
-    ignores it around each step): a SIGINT to the run's process group still stops the run, DVC and
-    the step's command at once, and the next run resumes the training from its last epoch."""
+    ignores it around each step): `status` shows the training running; a SIGINT to the run's
+    process group stops the run, DVC and the step's command at once, and the next run resumes the
+    training from its last epoch."""
     root = cut_after_cache(reference, tmp_path / "interrupted")
     env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
     run = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", "run", "plan.yaml", "--no-commit"], cwd=root,
@@ -181,6 +182,12 @@ def test_a_campaign_started_with_sigint_ignored_stops_on_sigint_and_resumes(refe
         time.sleep(0.05)
     group = [run.pid] + [child.pid for child in psutil.Process(run.pid).children(recursive=True)]
     assert any("train" in psutil.Process(pid).cmdline() for pid in group)
+    # `status` while a step runs (DVC locks that step's outputs, which the steps after it read)
+    shown = subprocess.run([sys.executable, "-m", "sps_driving.cli", "campaign", "status", "plan.yaml", "--json"], cwd=root,
+                           env=env, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert {s["step"]: s["state"] for s in json.loads(shown.stdout)["steps"]} == {
+        "drives": runner.DONE, "cache": runner.DONE, "train": runner.RUNNING, "eval": runner.LEFT, "tables": runner.LEFT}
     os.killpg(run.pid, signal.SIGINT)
     assert run.wait(timeout=30) != 0
     deadline = time.time() + 30

@@ -163,10 +163,14 @@ def repair_lock(plan: Plan) -> None:
             path.unlink()
 
 
-def changes(plan: Plan) -> dict[str, list]:
-    """DVC's status of every step that is not up to date: {step: [its changes as `dvc status --json` says them]}."""
+def changes(plan: Plan, steps: list[Step] | None = None) -> dict[str, list]:
+    """DVC's status of every step (or of `steps`) that is not up to date: {step: [its changes as
+    `dvc status --json` says them]}."""
     repair_lock(plan)
-    result = dvc(plan.root, "status", "--json", f"{plan.results}/{PIPELINE_FILE}", capture_output=True)
+    targets = [f"{plan.results}/{PIPELINE_FILE}"] if steps is None else [stage_target(plan, s) for s in steps]
+    if not targets:
+        return {}
+    result = dvc(plan.root, "status", "--json", *targets, capture_output=True)
     found = json.loads(result.stdout or "{}")
     return {name.rpartition(":")[2]: entries for name, entries in found.items()}
 

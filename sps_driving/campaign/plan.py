@@ -105,6 +105,14 @@ class Plan:
         producers = {self.producer(dep) for dep in step.deps} - {None}
         return [s for s in self.steps if s in producers]
 
+    def downstream(self, step: Step) -> list[Step]:
+        """The steps that read what `step` writes, directly or through others, in plan order."""
+        found = {step}
+        for later in self.steps[self.steps.index(step) + 1:]:
+            if found & set(self.upstream(later)):
+                found.add(later)
+        return [s for s in self.steps if s in found and s is not step]
+
 
 def load_plan(path) -> Plan:
     """Read and check a plan file; a bad plan is a ValueError naming the step and the field."""

@@ -145,7 +145,11 @@ def states(plan: Plan) -> list[StepState]:
     left otherwise, and whenever a step it reads from is left. A step whose outputs are here and
     whose inputs are outputs of steps done, not here, is done."""
     engine.write_pipeline(plan)
-    changed, lock, running = engine.changes(plan), engine.locked(plan), running_step(plan)
+    running = running_step(plan)
+    # DVC locks a running step's outputs: the steps that read them wait for it and are not asked about.
+    busy = set() if running is None else {running, *(s.name for s in plan.downstream(plan.step(running)))}
+    changed = engine.changes(plan, None if not busy else [s for s in plan.steps if s.name not in busy])
+    lock = engine.locked(plan)
     result: dict[str, StepState] = {}
     for step in plan.steps:
         upstream = [result[s.name] for s in plan.upstream(step)]
