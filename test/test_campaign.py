@@ -325,6 +325,11 @@ def test_a_step_pinned_to_a_commit_runs_that_commits_code_and_later_commits_do_n
     (root / "plan.yaml").write_text(PINNED_PLAN % "no-such-revision")
     with pytest.raises(ValueError, match="step pinned: code: 'no-such-revision' is no commit"):
         load_plan(root / "plan.yaml")
+    copy = tmp_path / "files_alone"  # as the GPU machine gets the repository: its files, no history
+    copy.mkdir()
+    (copy / "plan.yaml").write_text(PINNED_PLAN % pinned[:10] + "root: .\n")
+    with pytest.raises(ValueError, match="pinning code needs the repository's history"):
+        load_plan(copy / "plan.yaml")
 
 
 @pytest.mark.parametrize("change, message", [

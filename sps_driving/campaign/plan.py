@@ -202,6 +202,9 @@ def pinned_tree(root: Path, work: str, revision, where: str) -> tuple[str, Path]
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
 
+    if not (root / ".git").exists():
+        raise ValueError(f"{where}: pinning code needs the repository's history, and {root} has no .git "
+                         "(a copy of the files alone, as on a lent GPU machine, runs unpinned plans only)")
     found = git("rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
     if not isinstance(revision, str) or found.returncode != 0:
         raise ValueError(f"{where}: {revision!r} is no commit of the repository at {root}")
