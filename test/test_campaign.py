@@ -325,6 +325,10 @@ def test_a_step_pinned_to_a_commit_runs_that_commits_code_and_later_commits_do_n
     (root / "plan.yaml").write_text(PINNED_PLAN % "no-such-revision")
     with pytest.raises(ValueError, match="step pinned: code: 'no-such-revision' is no commit"):
         load_plan(root / "plan.yaml")
+    graph = PINNED_PLAN.replace("run: collect --out {work}/pinned", "run: eval --graph --out {work}/pinned")
+    (root / "plan.yaml").write_text(graph % pinned[:10])
+    with pytest.raises(ValueError, match="--graph starts ROS nodes from the checkout"):
+        load_plan(root / "plan.yaml")
     copy = tmp_path / "files_alone"  # as the GPU machine gets the repository: its files, no history
     copy.mkdir()
     (copy / "plan.yaml").write_text(PINNED_PLAN % pinned[:10] + "root: .\n")

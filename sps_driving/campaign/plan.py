@@ -180,6 +180,9 @@ def _step(path: Path, name: str, spec, names: dict, code: dict) -> Step:
     unit = spec.get("unit_min")
     if unit is not None and (not isinstance(unit, (int, float)) or not 0 < unit <= estimate):
         raise ValueError(f"{where}: `unit_min` must be a positive number of minutes, at most estimate_min")
+    if code and "--graph" in argv:
+        raise ValueError(f"{where}: `code` pins what the step runs, and --graph starts ROS nodes from the checkout "
+                         "instead: leave this step unpinned")
     return Step(name, argv, tuple(expand(p).rstrip("/") for p in spec.get("deps") or ()), outs, float(estimate),
                 None if unit is None else float(unit), **code)
 
