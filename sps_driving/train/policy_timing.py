@@ -21,7 +21,12 @@ from tqdm import tqdm
 from sps_driving.core.backbones.pixels import NAME as PIXELS_BACKBONE
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.policies.checkpoint import DrivingPolicy, read_policy_config
-from sps_driving.core.policies.registry import ARCHITECTURES, SEQUENCE_ARCHITECTURES, PolicyArchitecture, build_policy
+from sps_driving.core.policies.registry import (
+    SEQUENCE_ARCHITECTURES,
+    TRAINABLE_ARCHITECTURES,
+    PolicyArchitecture,
+    build_policy,
+)
 from sps_driving.core.policies.streaming import StreamingPolicy
 from sps_driving.core.resources import portable_path, shipped_policy
 from sps_driving.core.selection import SelectionConfig
@@ -52,7 +57,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--policy", help="checkpoint whose architecture and grid are timed (default: the shipped one)")
-    source.add_argument("--architecture", choices=list(ARCHITECTURES), help="config/train.yaml's settings of this one")
+    source.add_argument("--architecture", choices=TRAINABLE_ARCHITECTURES, help="config/train.yaml's settings of this one")
     parser.add_argument("--descriptor-dim", type=int, help="D (default: the checkpoint's; DINOv2 ViT-S: 384, BLIP-2 head: 64)")
     parser.add_argument("--rows", type=int, help="grid rows (default: the checkpoint's)")
     parser.add_argument("--cols", type=int, help="grid columns (default: the checkpoint's)")

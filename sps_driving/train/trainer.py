@@ -69,6 +69,7 @@ from sps_driving.core.policies.registry import (
     ARCHITECTURES,
     POSITION_TABLE_ARCHITECTURE,
     SETTING_DEFAULTS,
+    TRAINABLE_ARCHITECTURES,
     PolicyArchitecture,
     architecture_of,
     build_policy,
@@ -827,7 +828,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(TRAIN_CONFIG), help="YAML with a `train:` section")
     parser.add_argument("--variant", choices=["sps", "threshold", "spps", "mspps"])
     parser.add_argument("--rate", type=float, help="keep-rate in (0, 1]; 1.0 = dense baseline")
-    parser.add_argument("--architecture", choices=list(ARCHITECTURES),
+    parser.add_argument("--architecture", choices=TRAINABLE_ARCHITECTURES,
                         help="mlp (default), positional_transformer (spps, mspps), relative_query (patches read by their "
                              "offset from the roi's centre; all variants), transformer (the first one, for comparison), "
                              "cnn (the No-FM baseline, on a pixels-backbone cache), or patch_policy "

@@ -8,7 +8,8 @@ keep_probability}, state_inputs [names], policy (the architecture's SETTINGS: tr
 depth, heads, mlp_ratio, dropout}; positional_transformer: those and reduce; relative_query:
 those and {query_stride, readout}; mlp: {width, reduce, dropout, canvas, state_to_head}; cnn:
 {width, dropout}; patch_policy: positional_transformer's and its window's,
-core.history.WINDOW_SETTINGS), output {max_steering_rad}, and whatever the trainer adds (view: the
+core.history.WINDOW_SETTINGS; ensemble: none, its heads' configs under "members",
+core.policies.ensemble), output {max_steering_rad}, and whatever the trainer adds (view: the
 roi and its centre, training data, provenance, validation_loss).
 """
 
@@ -22,7 +23,15 @@ from torch import nn
 
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.history import PATCH_POLICY
-from sps_driving.core.policies import cnn, grid_mlp, patch_policy, positional_transformer, relative_query, transformer
+from sps_driving.core.policies import (
+    cnn,
+    ensemble,
+    grid_mlp,
+    patch_policy,
+    positional_transformer,
+    relative_query,
+    transformer,
+)
 from sps_driving.core.policies.blocks import PolicySpec
 from sps_driving.core.selection import SelectionConfig
 from sps_driving.core.state import check_state_names
@@ -35,14 +44,17 @@ REGISTRY: dict[str, tuple[tuple[str, ...], Callable[[PolicySpec], nn.Module]]] =
     "cnn": (cnn.SETTINGS, cnn.build),
     PATCH_POLICY: (patch_policy.SETTINGS, patch_policy.build),
     relative_query.NAME: (relative_query.SETTINGS, relative_query.build),
+    ensemble.NAME: (ensemble.SETTINGS, lambda spec: ensemble.build(spec.config, build_policy)),
 }
 ARCHITECTURES = {name: settings for name, (settings, _) in REGISTRY.items()}
+# What `train` trains and the timing tools time: an ensemble is made of trained checkpoints (`sps-driving ensemble`).
+TRAINABLE_ARCHITECTURES = [name for name in ARCHITECTURES if name != ensemble.NAME]
 # Settings added after checkpoints without them were written: the value those checkpoints mean (a
 # policy config leaves them out at that value).
 SETTING_DEFAULTS = {"mlp": grid_mlp.SETTING_DEFAULTS}
 # The architectures that can read the kept tokens as a sequence (spps, mspps), the one to train
 # first; the others read the whole grid with zeros at dropped patches, where spps would equal sps.
-SEQUENCE_ARCHITECTURES = (positional_transformer.NAME, "transformer", PATCH_POLICY, relative_query.NAME)
+SEQUENCE_ARCHITECTURES = (positional_transformer.NAME, "transformer", PATCH_POLICY, relative_query.NAME, ensemble.NAME)
 # The architecture whose sequence policies read the backbone's position table.
 POSITION_TABLE_ARCHITECTURE = "transformer"
 # Checkpoints written before config "architecture" existed are all transformers.
