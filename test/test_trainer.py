@@ -169,18 +169,20 @@ def test_mlp_policy_standardizes_with_training_statistics_and_learns(tmp_path):
     assert abs(evaluate_checkpoint(tmp_path / "m") - json.loads((tmp_path / "m" / "config.json").read_text())["validation_loss"]) <= 1e-6
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path):
-    # dropout on: a resumed run must draw the same dropout masks as an uninterrupted one
-    straight = train(config(cache_dir, tmp_path / "straight", epochs=4, dropout=0.1))
-    train(config(cache_dir, tmp_path / "resumed", epochs=2, dropout=0.1))
-    resumed = train(config(cache_dir, tmp_path / "resumed", epochs=4, dropout=0.1, resume=True))
+@pytest.mark.parametrize("architecture", [{}, {"architecture": "positional_transformer", "reduce": 2}])
+def test_resume_continues_exactly_like_an_uninterrupted_run(cache_dir, tmp_path, architecture):
+    # dropout on: a resumed run must draw the same dropout masks as an uninterrupted one (the
+    # positional transformer's are numpy's, seeded from torch's generator: core.policies.blocks.FastDropout)
+    straight = train(config(cache_dir, tmp_path / "straight", epochs=4, dropout=0.1, **architecture))
+    train(config(cache_dir, tmp_path / "resumed", epochs=2, dropout=0.1, **architecture))
+    resumed = train(config(cache_dir, tmp_path / "resumed", epochs=4, dropout=0.1, resume=True, **architecture))
     assert resumed["epochs_run"] == 4
     assert [h["validation_loss"] for h in resumed["history"]] == [h["validation_loss"] for h in straight["history"]]
     a, b = load_policy(tmp_path / "straight" / "last"), load_policy(tmp_path / "resumed" / "last")
     for name, tensor in a.module.state_dict().items():
         assert torch.equal(tensor, b.module.state_dict()[name]), name
     with pytest.raises(ValueError, match="changed settings.*rate"):
-        train(config(cache_dir, tmp_path / "resumed", epochs=5, dropout=0.1, rate=0.3, resume=True))
+        train(config(cache_dir, tmp_path / "resumed", epochs=5, dropout=0.1, rate=0.3, resume=True, **architecture))
     with pytest.raises(FileNotFoundError, match="last"):
         train(config(cache_dir, tmp_path / "never_started", epochs=5, resume=True))
     with pytest.raises(FileExistsError, match="--resume"):
