@@ -110,3 +110,51 @@ def test_the_failsafe_does_not_start_without_the_priority_it_was_given(tmp_path)
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == CANNOT_START, done.stderr
     assert "[failsafe] cannot start: realtime_priority 20 needs CAP_SYS_NICE" in done.stderr
+
+
+def _extractor_params(tmp_path, priority: int) -> Path:
+    import yaml
+
+    from sps_driving.ros.graph import default_params_file, isolate_ros
+
+    isolate_ros()
+    params = yaml.safe_load(default_params_file().read_text())
+    params["extractor"]["ros__parameters"].update({"realtime_priority": priority, "backbone": "pixels", "device": "cpu"})
+    path = Path(tmp_path) / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+@pytest.mark.ros
+@pytest.mark.skipif(not can_raise_priority(), reason="this process may not use real-time scheduling")
+def test_the_extractor_runs_every_thread_under_its_realtime_priority(tmp_path):
+    """realtime_priority is applied before the runtime starts its threads, so they inherit it
+    (the graph's extractor at its standalone speed on the CPU: docs/results/bench_cpu.md)."""
+    import time
+
+    path = _extractor_params(tmp_path, 10)
+    node = subprocess.Popen([sys.executable, "-m", "sps_driving.ros.nodes.extractor", "--ros-args", "--params-file", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not any("extraction settings" in line for line in lines):  # logged once the runtime is open
+            line = node.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        time.sleep(0.5)
+        threads = [int(t) for t in os.listdir(f"/proc/{node.pid}/task")]
+        assert len(threads) > 3 and any("scheduling: SCHED_FIFO priority 10" in line for line in lines)
+        assert all(os.sched_getscheduler(t) == os.SCHED_FIFO and os.sched_getparam(t).sched_priority == 10 for t in threads)
+    finally:
+        node.terminate()
+        node.wait(timeout=30)
+
+
+@pytest.mark.ros
+@needs_a_capability_to_drop
+def test_the_extractor_does_not_start_without_the_priority_it_was_given(tmp_path):
+    path = _extractor_params(tmp_path, 20)
+    command = [*WITHOUT_CAP_SYS_NICE, sys.executable, "-m", "sps_driving.ros.nodes.extractor", "--ros-args", "--params-file", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == CANNOT_START, done.stderr
+    assert "[extractor] cannot start: realtime_priority 20 needs CAP_SYS_NICE" in done.stderr

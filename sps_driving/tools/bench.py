@@ -109,6 +109,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bag", type=Path, help="--graph: drive to replay (default: the bundled data/demo_drive)")
     parser.add_argument("--checkpoint", type=Path, help="--graph, --eval: policy folder (default: the shipped models/sps50_dinov2)")
     parser.add_argument("--backbone-config", type=Path, help="--graph: extraction settings file (e.g. precision: int8)")
+    parser.add_argument("--params", type=Path, help="--graph: the live graph's parameters file (default config/graph.yaml), "
+                                                    "e.g. with the extractor's realtime_priority")
     parser.add_argument("--tokens", nargs="+", choices=("all", "kept"),
                         help="--graph: time these token modes (default the checkpoint's): kept = token dropping")
     parser.add_argument("--precisions", nargs="+", choices=("fp32", "int8"),
@@ -618,7 +620,7 @@ def run_graph(args) -> int:
     episode["episode_s"] = float(args.episode_s or GRAPH_EPISODE_S)
     task = ((args.scenarios or [next(s.name for s in SCENARIOS if s.in_distribution)])[0], args.first_seed)
     result = bench_graph(bag, checkpoint, args.backbone_config, args.repeats or 3, args.rates, args.tokens, args.precisions,
-                         args, (episode, task))
+                         args, (episode, task), args.params)
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -680,11 +682,11 @@ def timing_configurations(checkpoint: Path, backbone_config: Path | None, rates,
 
 
 def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repeats: int, rates=None, tokens=None,
-                precisions=None, args=None, episode=None) -> dict:
+                precisions=None, args=None, episode=None, params_file: Path | None = None) -> dict:
     """Each configuration's extractor, side by side in each repeat: alone on the bag's frames, as the
-    extractor node of the live graph replaying the bag, and, with `episode` ((sim config, (scenario,
-    layout seed))), inside an evaluation worker (a spawned process) driving that episode on the same
-    threads."""
+    extractor node of the live graph replaying the bag (its parameters `params_file`, default
+    config/graph.yaml), and, with `episode` ((sim config, (scenario, layout seed))), inside an
+    evaluation worker (a spawned process) driving that episode on the same threads."""
     import tempfile
 
     from sps_driving.core.grid import PatchGrid
@@ -712,7 +714,7 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
             for index, configuration in enumerate(configurations):
                 standalone = float(np.median(time_standalone(configuration["opened"].extractor, configuration["selector"], frames)))
                 report = replay_bag(bag, Path(scratch) / f"replay_{repeat}_{index}", checkpoint=configuration["checkpoint"],
-                                    backbone_config=configuration["backbone_config"])
+                                    backbone_config=configuration["backbone_config"], params_file=params_file)
                 graph = report["compute_ms"].get("extractor", {}).get("p50")
                 worker = None if episode is None else _in_a_worker(
                     stage_split, episode[0], str(configuration["checkpoint"]), episode[1],
@@ -750,7 +752,8 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
             "eval_worker_episode": None if episode is None else {
                 "scenario": episode[1][0], "layout": episode[1][1], "episode_s": episode[0]["episode_s"]},
             "policy_architecture": read_policy_config(checkpoint).get("architecture"),
-            "backbone_config": str(backbone_config) if backbone_config else None, "repeats": repeats, "peak": peak,
+            "backbone_config": str(backbone_config) if backbone_config else None,
+            "params_file": str(params_file) if params_file else None, "repeats": repeats, "peak": peak,
             "configurations": results, "revision": source_revision(), "load_average": list(os.getloadavg())}
 
 

@@ -28,7 +28,7 @@ from sps_driving.core.backbones import BACKBONES, BACKEND_CHOICES, PRECISIONS
 from sps_driving.core.image import ImageError
 from sps_driving.export.extractors import FACT_KEYS
 from sps_driving.ros import msgs
-from sps_driving.ros.nodes.common import Param, StageTimer, declare, run
+from sps_driving.ros.nodes.common import Param, StageTimer, declare, run, schedule
 
 UNSET = "empty: the checkpoint's, else backbone_config's, else config/extraction.yaml's"
 PARAMETERS = {
@@ -43,6 +43,10 @@ PARAMETERS = {
     "device": Param("", f"cpu, cuda or auto (cuda when there is a GPU); {UNSET}"),
     "precision": Param("", f"fp32, or int8 (onnxruntime's int8 graph of the ViT's layers); {UNSET}", choices=("", *PRECISIONS)),
     "selection_timeout_s": Param(0.5, "time a frame waits for its selection decision before it is dropped", "s", above=0.0),
+    "realtime_priority": Param(0, "SCHED_FIFO priority of the extractor's threads, 1 to 99; 0 = normal scheduling. On the "
+                               "CPU its threads otherwise wait on the graph's other threads (docs/results/bench_cpu.md). "
+                               "Only below the vehicle interface's and the failsafe's, so that they still preempt it. "
+                               "Needs CAP_SYS_NICE or a real-time priority limit (ulimit -r)", min=0, max=99),
 }
 EXTRACTION_PARAMETERS = ("backend", "backbone", "model_path", "device", "precision")
 _KEPT_DECISIONS = 90  # selection decisions remembered (3 s at 30 fps)
@@ -67,6 +71,8 @@ class ExtractorNode(Node):
     def __init__(self):
         super().__init__(self.NODE_NAME)
         p = declare(self, PARAMETERS)
+        # Before the runtime starts its thread pool: threads inherit the scheduling of the one that starts them.
+        schedule(self, {"cpu_affinity": "", "realtime_priority": p["realtime_priority"], "nice": 0})
         opened = load_backbone(p, self.get_logger())
         self.extractor = opened.extractor
         # Sent with every frame's timing: the replay report and the benchmark say what ran.
