@@ -21,18 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def make_ensemble(checkpoints: list[Path], out: Path) -> Path:
     """Write the ensemble of `checkpoints` to `out`; ValueError if they cannot be one policy."""
     from sps_driving.core.policies.checkpoint import load_policy, save_policy
-    from sps_driving.core.policies.ensemble import ensemble_config
-    from sps_driving.core.policies.registry import build_policy
+    from sps_driving.core.policies.ensemble import ensemble_config, of_heads
     from sps_driving.core.resources import portable_path
 
     if out.exists():
         raise ValueError(f"{out} exists: choose a new folder for the ensemble")
     heads = [load_policy(path) for path in checkpoints]
     config = ensemble_config([head.config for head in heads], [portable_path(path) for path in checkpoints])
-    module = build_policy(config)
-    for target, head in zip(module.heads, heads):
-        target.load_state_dict(head.module.state_dict())
-    return save_policy(module, config, out)
+    return save_policy(of_heads([head.module for head in heads]), config, out)
 
 
 def run(args) -> int:

@@ -60,7 +60,11 @@ def ensemble_config(members: list[dict], names: list[str]) -> dict:
 
 def build(config: dict, build_head) -> nn.Module:
     """The ensemble module of `config`, each head built by `build_head(member config)`."""
-    heads = [build_head(member) for member in config["members"]]
+    return of_heads([build_head(member) for member in config["members"]])
+
+
+def of_heads(heads: list[nn.Module]) -> nn.Module:
+    """The ensemble module of these head modules (all grid readers or all sequence readers)."""
     sequence = [isinstance(head, SequencePolicy) for head in heads]
     if any(sequence) != all(sequence):
         raise ValueError("an ensemble's heads must all read the grid or all read the kept tokens as a sequence")
