@@ -93,36 +93,29 @@ def test_without_cap_sys_nice_the_priority_is_refused_saying_what_it_needs():
     assert "refused: nice -5 needs CAP_SYS_NICE" in out and "ulimit -e 25" in out
 
 
+def params_file(tmp_path, node: str, **values) -> Path:
+    """config/graph.yaml with `values` for `node`, in this process's private ROS domain."""
+    import yaml
+
+    from sps_driving.ros.graph import default_params_file, isolate_ros
+
+    isolate_ros()
+    params = yaml.safe_load(default_params_file().read_text())
+    params[node]["ros__parameters"].update(values)
+    path = Path(tmp_path) / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
 @pytest.mark.ros
 @needs_a_capability_to_drop
 def test_the_failsafe_does_not_start_without_the_priority_it_was_given(tmp_path):
     """A safety node that cannot have its priority says why and exits as a node that cannot start."""
-    import yaml
-
-    from sps_driving.ros.graph import default_params_file, isolate_ros
-
-    isolate_ros()
-    params = yaml.safe_load(default_params_file().read_text())
-    params["failsafe"]["ros__parameters"].update({"realtime_priority": 20, "cpu_affinity": "0"})
-    path = Path(tmp_path) / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
+    path = params_file(tmp_path, "failsafe", realtime_priority=20, cpu_affinity="0")
     command = [*WITHOUT_CAP_SYS_NICE, sys.executable, "-m", "sps_driving.ros.nodes.failsafe", "--ros-args", "--params-file", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == CANNOT_START, done.stderr
     assert "[failsafe] cannot start: realtime_priority 20 needs CAP_SYS_NICE" in done.stderr
-
-
-def _extractor_params(tmp_path, priority: int) -> Path:
-    import yaml
-
-    from sps_driving.ros.graph import default_params_file, isolate_ros
-
-    isolate_ros()
-    params = yaml.safe_load(default_params_file().read_text())
-    params["extractor"]["ros__parameters"].update({"realtime_priority": priority, "backbone": "pixels", "device": "cpu"})
-    path = Path(tmp_path) / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
 
 
 @pytest.mark.ros
@@ -132,7 +125,7 @@ def test_the_extractor_runs_every_thread_under_its_realtime_priority(tmp_path):
     (the graph's extractor at its standalone speed on the CPU: docs/results/bench_cpu.md)."""
     import time
 
-    path = _extractor_params(tmp_path, 10)
+    path = params_file(tmp_path, "extractor", realtime_priority=10, backbone="pixels", device="cpu")
     node = subprocess.Popen([sys.executable, "-m", "sps_driving.ros.nodes.extractor", "--ros-args", "--params-file", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -153,7 +146,7 @@ def test_the_extractor_runs_every_thread_under_its_realtime_priority(tmp_path):
 @pytest.mark.ros
 @needs_a_capability_to_drop
 def test_the_extractor_does_not_start_without_the_priority_it_was_given(tmp_path):
-    path = _extractor_params(tmp_path, 20)
+    path = params_file(tmp_path, "extractor", realtime_priority=20, backbone="pixels", device="cpu")
     command = [*WITHOUT_CAP_SYS_NICE, sys.executable, "-m", "sps_driving.ros.nodes.extractor", "--ros-args", "--params-file", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == CANNOT_START, done.stderr
