@@ -171,6 +171,10 @@ def test_a_campaign_started_with_sigint_ignored_shows_its_status_stops_on_sigint
     process group stops the run, DVC and the step's command at once, and the next run resumes the
     training from its last epoch."""
     root = cut_after_cache(reference, tmp_path / "interrupted")
+    # A training long enough to be still running when `status` has answered and the SIGINT comes.
+    plan_file = root / "plan.yaml"
+    plan_file.write_text(plan_file.read_text().replace("--epochs 12 --early-stop-patience 12",
+                                                       "--epochs 80 --early-stop-patience 80"))
     env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
     run = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", "run", "plan.yaml", "--no-commit"], cwd=root,
                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
