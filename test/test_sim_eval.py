@@ -326,7 +326,7 @@ def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path
     assert driver.drops == 1
 
 
-def test_results_name_policies_without_machine_paths_and_read_older_absolute_ones(tmp_path):
+def test_results_name_policies_without_machine_paths_and_read_older_absolute_ones(tmp_path, monkeypatch):
     from sps_driving.core.resources import SOURCE_ROOT, portable_path, recorded_path, shipped_policy
     from sps_driving.sim.results import read_results
 
@@ -335,8 +335,19 @@ def test_results_name_policies_without_machine_paths_and_read_older_absolute_one
     assert portable_path(tmp_path / "runs" / "sps30") == "sps30"
     assert recorded_path("models/sps50_dinov2") == shipped_policy()
     assert recorded_path("/data/old_machine/runs/q/da") == Path("/data/old_machine/runs/q/da")
+    (tmp_path / "runs" / "sps30").mkdir(parents=True)
+    with monkeypatch.context() as working:  # a campaign's pinned code runs from the repository root
+        working.chdir(tmp_path)
+        assert portable_path(tmp_path / "runs" / "sps30") == "runs/sps30"
+        assert recorded_path("runs/sps30") == tmp_path / "runs" / "sps30"
+        assert recorded_path("models/sps50_dinov2") == shipped_policy()
     committed = sorted((SOURCE_ROOT / "docs" / "results").rglob("results.jsonl"))
     assert len(committed) > 2
     for path in committed:
         rows = read_results(path)
         assert rows and all(not Path(row["policy"]).is_absolute() for row in rows), path
+    checkpoints = [path for folder in ("models", "docs/results") for path in (SOURCE_ROOT / folder).rglob("config.json")]
+    assert checkpoints
+    for path in checkpoints:
+        caches = json.loads(path.read_text()).get("training", {}).get("cache", [])
+        assert not any(Path(cache).is_absolute() for cache in ([caches] if isinstance(caches, str) else caches)), path

@@ -282,6 +282,16 @@ def test_training_on_several_caches_records_them_and_splits_by_prefixed_source(t
     assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
 
 
+def test_caches_inside_the_working_directory_are_recorded_relative_to_it(tmp_path, monkeypatch):
+    # How a campaign runs its pinned code: from the repository root, on caches under it.
+    make_cache(tmp_path / "runs" / "day1", sources=("drive_a", "drive_b"), frames_per_source=12, seed=1)
+    monkeypatch.chdir(tmp_path)
+    train(TrainConfig.from_yaml(cache=[str(tmp_path / "runs" / "day1")], out="m", **TINY, epochs=1, validation_fraction=0.25))
+    recorded = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert recorded["training"]["cache"] == "runs/day1"
+    assert abs(evaluate_checkpoint(tmp_path / "m") - recorded["validation_loss"]) <= 1e-6
+
+
 def test_a_policy_with_state_inputs_learns_the_throttle_the_frames_cannot_show(tmp_path):
     """Throttle = f(cruise target - speed): with the state the validation throttle error is a small
     fraction of its variance, without it no better than the mean; the state statistics are the

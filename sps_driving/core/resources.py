@@ -44,15 +44,23 @@ def shipped_policy() -> Path:
     return package_path(SHIPPED_POLICY)
 
 
-def portable_path(path) -> str:
-    """`path` as result files record it, naming no folder of the machine that wrote them: relative
-    to the source checkout (e.g. "runs/q/sps50") or to share/sps_driving (e.g.
-    "models/sps50_dinov2") when inside one, else the folder's own name."""
+def repository_path(path) -> str | None:
+    """`path` relative to the source checkout, share/sps_driving or the working directory when
+    inside one (e.g. "runs/q/sps50"), else None. The working directory counts because a campaign
+    runs a step's pinned code (a checkout of its own) from the repository root, whose folders
+    the step reads and writes."""
     path = Path(path).resolve()
-    for root in (SOURCE_ROOT, share_dir().resolve()):
+    working = Path.cwd().resolve()
+    for root in (SOURCE_ROOT, share_dir().resolve(), *([working] if working != Path(working.anchor) else [])):
         if path.is_relative_to(root):
             return path.relative_to(root).as_posix()
-    return path.name
+    return None
+
+
+def portable_path(path) -> str:
+    """`path` as result files record it, naming no folder of the machine that wrote them:
+    `repository_path` (e.g. "models/sps50_dinov2") when it has one, else the folder's own name."""
+    return repository_path(path) or Path(path).resolve().name
 
 
 def portable_record(value):
@@ -69,10 +77,14 @@ def portable_record(value):
 
 
 def recorded_path(recorded: str) -> Path:
-    """A path read from a result file: relative ones (`portable_path`) from this checkout or
-    share/, absolute ones (as older result files have them) as they are."""
+    """A path read from a result file: relative ones (`repository_path`) from this checkout or
+    share/, else from the working directory where they are there; absolute ones (as older result
+    files have them) as they are."""
     path = Path(recorded)
-    return path if path.is_absolute() else package_path(recorded)
+    if path.is_absolute():
+        return path
+    packaged = package_path(recorded)
+    return path.resolve() if not packaged.exists() and path.exists() else packaged
 
 
 def source_revision() -> str:

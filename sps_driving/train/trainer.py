@@ -77,7 +77,7 @@ from sps_driving.core.policies.registry import (
     state_inputs_of,
 )
 from sps_driving.core.policies.relative_query import READOUTS
-from sps_driving.core.resources import config_path
+from sps_driving.core.resources import config_path, recorded_path, repository_path
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 from sps_driving.core.state import STATE_INPUTS, STATE_NAMES, check_state_names
 from sps_driving.core.view import view_record
@@ -387,7 +387,8 @@ def evaluate_checkpoint(policy_dir, cache_dir=None, batch_size: int = 64) -> flo
     """Recompute a checkpoint's validation criterion on its recorded split (the cache it was trained on by default)."""
     policy = load_policy(policy_dir)
     training = policy.config["training"]
-    cache = FeatureCache(cache_dir or training["cache"])
+    recorded = training["cache"] if isinstance(training["cache"], list) else [training["cache"]]
+    cache = FeatureCache(cache_dir or [recorded_path(path) for path in recorded])
     _, val_idx, rule = split_frames(cache, training["split"]["validation_fraction"])
     if rule["validation_sources"] != training["split"]["validation_sources"]:
         raise ValueError(f"cache {cache.name} splits differently from the one {policy_dir} was trained on")
@@ -475,10 +476,12 @@ def descriptor_statistics(cache: FeatureCache, frames: np.ndarray) -> tuple[np.n
     return mean, np.sqrt(np.maximum(squares / count - mean ** 2, 0.0))
 
 
-def _resolved_caches(cache: str | list) -> str | list:
-    if isinstance(cache, (str, os.PathLike)):
-        return str(Path(cache).resolve())
-    return [str(Path(c).resolve()) for c in cache] if len(cache) > 1 else str(Path(cache[0]).resolve())
+def _recorded_caches(cache: str | list) -> str | list:
+    """The caches as the checkpoint records them: relative to the repository when inside it, so a
+    committed checkpoint names no folder of the machine that trained it."""
+    paths = [cache] if isinstance(cache, (str, os.PathLike)) else list(cache)
+    recorded = [repository_path(path) or str(Path(path).resolve()) for path in paths]
+    return recorded if len(recorded) > 1 else recorded[0]
 
 
 def state_statistics(cache: FeatureCache, names, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -497,7 +500,7 @@ def policy_config(cfg: TrainConfig, cache: FeatureCache, split: dict, train_idx:
         "view": view_record(cache.grid, (cache.meta.get("extractor") or {}).get("roi")),
         "units": {"steering": "front road-wheel angle, rad, left positive", "throttle": "[-1, 1], negative = brake"},
         "training": {
-            "cache": _resolved_caches(cfg.cache),
+            "cache": _recorded_caches(cfg.cache),
             "cache_frames": len(cache),
             **({"token_dropping": cache.token_dropping} if cache.token_dropping else {}),
             "sources": cache.sources,
