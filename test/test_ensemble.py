@@ -20,11 +20,12 @@ SETTINGS = {"width": 16, "depth": 1, "heads": 2, "mlp_ratio": 2.0, "dropout": 0.
 
 
 def head(tmp_path, seed: int, variant="sps", rate=0.5, max_steering_rad=0.5):
-    """A trained-looking checkpoint: a tiny positional transformer with its own weights and input statistics."""
+    """A trained-looking checkpoint: a tiny positional transformer with its own weights and input
+    statistics, and its training seed as its selection seed, as the trainer records it."""
     import torch
 
     config = {"backbone": "test-random", "grid": {"rows": GRID.rows, "cols": GRID.cols}, "descriptor_dim": D,
-              "selection": SelectionConfig(variant, rate, 0).to_dict(), "state_inputs": ["speed_mps"],
+              "selection": SelectionConfig(variant, rate, seed).to_dict(), "state_inputs": ["speed_mps"],
               "architecture": "positional_transformer", "policy": SETTINGS,
               "output": {"max_steering_rad": max_steering_rad}, "training": {"seed": seed}}
     torch.manual_seed(seed)
@@ -58,7 +59,8 @@ def test_an_ensemble_drives_the_mean_of_its_heads_commands_in_every_runtime(tmp_
     assert isinstance(ensemble.module, SequenceEnsemble) == (variant == "spps")
     config = json.loads((tmp_path / "ens" / "config.json").read_text())
     assert config["architecture"] == "ensemble" and [m["training"]["seed"] for m in config["members"]] == [0, 1, 2]
-    assert config["selection"] == loaded[0].config["selection"]  # one selection a frame, drawn at the method's rate
+    # one selection a frame, drawn at the method's rate with the first head's seed
+    assert config["selection"] == loaded[0].config["selection"] != loaded[1].config["selection"]
     weights = load_file(str(tmp_path / "ens" / "policy.safetensors"))
     assert {k.split(".")[1] for k in weights} == {"0", "1", "2"}
     np.testing.assert_array_equal(weights["heads.1.input_proj.weight"].numpy(),

@@ -7,7 +7,8 @@ a basin.
 
 The config records every head's own config under "members" (in order; the weights file holds head
 i's weights under "heads.i."), and what the heads must share as the ensemble's own keys: grid,
-descriptor_dim, selection, state_inputs, output, backbone, extractor and view. So every runtime that
+descriptor_dim, selection (with the first head's seed: the heads' are their training seeds),
+state_inputs, output, backbone, extractor and view. So every runtime that
 loads a checkpoint (eval, replay, the car's policy node) drives the same policy.
 """
 
@@ -50,12 +51,19 @@ def ensemble_config(members: list[dict], names: list[str]) -> dict:
     if any(member.get("architecture") == NAME for member in members):
         raise ValueError("an ensemble's heads are trained checkpoints, not ensembles")
     for key in SHARED:
-        values = [member.get(key) for member in members]
+        values = [_shared_part(member, key) for member in members]
         if any(value != values[0] for value in values):
             differ = ", ".join(f"{name}: {value!r}" for name, value in zip(names, values))
             raise ValueError(f"the checkpoints of an ensemble must share {key!r}, and they differ ({differ})")
     return {**{key: members[0].get(key) for key in SHARED}, "architecture": NAME, "policy": {},
             "members": [{**member, "checkpoint": name} for member, name in zip(members, names)]}
+
+
+def _shared_part(member: dict, key: str):
+    """What the heads must agree on under `key`: a selection but for its seed, which the trainer
+    sets to the training seed (the ensemble draws with its first head's)."""
+    value = member.get(key)
+    return {k: v for k, v in value.items() if k != "seed"} if key == "selection" and isinstance(value, dict) else value
 
 
 def build(config: dict, build_head) -> nn.Module:
