@@ -24,6 +24,7 @@ COMMANDS = {
     "eval": ("sps_driving.sim.evaluate", "closed-loop out-of-distribution evaluation"),
     "compare": ("sps_driving.sim.compare", "method A against method B over eval results, paired, with 95% intervals"),
     "tables": ("sps_driving.sim.tables", "Tables 1 and 2 and the per-scenario details from eval results"),
+    "choose": ("sps_driving.sim.choose", "a registered selection rule on screen results: the ensembles to make, the policy to ship"),
     "ensemble": ("sps_driving.train.ensemble", "one policy of several trained checkpoints of one method: the mean of their commands"),
     "dagger": ("sps_driving.sim.dagger", "on-policy data: roll out, label with the expert, aggregate, retrain (DAgger)"),
     "campaign": ("sps_driving.campaign.command", "a long experiment as a declared plan: run it (resumes after any stop) or show its state"),

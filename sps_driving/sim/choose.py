@@ -1,0 +1,199 @@
+"""`sps-driving choose`: a registered selection rule applied to screen results, so the choice of
+the policy that ships is a command anyone can run again on the committed results
+(docs/results/driving/ood_policy/README.md, "Candidates" and "The selection rule").
+
+    sps-driving choose ensembles SCREENS... --methods DA-PT SPS-50-PT SPPS-30-PT --out ENS_BEST ENS_SECOND
+    sps-driving choose policy TABLES --id-min 0.95 --tie-points 1.0 [--latency-ms POLICY=MS ...]
+
+`ensembles` ranks the named methods by their screen OOD average (the mean over their checkpoints)
+and makes the ensemble of each of the best ones' checkpoints (`sps-driving ensemble`), in rank
+order. `policy` takes every checkpoint (a method and training seed) and every ensemble as one
+candidate: eligible where its in-distribution score is at least --id-min; chosen, the eligible one
+with the highest OOD average. Candidates within --tie-points OOD points of the best are tied: an
+ensemble wins over the single checkpoints it is made of, and what is still tied is decided by the
+lowest camera-to-command p50 latency (`bench --graph`, one run side by side) given by
+--latency-ms; without those numbers the choice says which candidates to measure and chooses none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sps_driving.sim.results import merge_results
+from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
+from sps_driving.sim.statistics import Estimate, score_interval
+from sps_driving.sim.tables import format_estimate, method_scores
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy of the screen: a checkpoint (a method's training seed) or an ensemble."""
+
+    method: str
+    training_seed: int | None
+    policy: str  # as the results name it (resources.portable_path)
+    id_score: Estimate
+    ood: Estimate
+    members: tuple[str, ...] = ()  # an ensemble's checkpoints, as its config names them
+
+    @property
+    def name(self) -> str:
+        return self.method if self.members else f"{self.method} seed {self.training_seed}"
+
+
+@dataclass
+class Choice:
+    eligible: list[str]
+    tied: list[str]  # the eligible candidates within the tie margin of the best, before the tie rules
+    chosen: str | None  # None: a tie that needs the latency of the candidates in `measure`
+    policy: str | None
+    reason: str
+    measure: list[str] = field(default_factory=list)
+
+
+def _policy_members(policy: str) -> tuple[str, ...]:
+    from sps_driving.core.policies.ensemble import NAME
+    from sps_driving.core.resources import recorded_path
+
+    config_file = recorded_path(policy) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no policy config at {config_file}: the results name policy {policy!r}, which choose "
+                                "reads to tell an ensemble from a checkpoint (run it from the repository root)")
+    config = json.loads(config_file.read_text())
+    return tuple(m["checkpoint"] for m in config["members"]) if config.get("architecture") == NAME else ()
+
+
+def candidates(rows: list[dict]) -> list[Candidate]:
+    """Every (method, training seed) of the rows that drove the ID scenario and every OOD one."""
+    policies = {(r["method"], r.get("training_seed")): r["policy"] for r in rows}
+    found = []
+    for (method, seed), policy in sorted(policies.items(), key=lambda item: (item[0][0], item[0][1] or 0)):
+        own = [r for r in rows if (r["method"], r.get("training_seed")) == (method, seed)]
+        scenarios = {r["scenario"] for r in own}
+        missing = [s for s in (ID_SCENARIO.name, *OOD_SCENARIO_NAMES) if s not in scenarios]
+        if missing:
+            raise ValueError(f"{method} seed {seed} did not drive {', '.join(missing)}: a candidate is screened on every scenario")
+        id_score = score_interval(method_scores(own, (ID_SCENARIO.name,))[method])
+        ood = score_interval(method_scores(own, OOD_SCENARIO_NAMES)[method])
+        found.append(Candidate(method, seed, policy, id_score, ood, _policy_members(policy)))
+    return found
+
+
+def ranked_methods(found: list[Candidate], methods: list[str]) -> list[tuple[str, float]]:
+    """`methods` with their OOD average (the mean over their checkpoints), best first."""
+    averages = []
+    for method in methods:
+        own = [c.ood.mean for c in found if c.method == method and not c.members]
+        if len(own) < 2:
+            raise ValueError(f"{method} has {len(own)} screened checkpoint(s): an ensemble needs at least two")
+        averages.append((method, sum(own) / len(own)))
+    return sorted(averages, key=lambda item: -item[1])
+
+
+def choose(found: list[Candidate], id_min: float, tie_points: float, latency_ms: dict[str, float]) -> Choice:
+    eligible = [c for c in found if c.id_score.mean >= id_min]
+    names = [c.name for c in eligible]
+    if not eligible:
+        return Choice(names, [], None, None, f"no candidate scores at least {id_min} in distribution")
+    best = max(c.ood.mean for c in eligible)
+    tied = sorted((c for c in eligible if best - c.ood.mean <= tie_points / 100 + 1e-9), key=lambda c: -c.ood.mean)
+    tied_names = [c.name for c in tied]
+    if len(tied) == 1:
+        return Choice(names, tied_names, tied[0].name, tied[0].policy, "the highest OOD average")
+    ensembled = {member for c in tied for member in c.members}
+    left = [c for c in tied if c.policy not in ensembled]
+    why = (f"within {tie_points} OOD points of the best" +
+           (", an ensemble over the checkpoints it is made of" if len(left) < len(tied) else ""))
+    if len(left) == 1:
+        return Choice(names, tied_names, left[0].name, left[0].policy, why)
+    unmeasured = [c.policy for c in left if c.policy not in latency_ms]
+    if unmeasured:
+        return Choice(names, tied_names, None, None, why + ": the camera-to-command p50 latency decides, "
+                      "measured in one `bench --graph` run of each", unmeasured)
+    fastest = min(left, key=lambda c: latency_ms[c.policy])
+    return Choice(names, tied_names, fastest.name, fastest.policy, why + ", then the lowest camera-to-command p50 latency")
+
+
+def markdown(found: list[Candidate], choice: Choice, id_min: float) -> str:
+    lines = [f"| candidate | policy | in distribution [95%] | OOD average [95%] | eligible (ID >= {id_min}) |",
+             "|---|---|---|---|---|"]
+    for c in sorted(found, key=lambda c: -c.ood.mean):
+        mark = "**" if c.name == choice.chosen else ""
+        lines.append(f"| {mark}{c.name}{mark} | {c.policy} | {format_estimate(c.id_score)} | {format_estimate(c.ood)} | "
+                     f"{'yes' if c.name in choice.eligible else 'no'} |")
+    lines.append("")
+    if choice.chosen:
+        lines.append(f"Chosen: **{choice.chosen}** ({choice.policy}): {choice.reason}.")
+    else:
+        lines.append(f"Chosen: none yet: {choice.reason}" + (f": {', '.join(choice.measure)}." if choice.measure else "."))
+    if len(choice.tied) > 1:
+        lines.append(f"Tied: {', '.join(choice.tied)}.")
+    return "\n".join(lines)
+
+
+def _latencies(pairs: list[str]) -> dict[str, float]:
+    latency = {}
+    for pair in pairs:
+        policy, _, value = pair.rpartition("=")
+        try:
+            latency[policy] = float(value)
+        except ValueError:
+            raise ValueError(f"--latency-ms takes POLICY=MILLISECONDS, got {pair!r}") from None
+        if not policy:
+            raise ValueError(f"--latency-ms takes POLICY=MILLISECONDS, got {pair!r}")
+    return latency
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    steps = parser.add_subparsers(dest="what", required=True)
+    ensembles = steps.add_parser("ensembles", help="the ensembles of the methods with the best screen OOD averages")
+    ensembles.add_argument("results", nargs="+", help="the screens' eval folders, or a tables folder")
+    ensembles.add_argument("--methods", nargs="+", required=True, help="the methods (eval's --name) that may be ensembled")
+    ensembles.add_argument("--out", nargs="+", required=True, type=Path,
+                           help="one new checkpoint folder per ensemble, best method first")
+    ensembles.add_argument("--json", metavar="FILE", help="also write the ranking and what each ensemble is made of to FILE")
+    policy = steps.add_parser("policy", help="the candidate the selection rule chooses")
+    policy.add_argument("results", nargs="+", help="the screens' eval folders, or a tables folder")
+    policy.add_argument("--id-min", type=float, required=True, help="the lowest in-distribution score a candidate may have")
+    policy.add_argument("--tie-points", type=float, required=True, help="OOD points within which candidates are tied")
+    policy.add_argument("--latency-ms", nargs="*", default=[], metavar="POLICY=MS",
+                        help="camera-to-command p50 latency of tied candidates (bench --graph), the policy as the results name it")
+    policy.add_argument("--json", metavar="FILE", help="also write the candidates and the choice to FILE")
+
+
+def _make_ensembles(found: list[Candidate], methods: list[str], outs: list[Path]) -> dict:
+    from sps_driving.core.resources import recorded_path
+    from sps_driving.train.ensemble import make_ensemble
+
+    ranked = ranked_methods(found, methods)
+    if len(outs) > len(ranked):
+        raise ValueError(f"{len(outs)} ensembles asked of {len(ranked)} methods")
+    made = []
+    for (method, _), out in zip(ranked, outs):
+        checkpoints = [c.policy for c in found if c.method == method and not c.members]
+        make_ensemble([recorded_path(p) for p in checkpoints], out)
+        made.append({"method": method, "out": out.as_posix(), "checkpoints": checkpoints})
+        print(f"{out}: the ensemble of {method}'s {len(checkpoints)} checkpoints")
+    return {"ranking": [{"method": m, "ood_average": v} for m, v in ranked], "ensembles": made}
+
+
+def run(args) -> int:
+    try:
+        found = candidates(merge_results(args.results))
+        if args.what == "ensembles":
+            record = _make_ensembles(found, args.methods, args.out)
+        else:
+            choice = choose(found, args.id_min, args.tie_points, _latencies(args.latency_ms))
+            print(markdown(found, choice, args.id_min))
+            record = {"rule": {"id_min": args.id_min, "tie_points": args.tie_points},
+                      "candidates": [{**asdict(c), "name": c.name} for c in found], "choice": asdict(choice)}
+    except (FileNotFoundError, ValueError) as err:
+        print(f"choose: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
