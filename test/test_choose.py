@@ -70,6 +70,10 @@ def test_choose_makes_the_best_methods_ensembles_and_chooses_among_every_candida
     members = load_policy(ens[0]).config["members"]
     assert [m["checkpoint"] for m in members] == [checkpoints["M2", 0].name, checkpoints["M2", 1].name]  # relative to tmp_path
     assert [e["method"] for e in made["ensembles"]] == ["M2", "M3"]
+    command = ["choose", "ensembles", *screens, "--methods", "M1", "M2", "M3"]
+    assert main([*command, "--out", *map(str, ens)]) == 0  # a rerun keeps what it made
+    assert main([*command, "--out", str(ens[1]), str(tmp_path / "other")]) == 2  # M2's ensemble is not M3's
+    assert "exists" in capsys.readouterr().err
 
     # the ensemble of M2 drives within a point of its best seed: it is chosen over its own checkpoints
     screens.append(write_screen(tmp_path / "screen" / "ens_best", rows("ENS-best", 0, ens[0], 1.0, 0.803)))

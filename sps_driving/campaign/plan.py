@@ -44,7 +44,7 @@ from sps_driving.core.resources import SOURCE_ROOT
 
 PACKAGE = "sps_driving"
 # Commands a plan may run: the steps of a long experiment, each resumable by its own rerun or --resume.
-STEP_COMMANDS = ("collect", "extract", "dagger", "train", "eval", "tables", "compare")
+STEP_COMMANDS = ("collect", "extract", "dagger", "train", "eval", "tables", "compare", "choose")
 YAML_NAME = re.compile(r"""["']([\w.-]+\.yaml)["']""")
 
 

@@ -175,9 +175,12 @@ def _make_ensembles(found: list[Candidate], methods: list[str], outs: list[Path]
     made = []
     for (method, _), out in zip(ranked, outs):
         checkpoints = [c.policy for c in found if c.method == method and not c.members]
-        make_ensemble([recorded_path(p) for p in checkpoints], out)
+        if out.exists() and _policy_members(str(out)) == tuple(checkpoints):
+            print(f"{out}: the ensemble of {method}'s {len(checkpoints)} checkpoints, made before")  # a rerun resumes
+        else:
+            make_ensemble([recorded_path(p) for p in checkpoints], out)
+            print(f"{out}: the ensemble of {method}'s {len(checkpoints)} checkpoints")
         made.append({"method": method, "out": out.as_posix(), "checkpoints": checkpoints})
-        print(f"{out}: the ensemble of {method}'s {len(checkpoints)} checkpoints")
     return {"ranking": [{"method": m, "ood_average": v} for m, v in ranked], "ensembles": made}
 
 
