@@ -78,12 +78,17 @@ def test_choose_makes_the_best_methods_ensembles_and_chooses_among_every_candida
     # the ensemble of M2 drives within a point of its best seed: it is chosen over its own checkpoints
     screens.append(write_screen(tmp_path / "screen" / "ens_best", rows("ENS-best", 0, ens[0], 1.0, 0.803)))
     screens.append(write_screen(tmp_path / "screen" / "ens_second", rows("ENS-second", 0, ens[1], 0.9, 0.99)))
-    assert main(["choose", "policy", *screens, "--id-min", "0.95", "--tie-points", "1.0",
-                 "--json", str(tmp_path / "choice.json")]) == 0
+    rule = ["choose", "policy", *screens, "--id-min", "0.95", "--tie-points", "1.0", "--out", "chosen"]
+    assert main([*rule, "--json", str(tmp_path / "choice.json")]) == 0
     choice = json.loads((tmp_path / "choice.json").read_text())["choice"]
     assert choice["chosen"] == "ENS-best" and choice["tied"] == ["M2 seed 1", "ENS-best", "M2 seed 0"]
     assert "ENS-second" not in choice["eligible"]  # the best OOD average, but 0.90 in distribution
     assert "Chosen: **ENS-best**" in capsys.readouterr().out
+    assert load_policy(tmp_path / "chosen").config == load_policy(ens[0]).config  # for the confirmation run
+    assert main(rule) == 0  # a rerun keeps the copy
+    # a tie between methods waits for their latency: exit 3, nothing copied
+    assert main([*rule[:-1], "undecided", "--tie-points", "30"]) == 3
+    assert not (tmp_path / "undecided").exists() and "chosen none yet" in capsys.readouterr().err
 
 
 def test_a_candidate_that_missed_a_scenario_or_a_missing_policy_is_a_clear_error(tmp_path, capsys, monkeypatch):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,6 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--latency-ms", nargs="*", default=[], metavar="POLICY=MS",
                         help="camera-to-command p50 latency of tied candidates (bench --graph), the policy as the results name it")
     policy.add_argument("--json", metavar="FILE", help="also write the candidates and the choice to FILE")
+    policy.add_argument("--out", type=Path, help="copy the chosen checkpoint to this folder (for the confirmation run); "
+                        "exit 3 when the rule chooses none yet")
 
 
 def _make_ensembles(found: list[Candidate], methods: list[str], outs: list[Path]) -> dict:
@@ -184,6 +187,20 @@ def _make_ensembles(found: list[Candidate], methods: list[str], outs: list[Path]
     return {"ranking": [{"method": m, "ood_average": v} for m, v in ranked], "ensembles": made}
 
 
+def _copy_chosen(policy: str, out: Path) -> None:
+    """The chosen checkpoint (without its training's resume state) in `out`; one copied there
+    before is kept, another checkpoint there is an error."""
+    from sps_driving.core.resources import recorded_path
+    from sps_driving.train.trainer import LAST_DIR
+
+    source = recorded_path(policy)
+    if out.exists():
+        if (out / "config.json").read_bytes() != (source / "config.json").read_bytes():
+            raise ValueError(f"{out} holds another checkpoint than the chosen {policy}")
+        return
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns(LAST_DIR))
+
+
 def run(args) -> int:
     try:
         found = candidates(merge_results(args.results))
@@ -194,9 +211,14 @@ def run(args) -> int:
             print(markdown(found, choice, args.id_min))
             record = {"rule": {"id_min": args.id_min, "tie_points": args.tie_points},
                       "candidates": [{**asdict(c), "name": c.name} for c in found], "choice": asdict(choice)}
+            if args.out and choice.policy:
+                _copy_chosen(choice.policy, args.out)
     except (FileNotFoundError, ValueError) as err:
         print(f"choose: {err}", file=sys.stderr)
         return 2
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    if args.what == "policy" and args.out and not choice.policy:
+        print(f"choose: nothing copied to {args.out}: the rule has chosen none yet", file=sys.stderr)
+        return 3
     return 0
