@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from sps_driving.cli import main
 from sps_driving.core.grid import PatchGrid
 from sps_driving.core.policies.checkpoint import load_policy, save_policy
-from sps_driving.core.policies.ensemble import SequenceEnsemble
+from sps_driving.core.policies.ensemble import SequenceEnsemble, head_disagreement
 from sps_driving.core.policies.registry import build_policy
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 
@@ -53,9 +53,15 @@ def test_an_ensemble_drives_the_mean_of_its_heads_commands_in_every_runtime(tmp_
     ensemble = load_policy(tmp_path / "ens")  # what eval, replay and the policy node load
     loaded = [load_policy(path) for path in heads]
     for descriptors, indices, state in frames():
-        mean = np.mean([h.predict(descriptors, indices, state) for h in loaded], axis=0)
+        commands = np.array([h.predict(descriptors, indices, state) for h in loaded])
+        mean = commands.mean(axis=0)
         np.testing.assert_allclose(ensemble.predict(descriptors, indices, state), mean, atol=1e-6)
         assert not np.allclose(loaded[0].predict(descriptors, indices, state), mean, atol=1e-4)  # the heads differ
+        # their disagreement, read from the forward that made the command
+        assert head_disagreement(ensemble.module) == pytest.approx(commands[:, 0].std(), abs=1e-6)
+    assert head_disagreement(loaded[0].module) is None
+    ensemble.predict_batch([d for d, _, _ in frames()], [i for _, i, _ in frames()], [s for _, _, s in frames()])
+    assert head_disagreement(ensemble.module) is None  # a batch is not one frame
     assert isinstance(ensemble.module, SequenceEnsemble) == (variant == "spps")
     config = json.loads((tmp_path / "ens" / "config.json").read_text())
     assert config["architecture"] == "ensemble" and [m["training"]["seed"] for m in config["members"]] == [0, 1, 2]

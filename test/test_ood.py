@@ -233,3 +233,28 @@ def test_replay_reports_the_score_distribution_and_the_frames_above_each_thresho
     assert report["above"]["handover_threshold"]["first_stamps_ns"][0] == 196 * 10**9
     assert "above handover_threshold" in format_ood_score(report)
     assert ood_score_report([]) is None and "none" in format_ood_score(None)
+
+
+def test_an_ensembles_evaluation_logs_its_heads_disagreement_and_the_report_ranks_failures_by_it(tmp_path):
+    from samples import tiny_policy
+
+    from sps_driving.cli import main
+    from sps_driving.core.ood import HEAD_DISAGREEMENT
+
+    heads = [tiny_policy(tmp_path / f"seed{seed}", 16, 16, 384, seed=seed) for seed in (0, 1)]
+    assert main(["ensemble", "--out", str(tmp_path / "ens"), *map(str, heads)]) == 0
+    assert main(["ensemble", "--out", str(tmp_path / "same"), str(heads[0]), str(heads[0])]) == 0
+    out = tmp_path / "eval"
+    for name in ("ens", "same"):
+        assert main(["eval", "--policy", str(tmp_path / name), "--name", name, "--episodes", "1", "--episode-s", "2.0",
+                     "--workers", "1", "--no-failure-strips", "--scenarios", "urban-summer-dry-night-animal",
+                     "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in (json.loads(line) for line in (out / "results.jsonl").read_text().splitlines())}
+    logged = rows["ens"]["ood"]["scores"]
+    assert list(logged) == [HEAD_DISAGREEMENT]  # no calibration in an ensemble's folder: the heads' spread alone
+    assert len(logged[HEAD_DISAGREEMENT]) == 20 and max(logged[HEAD_DISAGREEMENT]) > 0
+    assert set(rows["same"]["ood"]["scores"][HEAD_DISAGREEMENT]) == {0.0}  # one checkpoint twice agrees with itself
+    assert main(["ood", "report", str(out), "--method", "ens", "--out", str(tmp_path / "report")]) == 0
+    report = json.loads((tmp_path / "report" / "ood_report.json").read_text())
+    assert set(report["prediction"]["summary"]) == {HEAD_DISAGREEMENT, f"{HEAD_DISAGREEMENT} (10-frame mean)"}
+    assert report["lead_time"]["slow"]["failures"] == 0  # the rule's calibrated score was not logged

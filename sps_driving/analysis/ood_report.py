@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving.core.monitor import OodRule, OodRuleConfig
-from sps_driving.core.ood import METHODS, load_ood_config
+from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, load_ood_config
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
@@ -67,9 +67,11 @@ def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
     return (sums[idx] - sums[lo]) / (idx - lo)
 
 
-def score_variants() -> list[tuple[str, str, int]]:
-    """(label, method, causal window in frames)."""
-    return [(m, m, 1) for m in METHODS] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in METHODS]
+def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:
+    """(label, method, causal window in frames) of every score the rows logged."""
+    logged = {name for row in _logged(rows) for name in row["ood"]["scores"]}
+    methods = [m for m in (*METHODS, HEAD_DISAGREEMENT) if m in logged]
+    return [(m, m, 1) for m in methods] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in methods]
 
 
 def _logged(rows: list[dict]) -> list[dict]:
@@ -91,11 +93,12 @@ def prediction(rows: list[dict], horizon_s: float) -> dict:
     for row in rows:
         by_scenario[row["scenario"]].append(row)
     table, mean_scores = {}, defaultdict(dict)
+    variants = score_variants(rows)
     for scenario, episodes in by_scenario.items():
         labels = np.concatenate([frame_labels(r, horizon_s) for r in episodes])
         entry = {"frames": int(len(labels)), "positive_frames": int(labels.sum()),
                  "ood_average": float(np.mean([r["score"] for r in episodes])), "episodes": len(episodes)}
-        for label, method, window in score_variants():
+        for label, method, window in variants:
             scores = np.concatenate([_finite(frame_scores(r, method, window)) for r in episodes])
             keep = np.isfinite(scores)
             entry[label] = auroc(scores[keep], labels[keep])
@@ -103,7 +106,7 @@ def prediction(rows: list[dict], horizon_s: float) -> dict:
         table[scenario] = entry
     ood = [s for s in OOD_SCENARIO_NAMES if s in table]
     summary = {}
-    for label, _, _ in score_variants():
+    for label, _, _ in variants:
         values = [table[s][label] for s in ood if math.isfinite(table[s][label])]
         summary[label] = {
             "median_auroc": float(np.median(values)) if values else math.nan, "scenarios_with_failures": len(values),
@@ -242,12 +245,15 @@ def write_report(args) -> int:
     method = config["score"]["method"]
     base = [r for r in _baseline(rows) if args.method is None or r["method"] == args.method]
     baseline_method = args.method or (base[0]["method"] if base else None)
+    # The rule's alarms exist only where the rule's calibrated score was logged (not for an
+    # uncalibrated ensemble's head disagreement alone).
+    calibrated = [r for r in base if method in r["ood"]["scores"]]
     report = {
         "horizon_s": args.horizon_s, "runs": args.runs, "rule": config["rule"], "score_method": method,
         "prediction": prediction(base, args.horizon_s),
-        "lead_time": {name: lead_times([r for r in base if r["scenario"] in OOD_SCENARIO_NAMES], method, threshold)
+        "lead_time": {name: lead_times([r for r in calibrated if r["scenario"] in OOD_SCENARIO_NAMES], method, threshold)
                       for name, threshold in (("slow", rule.slow_threshold), ("handover", rule.handover_threshold))},
-        "replayed_rule": replayed_rule(base, rule, method),
+        "replayed_rule": replayed_rule(calibrated, rule, method),
         "closed_loop": closed_loop(rows, baseline_method),
     }
     out = Path(args.out)
@@ -265,7 +271,7 @@ def _f(value, digits: int = 2) -> str:
 
 def markdown(report: dict) -> str:
     pred = report["prediction"]
-    labels = [label for label, _, _ in score_variants()]
+    labels = list(pred["summary"])
     lines = [f"### AUROC for a failure within {report['horizon_s']:g} s, per scenario (rule off)", "",
              "| scenario | episodes | OOD average | frames (positive) | " + " | ".join(labels) + " |",
              "|---|---|---|---|" + "---|" * len(labels)]

@@ -30,6 +30,9 @@ FORMAT = "sps_driving.ood/1"
 TENSORS_FILE = "ood.safetensors"
 META_FILE = "ood.json"
 METHODS = ("pooled_mahalanobis", "patch_coreset")
+# An ensemble's third score, logged in evaluations beside the calibrated ones: the spread of its
+# heads' steering commands (rad, uncalibrated; sps_driving.core.policies.ensemble.head_disagreement).
+HEAD_DISAGREEMENT = "head_disagreement"
 SCALE_QUANTILE = 0.99  # the held-out training frames' quantile that a score of 1.0 stands for
 # The extraction settings that decide what a descriptor is (sps_driving.export.extractors): a
 # calibration of other values describes other descriptors.

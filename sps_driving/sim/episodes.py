@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS
 from sps_driving.sim.config import frame_stamp_ns
 from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.scenarios import get_scenario
@@ -126,13 +127,15 @@ class PolicyDriver:
     With `ood` (sps_driving.sim.ood_log.ood_settings; None: scores only), the driver scores every
     frame's kept descriptors with the calibration in the policy's folder when there is one (with
     the rule or a cruise scale, it must be there), and `ood_log` holds the episode's
-    (sps_driving.sim.ood_log.OodEpisodeLog; None without a calibration).
+    (sps_driving.sim.ood_log.OodEpisodeLog; None without a calibration); an ensemble's log holds
+    its heads' disagreement too, with or without one.
     """
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
                  all_patches: bool = False, view_history: int = 0, view_width_scale: float = 1.0, precision: str | None = None,
                  ood: dict | None = None):
         from sps_driving.core.policies.checkpoint import load_policy, read_policy_config
+        from sps_driving.core.policies.ensemble import NAME as ENSEMBLE
         from sps_driving.core.policies.streaming import StreamingPolicy
         from sps_driving.export.extractors import extractor_for_policy
 
@@ -158,6 +161,8 @@ class PolicyDriver:
         self.drops = 0
         self.ood_settings = ood
         self.scorer = _ood_scorer(policy_dir, policy_config, ood, view_width_scale)
+        self.logged_scores = (METHODS if self.scorer is not None else ()) + (
+            (HEAD_DISAGREEMENT,) if policy_config.get("architecture") == ENSEMBLE else ())
         self.ood_log = None
 
     def reset(self) -> None:
@@ -165,7 +170,7 @@ class PolicyDriver:
 
         self.last = (0.0, 0.0)
         self.streaming.reset()
-        self.ood_log = None if self.scorer is None else OodEpisodeLog(self.ood_settings)
+        self.ood_log = OodEpisodeLog(self.ood_settings, self.logged_scores) if self.logged_scores else None
         if self.views is not None:
             self.views.clear()
 
@@ -203,10 +208,22 @@ class PolicyDriver:
         command = Command(*self(frame.image, frame.stamp_ns, state))
         frame.descriptors = self.frame_descriptors
         if self.ood_log is not None:
-            self.ood_log.frame(frame.world.time, None if self._seen is None else self.scorer.scores(self._seen[1]))
+            self.ood_log.frame(frame.world.time, None if self._seen is None else self._scores(self._seen[1]))
         if self.views is not None and self._seen is not None:
             self.views.append(FrameView(frame.world.time, frame.image, *self._seen, state, command.steering))
         return command
+
+
+    def _scores(self, descriptors: np.ndarray) -> dict:
+        """The frame's logged scores: the calibrated ones of its kept descriptors, and an ensemble's
+        heads' disagreement in the forward that made its command."""
+        from sps_driving.core.policies.ensemble import head_disagreement
+
+        scores = {} if self.scorer is None else self.scorer.scores(descriptors)
+        if HEAD_DISAGREEMENT in self.logged_scores:
+            spread = head_disagreement(self.policy.module)
+            scores[HEAD_DISAGREEMENT] = math.nan if spread is None else spread
+        return scores
 
 
 def _ood_scorer(policy_dir: str, policy_config: dict, ood: dict | None, view_width_scale: float):

@@ -5,8 +5,8 @@ With the rule on, the policy's cruise target is multiplied by the rule's scale f
 a score above the slow threshold, and a requested handover ends the episode there: the safety
 driver takes the wheel. A constant cruise scale (the rule's honest baseline, a slower target
 everywhere) multiplies every frame's target instead. Rows get `ood`: per-frame time, scores of
-each method (sps_driving.core.ood.METHODS) and the failure times, the frames driven slowed and the
-handover's time (null: none).
+each method (sps_driving.core.ood.METHODS, with a calibration; HEAD_DISAGREEMENT, for an ensemble)
+and the failure times, the frames driven slowed and the handover's time (null: none).
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0) -> d
 
 
 class OodEpisodeLog:
-    """One episode's scores and the rule's state; `cruise_scale` is what the next frame's target is multiplied by."""
+    """One episode's scores (`logged`: the names each frame has) and the rule's state;
+    `cruise_scale` is what the next frame's target is multiplied by."""
 
-    def __init__(self, settings: dict | None):
+    def __init__(self, settings: dict | None, logged: tuple[str, ...] = METHODS):
         settings = settings or {}
         self.method = settings.get("method", METHODS[-1])
         self.fixed_scale = float(settings.get("cruise_scale", 1.0))
         rule = settings.get("rule")
         self.rule = None if rule is None else OodRule(OodRuleConfig.from_config(rule))
         self.times: list[float] = []
-        self.scores: dict[str, list] = {m: [] for m in METHODS}
+        self.scores: dict[str, list] = {m: [] for m in logged}
         self.failure_times: list[float] = []
         self.slowed_frames = 0
         self.cruise_scale = self.fixed_scale
@@ -52,9 +53,9 @@ class OodEpisodeLog:
     def frame(self, time_s: float, scores: dict | None) -> None:
         """A frame's scores (None: a dropped frame, logged as NaN), then the rule's step at its time."""
         self.times.append(round(time_s, 3))
-        for m in METHODS:
+        for m, logged in self.scores.items():
             value = math.nan if scores is None else scores[m]
-            self.scores[m].append(round(value, SCORE_DIGITS) if math.isfinite(value) else None)
+            logged.append(round(value, SCORE_DIGITS) if math.isfinite(value) else None)
         if self.cruise_scale < 1.0:
             self.slowed_frames += 1
         if self.rule is None:

@@ -29,10 +29,24 @@ class _Ensemble(nn.Module):
     def __init__(self, heads: list[nn.Module]):
         super().__init__()
         self.heads = nn.ModuleList(heads)
+        # [H, B, 2]: each head's commands of the last forward, kept (detached) so that their
+        # disagreement can be read without running the heads again.
+        self.last_head_commands: torch.Tensor | None = None
 
     def forward(self, *inputs) -> torch.Tensor:
         """The heads' [B, 2] commands (steering rad, throttle), averaged."""
-        return torch.stack([head(*inputs) for head in self.heads]).mean(dim=0)
+        commands = torch.stack([head(*inputs) for head in self.heads])
+        self.last_head_commands = commands.detach()
+        return commands.mean(dim=0)
+
+
+def head_disagreement(module: nn.Module) -> float | None:
+    """The standard deviation over an ensemble's heads of their steering commands (rad) in its last
+    single-frame forward; None for a module that is not an ensemble or has not run."""
+    commands = getattr(module, "last_head_commands", None) if isinstance(module, _Ensemble) else None
+    if commands is None or commands.shape[1] != 1:
+        return None
+    return float(commands[:, 0, 0].std(unbiased=False))
 
 
 class DenseGridEnsemble(DenseGridInput, _Ensemble):
