@@ -97,6 +97,28 @@ def test_parallel_expert_eval_matches_the_serial_one(tmp_path):
     assert by_key("serial") == by_key("parallel") and len(by_key("serial")) == 4
 
 
+def test_an_episode_does_not_depend_on_what_its_process_drove_before(tmp_path):
+    """Panda3D's transform cache handed out transforms composed in earlier episodes, and a frame
+    came out a grey level apart in a few pixels: here, after another policy's episode in the same
+    snow, the next episode drove 12.48117 m instead of 12.48188 m. It must drive as in a fresh process."""
+    from sps_driving.sim.config import load_sim_config
+    from sps_driving.sim.episodes import PolicyDriver, run_episode
+    from sps_driving.sim.render import get_renderer
+
+    policy = tiny_dinov2_policy(tmp_path / "policy")
+    other = tiny_dinov2_policy(tmp_path / "other", state_inputs=("speed_mps", "target_speed_mps"))
+    config = load_sim_config(None, profile="quick")
+    config["episode_s"] = 1.5
+    renderer = get_renderer(config)
+    run_episode(config, "rural-winter-snow-day-animal", 0, PolicyDriver(str(other)), renderer)
+    after = run_episode(config, "rural-winter-snow-day-animal", 7, PolicyDriver(str(policy)), renderer)
+    # --workers 2: the episode runs in a spawned process that has drawn nothing before
+    assert main(["eval", "--policy", str(policy), "--first-seed", "7", "--episodes", "1", "--episode-s", "1.5", "--workers", "2",
+                 "--no-failure-strips", "--scenarios", "rural-winter-snow-day-animal", "--out", str(tmp_path / "fresh")]) == 0
+    (fresh,) = read_rows(tmp_path / "fresh")
+    assert after["distance_m"] == fresh["distance_m"] and after["min_gap_m"] == fresh["min_gap_m"]
+
+
 def test_policy_eval_gives_the_same_episodes_twice_and_on_two_workers(tmp_path):
     """A tiny random policy (renderer -> DINOv2 -> SPS selection -> policy -> vehicle) in rain and
     snow: the same command twice, and on two workers instead of one (other episodes before each

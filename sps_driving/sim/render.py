@@ -7,8 +7,8 @@ root directly, so nothing global outlives `load`. The camera is a pinhole with t
 
 The rasterizer lights per vertex and ignores fog, so ground geometry is subdivided (headlights
 light vertices) and rain and snow are drawn in image space, seeded per frame. Opaque geometry is
-drawn in scene-graph order (a process-wide setting), so a frame is a function of the world state
-alone, whatever the renderer drew before.
+drawn in scene-graph order and composed transforms are not cached (process-wide settings), so a
+frame is a function of the world state alone, whatever the process drew before.
 """
 
 from __future__ import annotations
@@ -41,10 +41,15 @@ from panda3d.core import (
 from sps_driving.sim.mesh import Mesh
 from sps_driving.sim.world import Episode, World, rng_for
 
+# transform-cache off: Panda3D keeps the products of transforms it composed before and hands them
+# out again, and the same pose reached through another composition differs in its last bits, so a
+# frame came out a grey level apart in a few pixels depending on which episodes the process drew
+# before (a worker's episodes come in the pool's order). Without the cache a frame is a function of
+# the world state alone; drawing costs the same (2.8 ms a frame either way).
 loadPrcFileData(
     "sps_driving.sim",
     "load-display p3tinydisplay\nwindow-type offscreen\naudio-library-name null\nsync-video false\n"
-    "notify-level warning\nnotify-level-x11display fatal\nnotify-level-tinydisplay fatal\n",
+    "notify-level warning\nnotify-level-x11display fatal\nnotify-level-tinydisplay fatal\ntransform-cache false\n",
 )
 
 # Colours (linear RGB 0..1) per scene axis. Fields come in several colours per season.
