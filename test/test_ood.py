@@ -258,3 +258,43 @@ def test_an_ensembles_evaluation_logs_its_heads_disagreement_and_the_report_rank
     report = json.loads((tmp_path / "report" / "ood_report.json").read_text())
     assert set(report["prediction"]["summary"]) == {HEAD_DISAGREEMENT, f"{HEAD_DISAGREEMENT} (10-frame mean)"}
     assert report["lead_time"]["slow"]["failures"] == 0  # the rule's calibrated score was not logged
+
+
+def test_the_selection_disagreement_is_the_steering_spread_over_other_draws_of_the_frame(tmp_path):
+    from samples import tiny_policy
+
+    from sps_driving.core.ood import SelectionDisagreement
+    from sps_driving.core.policies.checkpoint import load_policy
+    from sps_driving.core.selection import PatchSelector, SelectionConfig
+
+    policy = load_policy(tiny_policy(tmp_path / "sps", 16, 16, 384, rate=0.5, seed=3))
+    every_patch = np.random.default_rng(0).normal(size=(256, 384)).astype(np.float32)
+    spread = SelectionDisagreement(policy, draws=4)
+    steering = [policy.predict(every_patch[i], i)[0]
+                for i in (PatchSelector(SelectionConfig("sps", 0.5, seed), policy.grid).select(7) for seed in (4, 5, 6, 7))]
+    assert spread(every_patch, 7, None) == pytest.approx(np.std(steering), abs=1e-6) and np.std(steering) > 0
+    dense = load_policy(tiny_policy(tmp_path / "da", 16, 16, 384, rate=1.0))
+    assert SelectionDisagreement(dense, draws=4)(every_patch, 7, None) == 0.0  # every draw keeps every patch
+    with pytest.raises(ValueError, match="at least 2"):
+        SelectionDisagreement(policy, draws=1)
+    with pytest.raises(ValueError, match="at least 2"):
+        ood_settings(None, "patch_coreset", selection_draws=1)
+
+
+def test_eval_logs_the_selection_disagreement_without_changing_the_drive(tmp_path):
+    from samples import tiny_dinov2_policy
+
+    from sps_driving.cli import main
+    from sps_driving.core.ood import SELECTION_DISAGREEMENT
+
+    ckpt = tiny_dinov2_policy(tmp_path / "policy")
+    common = ["eval", "--policy", str(ckpt), "--episodes", "1", "--episode-s", "2.0", "--workers", "1", "--no-failure-strips",
+              "--scenarios", "rural-summer-dry-night-unseencar"]
+    assert main(common + ["--out", str(tmp_path / "plain")]) == 0
+    assert main(common + ["--selection-draws", "4", "--out", str(tmp_path / "draws")]) == 0
+    plain, draws = (json.loads((tmp_path / name / "results.jsonl").read_text()) for name in ("plain", "draws"))
+    assert "ood" not in plain and list(draws["ood"]["scores"]) == [SELECTION_DISAGREEMENT]
+    assert len(draws["ood"]["scores"][SELECTION_DISAGREEMENT]) == 20 and max(draws["ood"]["scores"][SELECTION_DISAGREEMENT]) > 0
+    assert draws["distance_m"] == pytest.approx(plain["distance_m"], rel=1e-6)  # scored beside the drive, not in it
+    with pytest.raises(SystemExit, match="in process"):
+        main(common + ["--selection-draws", "4", "--graph", "--out", str(tmp_path / "graph")])

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving.core.monitor import OodRule, OodRuleConfig
-from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, load_ood_config
+from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, SELECTION_DISAGREEMENT, load_ood_config
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
@@ -70,7 +70,7 @@ def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
 def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:
     """(label, method, causal window in frames) of every score the rows logged."""
     logged = {name for row in _logged(rows) for name in row["ood"]["scores"]}
-    methods = [m for m in (*METHODS, HEAD_DISAGREEMENT) if m in logged]
+    methods = [m for m in (*METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT) if m in logged]
     return [(m, m, 1) for m in methods] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in methods]
 
 

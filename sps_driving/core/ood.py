@@ -30,9 +30,12 @@ FORMAT = "sps_driving.ood/1"
 TENSORS_FILE = "ood.safetensors"
 META_FILE = "ood.json"
 METHODS = ("pooled_mahalanobis", "patch_coreset")
-# An ensemble's third score, logged in evaluations beside the calibrated ones: the spread of its
-# heads' steering commands (rad, uncalibrated; sps_driving.core.policies.ensemble.head_disagreement).
+# Scores of the policy's own uncertainty, logged in evaluations beside the calibrated ones (rad,
+# uncalibrated): the spread of an ensemble's heads' steering commands
+# (sps_driving.core.policies.ensemble.head_disagreement), and of a policy's steering over other
+# selections of the same frame (SelectionDisagreement).
 HEAD_DISAGREEMENT = "head_disagreement"
+SELECTION_DISAGREEMENT = "selection_disagreement"
 SCALE_QUANTILE = 0.99  # the held-out training frames' quantile that a score of 1.0 stands for
 # The extraction settings that decide what a descriptor is (sps_driving.export.extractors): a
 # calibration of other values describes other descriptors.
@@ -200,3 +203,29 @@ def load_calibration(directory, policy_config: dict, weights_path=None) -> OodSc
         raise CalibrationError(f"{meta_path} needs a positive scale for each of {METHODS}, got {scales}")
     return OodScorer(PooledMahalanobis(tensors["mean"].astype(np.float64), tensors["precision"].astype(np.float64)),
                      PatchCoreset(tensors["centers"].astype(np.float32)), meta)
+
+
+class SelectionDisagreement:
+    """The standard deviation (rad) of a policy's steering over `draws` other selections of one
+    frame: the selection's own draws with seeds seed + 1 .. seed + draws at the frame's stamp, each
+    read from the frame's descriptors of every patch, in one batch. A policy trained with SPS has
+    seen such draws, so their spread is its uncertainty about this frame, not a novelty of its
+    input. Zero for a dense policy (every draw keeps every patch)."""
+
+    def __init__(self, policy, draws: int):
+        from dataclasses import replace
+
+        from sps_driving.core.selection import PatchSelector
+
+        if draws < 2:
+            raise ValueError(f"a selection disagreement needs at least 2 draws, got {draws}")
+        config = policy.selector.config
+        self.policy = policy
+        self.selectors = [PatchSelector(replace(config, seed=config.seed + 1 + k), policy.grid) for k in range(draws)]
+
+    def __call__(self, every_patch: np.ndarray, stamp_ns: int, state: dict | None) -> float:
+        """`every_patch`: the frame's [N, D] descriptors of every patch of the policy's grid."""
+        kept = [selector.select(stamp_ns) for selector in self.selectors]
+        commands = self.policy.predict_batch([every_patch[indices] for indices in kept], kept, [state] * len(kept))
+        return float(np.std(commands[:, 0]))
+

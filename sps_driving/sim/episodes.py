@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS
+from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, SELECTION_DISAGREEMENT, SelectionDisagreement
 from sps_driving.sim.config import frame_stamp_ns
 from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.scenarios import get_scenario
@@ -146,10 +146,12 @@ class PolicyDriver:
         if self.extractor.dim != int(policy_config["descriptor_dim"]):
             raise ValueError(f"policy {policy_dir} reads {policy_config['descriptor_dim']} channels per descriptor but the "
                              f"extractor gives {self.extractor.dim}")
+        draws = int((ood or {}).get("selection_draws", 0))
+        all_patches = all_patches or draws > 0
         if all_patches and getattr(self.extractor, "drops_tokens", False):
             raise ValueError(f"policy {policy_dir} drops tokens (tokens kept): its descriptors depend on the kept patches, so "
-                             "a frame has no dense grid to write; roll out a dense policy and extract its bags with "
-                             "`sps-driving extract --keep-rate`")
+                             "a frame has no dense grid to write or to draw other selections from; roll out a dense policy "
+                             "and extract its bags with `sps-driving extract --keep-rate`")
         self.policy = load_policy(policy_dir, device=device, grid=self.extractor.grid)
         self.streaming = StreamingPolicy(self.policy)  # a patch policy's history of frames
         self.selector = self.policy.selector
@@ -161,8 +163,10 @@ class PolicyDriver:
         self.drops = 0
         self.ood_settings = ood
         self.scorer = _ood_scorer(policy_dir, policy_config, ood, view_width_scale)
-        self.logged_scores = (METHODS if self.scorer is not None else ()) + (
-            (HEAD_DISAGREEMENT,) if policy_config.get("architecture") == ENSEMBLE else ())
+        self.selection_disagreement = None if draws == 0 else SelectionDisagreement(self.policy, draws)
+        self.logged_scores = ((METHODS if self.scorer is not None else ())
+                              + ((HEAD_DISAGREEMENT,) if policy_config.get("architecture") == ENSEMBLE else ())
+                              + ((SELECTION_DISAGREEMENT,) if draws else ()))
         self.ood_log = None
 
     def reset(self) -> None:
@@ -208,21 +212,24 @@ class PolicyDriver:
         command = Command(*self(frame.image, frame.stamp_ns, state))
         frame.descriptors = self.frame_descriptors
         if self.ood_log is not None:
-            self.ood_log.frame(frame.world.time, None if self._seen is None else self._scores(self._seen[1]))
+            self.ood_log.frame(frame.world.time, None if self._seen is None else self._scores(frame.stamp_ns, state))
         if self.views is not None and self._seen is not None:
             self.views.append(FrameView(frame.world.time, frame.image, *self._seen, state, command.steering))
         return command
 
 
-    def _scores(self, descriptors: np.ndarray) -> dict:
-        """The frame's logged scores: the calibrated ones of its kept descriptors, and an ensemble's
-        heads' disagreement in the forward that made its command."""
+    def _scores(self, stamp_ns: int, state: dict) -> dict:
+        """The frame's logged scores: the calibrated ones of its kept descriptors, an ensemble's
+        heads' disagreement in the forward that made its command (so read first), and the spread
+        over other selections of the frame."""
         from sps_driving.core.policies.ensemble import head_disagreement
 
-        scores = {} if self.scorer is None else self.scorer.scores(descriptors)
+        scores = {} if self.scorer is None else self.scorer.scores(self._seen[1])
         if HEAD_DISAGREEMENT in self.logged_scores:
             spread = head_disagreement(self.policy.module)
             scores[HEAD_DISAGREEMENT] = math.nan if spread is None else spread
+        if self.selection_disagreement is not None:
+            scores[SELECTION_DISAGREEMENT] = self.selection_disagreement(self.frame_descriptors, stamp_ns, state)
         return scores
 
 

@@ -150,11 +150,12 @@ def _method_suffix(args) -> str:
 
 def _ood_settings(args) -> dict:
     """The `ood` entry of the simulator config (sps_driving.sim.ood_log.ood_settings) the options ask for."""
-    if (args.ood_rule or args.cruise_scale != 1.0) and (args.graph or args.expert):
-        raise SystemExit("eval: --ood-rule and --cruise-scale drive a policy in process")
+    if (args.ood_rule or args.cruise_scale != 1.0 or args.selection_draws) and (args.graph or args.expert):
+        raise SystemExit("eval: --ood-rule, --cruise-scale and --selection-draws drive a policy in process")
     try:
         ood = load_ood_config(args.ood_config)
-        return ood_settings(ood["rule"] if args.ood_rule else None, ood["score"]["method"], args.cruise_scale)
+        return ood_settings(ood["rule"] if args.ood_rule else None, ood["score"]["method"], args.cruise_scale,
+                            args.selection_draws)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"eval: {exc}") from None
 
@@ -215,6 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cruise-scale", type=float, default=1.0, metavar="S",
                         help="in process: every frame's cruise target times S (the rule's constant-slow baseline); the "
                              "method is named with '-slowS' appended")
+    parser.add_argument("--selection-draws", type=int, default=0, metavar="K",
+                        help="in process: also log each frame's steering spread (rad) over K other selections of it "
+                             "(`selection_disagreement` in the rows' per-frame scores; every patch is extracted)")
     parser.add_argument("--ood-config", help="OOD score and rule settings (default config/ood.yaml)")
     parser.add_argument("--sim-config", help="simulator YAML (default config/sim.yaml)")
     parser.add_argument("--graph", action="store_true",

@@ -19,9 +19,11 @@ from sps_driving.core.ood import METHODS
 SCORE_DIGITS = 4  # decimals kept of each logged score
 
 
-def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0) -> dict:
+def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, selection_draws: int = 0) -> dict:
     """The `ood` entry of an evaluation's simulator config: the rule's settings (None: off), the
-    score it reads, and a constant cruise scale; checked here so a bad one stops the run, not a worker."""
+    score it reads, a constant cruise scale, and the other selections of each frame whose steering
+    spread is logged (0: none; sps_driving.core.ood.SelectionDisagreement); checked here so a bad
+    one stops the run, not a worker."""
     if rule is not None:
         OodRuleConfig.from_config(rule)
     if method not in METHODS:
@@ -30,7 +32,9 @@ def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0) -> d
         raise ValueError(f"cruise scale must lie in (0, 1], got {cruise_scale}")
     if rule is not None and cruise_scale != 1.0:
         raise ValueError("the OOD rule and a constant cruise scale are two methods: evaluate them apart")
-    return {"rule": rule, "method": method, "cruise_scale": float(cruise_scale)}
+    if selection_draws != 0 and selection_draws < 2:
+        raise ValueError(f"selection draws must be 0 (none) or at least 2, got {selection_draws}")
+    return {"rule": rule, "method": method, "cruise_scale": float(cruise_scale), "selection_draws": int(selection_draws)}
 
 
 class OodEpisodeLog:
