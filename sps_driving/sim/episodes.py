@@ -128,7 +128,8 @@ class PolicyDriver:
     frame's kept descriptors with the calibration in the policy's folder when there is one (with
     the rule or a cruise scale, it must be there), and `ood_log` holds the episode's
     (sps_driving.sim.ood_log.OodEpisodeLog; None without a calibration); an ensemble's log holds
-    its heads' disagreement too, with or without one.
+    its heads' disagreement too, with or without one, and with `ood["selection_draws"]` K the log
+    holds the steering spread over K other selections of each frame (every patch is extracted).
     """
 
     def __init__(self, policy_dir: str, device: str = "cpu", threads: int | None = None, backbone_config: str | None = None,
@@ -216,7 +217,6 @@ class PolicyDriver:
         if self.views is not None and self._seen is not None:
             self.views.append(FrameView(frame.world.time, frame.image, *self._seen, state, command.steering))
         return command
-
 
     def _scores(self, stamp_ns: int, state: dict) -> dict:
         """The frame's logged scores: the calibrated ones of its kept descriptors, an ensemble's

@@ -5,8 +5,9 @@ With the rule on, the policy's cruise target is multiplied by the rule's scale f
 a score above the slow threshold, and a requested handover ends the episode there: the safety
 driver takes the wheel. A constant cruise scale (the rule's honest baseline, a slower target
 everywhere) multiplies every frame's target instead. Rows get `ood`: per-frame time, scores of
-each method (sps_driving.core.ood.METHODS, with a calibration; HEAD_DISAGREEMENT, for an ensemble)
-and the failure times, the frames driven slowed and the handover's time (null: none).
+each method (sps_driving.core.ood.METHODS, with a calibration; HEAD_DISAGREEMENT, for an ensemble;
+SELECTION_DISAGREEMENT, with selection draws) and the failure times, the frames driven slowed and
+the handover's time (null: none).
 """
 
 from __future__ import annotations
