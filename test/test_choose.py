@@ -111,3 +111,35 @@ def test_latencies_are_policy_equals_milliseconds(tmp_path, capsys, monkeypatch,
     screen = write_screen(tmp_path / "s", rows("M1", 0, head(tmp_path, 0), 1.0, 0.5))
     assert main(["choose", "policy", screen, "--id-min", "0.95", "--tie-points", "1", "--latency-ms", pair]) == 2
     assert "POLICY=MILLISECONDS" in capsys.readouterr().err
+
+
+def test_the_shipping_test_holds_all_four_conditions_or_says_which_fails(tmp_path, capsys):
+    def confirmation(method, id_score, ood_scores, passed):
+        """Rows on layouts 120-123: OOD scores per layout, and one obstacle per OOD cell, passed or not."""
+        rows = []
+        for scenario in (ID_SCENARIO.name, *OOD_SCENARIO_NAMES):
+            for layout, ood in zip(range(120, 124), ood_scores):
+                rows.append({"method": method, "training_seed": 0, "policy": method, "scenario": scenario, "seed": layout,
+                             "score": id_score if scenario == ID_SCENARIO.name else ood, "episode_s": 20.0, "width": 448,
+                             "height": 280, "obstacles": [] if scenario == ID_SCENARIO.name else
+                             [{"passed": bool(passed), "margin_m": 1.0 if passed else -0.5}]})
+        return write_screen(tmp_path / method, rows)
+
+    folders = [confirmation("chosen", 1.0, (0.8, 0.7, 0.9, 0.75), True), confirmation("SPS-50", 1.0, (0.4, 0.3, 0.5, 0.35), True),
+               confirmation("worse-id", 0.9, (0.8, 0.7, 0.9, 0.75), True), confirmation("hits", 1.0, (0.8, 0.7, 0.9, 0.75), False)]
+    ship = ["choose", "ship", *folders, "--shipped", "SPS-50", "--id-min", "0.95", "--json", str(tmp_path / "ship.json")]
+    assert main([*ship, "--chosen", "chosen", "--latency-ms", "95", "90"]) == 0
+    assert json.loads((tmp_path / "ship.json").read_text())["verdict"] == "ships"
+    assert "chosen ships" in capsys.readouterr().out
+    assert main([*ship, "--chosen", "chosen"]) == 3  # the latency is not measured yet
+    assert json.loads((tmp_path / "ship.json").read_text())["verdict"] == "undecided"
+    for chosen, latency, fails in (("chosen", ("100", "90"), "latency"), ("worse-id", ("90", "90"), "in distribution"),
+                                   ("hits", ("90", "90"), "obstacles")):
+        assert main([*ship, "--chosen", chosen, "--latency-ms", *latency]) == 0
+        record = json.loads((tmp_path / "ship.json").read_text())
+        assert record["verdict"] == "does not ship"
+        assert [c["asks"] for c in record["conditions"] if c["holds"] is False] == [
+            next(c["asks"] for c in record["conditions"] if fails in c["asks"])]
+    # the OOD difference's lower bound: the shipped policy against itself does not ship
+    assert main([*ship, "--chosen", "SPS-50", "--latency-ms", "90", "90"]) == 0
+    assert json.loads((tmp_path / "ship.json").read_text())["conditions"][0]["holds"] is False

@@ -4,6 +4,7 @@ the policy that ships is a command anyone can run again on the committed results
 
     sps-driving choose ensembles SCREENS... --methods DA-PT SPS-50-PT SPPS-30-PT --out ENS_BEST ENS_SECOND
     sps-driving choose policy TABLES --id-min 0.95 --tie-points 1.0 [--latency-ms POLICY=MS ...]
+    sps-driving choose ship CONFIRMATION... --chosen chosen --shipped SPS-50 --id-min 0.95 [--latency-ms CHOSEN SHIPPED]
 
 `ensembles` ranks the named methods by their screen OOD average (the mean over their checkpoints)
 and makes the ensemble of each of the best ones' checkpoints (`sps-driving ensemble`), in rank
@@ -13,6 +14,10 @@ with the highest OOD average. Candidates within --tie-points OOD points of the b
 ensemble wins over the single checkpoints it is made of, and what is still tied is decided by the
 lowest camera-to-command p50 latency (`bench --graph`, one run side by side) given by
 --latency-ms; without those numbers the choice says which candidates to measure and chooses none.
+`ship` is the shipping test on the confirmation cells, paired by cell: the chosen policy's OOD
+difference against the shipped one has a lower bound above 0, it scores at least --id-min in
+distribution, passes at least as large a share of the OOD obstacles, and its camera-to-command
+p50 latency is within --latency-margin of the shipped one's (undecided, exit 3, until given).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 from sps_driving.sim.statistics import Estimate, score_interval
-from sps_driving.sim.tables import format_estimate, method_scores
+from sps_driving.sim.tables import format_estimate, method_scores, obstacle_margins
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,47 @@ def markdown(found: list[Candidate], choice: Choice, id_min: float) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Condition:
+    """One condition of the shipping test: what it asks, what was measured, and whether it holds
+    (None: not measured)."""
+
+    asks: str
+    measured: str
+    holds: bool | None
+
+
+def shipping_test(rows: list[dict], chosen: str, shipped: str, id_min: float, latency_ms: tuple[float, float] | None,
+                  latency_margin: float) -> list[Condition]:
+    from sps_driving.sim.compare import compare
+
+    groups = {entry["group"]: entry for entry in compare(rows, chosen, shipped)}
+    missing = [g for g in ("in distribution", "OOD") if g not in groups]
+    if missing:
+        raise ValueError(f"{chosen!r} and {shipped!r} share no {' or '.join(missing)} cell")
+    ood, in_distribution = groups["OOD"]["difference"], groups["in distribution"]["a"]
+    passes = {m: obstacle_margins([r for r in rows if r["method"] == m and r["scenario"] in OOD_SCENARIO_NAMES])
+              for m in (chosen, shipped)}
+    share = {m: passes[m]["pass_rate"] for m in passes}
+    latency = None if latency_ms is None else latency_ms[0] <= (1.0 + latency_margin) * latency_ms[1]
+    return [
+        Condition("paired OOD difference against the shipped policy: lower bound above 0",
+                  f"{format_estimate(ood, 100, '+.1f')} points over {ood.cells} cells", ood.low > 0),
+        Condition(f"in distribution at least {id_min}", format_estimate(in_distribution), in_distribution.mean >= id_min),
+        Condition("share of the OOD obstacles passed at least the shipped policy's",
+                  f"{share[chosen]:.3f} of {passes[chosen]['obstacles']} against {share[shipped]:.3f} of "
+                  f"{passes[shipped]['obstacles']}", share[chosen] >= share[shipped]),
+        Condition(f"camera-to-command p50 latency within {100 * latency_margin:g}% of the shipped policy's",
+                  "not measured" if latency_ms is None else f"{latency_ms[0]:.1f} ms against {latency_ms[1]:.1f} ms", latency),
+    ]
+
+
+def verdict(conditions: list[Condition]) -> str:
+    if any(c.holds is False for c in conditions):
+        return "does not ship"
+    return "ships" if all(c.holds for c in conditions) else "undecided"
+
+
 def _latencies(pairs: list[str]) -> dict[str, float]:
     latency = {}
     for pair in pairs:
@@ -166,6 +212,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--json", metavar="FILE", help="also write the candidates and the choice to FILE")
     policy.add_argument("--out", type=Path, help="copy the chosen checkpoint to this folder (for the confirmation run); "
                         "exit 3 when the rule chooses none yet")
+    ship = steps.add_parser("ship", help="the shipping test of the chosen policy against the shipped one")
+    ship.add_argument("results", nargs="+", help="the confirmation's eval folders")
+    ship.add_argument("--chosen", required=True, metavar="METHOD", help="the chosen policy's method name (eval's --name)")
+    ship.add_argument("--shipped", required=True, metavar="METHOD", help="the shipped policy's method name")
+    ship.add_argument("--id-min", type=float, required=True, help="the lowest in-distribution score the chosen may have")
+    ship.add_argument("--latency-ms", nargs=2, type=float, metavar=("CHOSEN", "SHIPPED"),
+                      help="camera-to-command p50 latency of both, ms, measured side by side (bench --graph)")
+    ship.add_argument("--latency-margin", type=float, default=0.10, help="how much slower the chosen may be (fraction)")
+    ship.add_argument("--json", metavar="FILE", help="also write the conditions and the verdict to FILE")
 
 
 def _make_ensembles(found: list[Candidate], methods: list[str], outs: list[Path]) -> dict:
@@ -201,7 +256,26 @@ def _copy_chosen(policy: str, out: Path) -> None:
     shutil.copytree(source, out, ignore=shutil.ignore_patterns(LAST_DIR))
 
 
+def _ship(args) -> int:
+    try:
+        conditions = shipping_test(merge_results(args.results), args.chosen, args.shipped, args.id_min,
+                                   None if args.latency_ms is None else tuple(args.latency_ms), args.latency_margin)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"choose: {err}", file=sys.stderr)
+        return 2
+    decided = verdict(conditions)
+    lines = ["| condition | measured | holds |", "|---|---|---|"]
+    lines += [f"| {c.asks} | {c.measured} | {'-' if c.holds is None else 'yes' if c.holds else 'no'} |" for c in conditions]
+    print("\n".join(lines) + f"\n\n{args.chosen} {decided}.")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"chosen": args.chosen, "shipped": args.shipped, "verdict": decided,
+                                               "conditions": [asdict(c) for c in conditions]}, indent=1) + "\n")
+    return 3 if decided == "undecided" else 0
+
+
 def run(args) -> int:
+    if args.what == "ship":
+        return _ship(args)
     try:
         found = candidates(merge_results(args.results))
         if args.what == "ensembles":
