@@ -79,3 +79,21 @@ def test_the_json_record_holds_each_estimate(tmp_path):
     assert main(["compare", str(write(tmp_path / "r.jsonl", rows)), "--a", "A", "--b", "B", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["a"] == "A" and record["groups"][0]["difference"]["mean"] == pytest.approx(0.01)
+
+
+def test_the_seeds_an_effect_needs_follow_from_the_checkpoints_spread(tmp_path, capsys):
+    # A's three checkpoints average 0.5, 0.6 and 0.7 out of distribution (SD 0.1); B's 0.4 and 0.4 (SD 0).
+    rows = [row("A", scenario, layout, 0.5 + 0.1 * seed, training_seed=seed) for seed in range(3)
+            for scenario in (ID_SCENARIO.name, *OOD_SCENARIO_NAMES) for layout in (100, 101)]
+    rows += [row("B", scenario, layout, 0.4, training_seed=seed) for seed in range(2)
+             for scenario in (ID_SCENARIO.name, *OOD_SCENARIO_NAMES) for layout in (100, 101)]
+    out = tmp_path / "cmp.json"
+    path = write(tmp_path / "r.jsonl", rows)
+    assert main(["compare", str(path), "--a", "A", "--b", "B", "--effect-points", "6.2", "--json", str(out)]) == 0
+    seeds = json.loads(out.read_text())["seeds_to_decide"]
+    assert seeds["seed_sd"] == pytest.approx({"A": 0.1, "B": 0.0})
+    assert seeds["seeds_per_method"] == 10  # ceil(1.96^2 x 0.01 / 0.062^2) = ceil(9.99)
+    assert "about 10 training seeds per method" in capsys.readouterr().out
+    one_seed = [r for r in rows if r["training_seed"] == 0]
+    assert main(["compare", str(write(tmp_path / "one.jsonl", one_seed)), "--a", "A", "--b", "B", "--effect-points", "6.2"]) == 2
+    assert "a seed spread needs at least two" in capsys.readouterr().err
