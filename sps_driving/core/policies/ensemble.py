@@ -43,7 +43,7 @@ class _Ensemble(nn.Module):
 def head_disagreement(module: nn.Module) -> float | None:
     """The standard deviation over an ensemble's heads of their steering commands (rad) in its last
     single-frame forward; None for a module that is not an ensemble or has not run."""
-    commands = getattr(module, "last_head_commands", None) if isinstance(module, _Ensemble) else None
+    commands = module.last_head_commands if isinstance(module, _Ensemble) else None
     if commands is None or commands.shape[1] != 1:
         return None
     return float(commands[:, 0, 0].std(unbiased=False))
