@@ -256,43 +256,42 @@ def _copy_chosen(policy: str, out: Path) -> None:
     shutil.copytree(source, out, ignore=shutil.ignore_patterns(LAST_DIR))
 
 
-def _ship(args) -> int:
-    try:
-        conditions = shipping_test(merge_results(args.results), args.chosen, args.shipped, args.id_min,
-                                   None if args.latency_ms is None else tuple(args.latency_ms), args.latency_margin)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"choose: {err}", file=sys.stderr)
-        return 2
+def _ship(args) -> tuple[dict, int]:
+    conditions = shipping_test(merge_results(args.results), args.chosen, args.shipped, args.id_min,
+                               None if args.latency_ms is None else tuple(args.latency_ms), args.latency_margin)
     decided = verdict(conditions)
     lines = ["| condition | measured | holds |", "|---|---|---|"]
     lines += [f"| {c.asks} | {c.measured} | {'-' if c.holds is None else 'yes' if c.holds else 'no'} |" for c in conditions]
     print("\n".join(lines) + f"\n\n{args.chosen} {decided}.")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"chosen": args.chosen, "shipped": args.shipped, "verdict": decided,
-                                               "conditions": [asdict(c) for c in conditions]}, indent=1) + "\n")
-    return 3 if decided == "undecided" else 0
+    record = {"chosen": args.chosen, "shipped": args.shipped, "verdict": decided, "conditions": [asdict(c) for c in conditions]}
+    return record, 3 if decided == "undecided" else 0
+
+
+def _policy(args, found: list[Candidate]) -> tuple[dict, int]:
+    choice = choose(found, args.id_min, args.tie_points, _latencies(args.latency_ms))
+    print(markdown(found, choice, args.id_min))
+    record = {"rule": {"id_min": args.id_min, "tie_points": args.tie_points},
+              "candidates": [{**asdict(c), "name": c.name} for c in found], "choice": asdict(choice)}
+    if not args.out:
+        return record, 0
+    if choice.policy:
+        _copy_chosen(choice.policy, args.out)
+        return record, 0
+    print(f"choose: nothing copied to {args.out}: the rule has chosen none yet", file=sys.stderr)
+    return record, 3
 
 
 def run(args) -> int:
-    if args.what == "ship":
-        return _ship(args)
+    """Each subcommand's record goes to --json; 2 for bad input, 3 while the answer waits for a latency."""
     try:
-        found = candidates(merge_results(args.results))
-        if args.what == "ensembles":
-            record = _make_ensembles(found, args.methods, args.out)
+        if args.what == "ship":
+            record, code = _ship(args)
         else:
-            choice = choose(found, args.id_min, args.tie_points, _latencies(args.latency_ms))
-            print(markdown(found, choice, args.id_min))
-            record = {"rule": {"id_min": args.id_min, "tie_points": args.tie_points},
-                      "candidates": [{**asdict(c), "name": c.name} for c in found], "choice": asdict(choice)}
-            if args.out and choice.policy:
-                _copy_chosen(choice.policy, args.out)
+            found = candidates(merge_results(args.results))
+            record, code = (_make_ensembles(found, args.methods, args.out), 0) if args.what == "ensembles" else _policy(args, found)
     except (FileNotFoundError, ValueError) as err:
         print(f"choose: {err}", file=sys.stderr)
         return 2
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    if args.what == "policy" and args.out and not choice.policy:
-        print(f"choose: nothing copied to {args.out}: the rule has chosen none yet", file=sys.stderr)
-        return 3
-    return 0
+    return code
