@@ -214,16 +214,22 @@ def test_a_fresh_machine_resumes_from_the_repository_and_rebuilds_the_cache_bit_
     assert runner.to_run(plan, runner.states(plan)) == []  # nothing needs the drives or the cache: nothing rebuilt
 
     # A new step that reads the cache: the drives are driven again from their seeds and the cache
-    # extracted again, equal to the original; the finished steps are not run again.
+    # extracted again, equal to the original; the finished steps are not run again. A new step
+    # that reads only committed results runs before the rebuilds, though later in the plan.
     (root / "plan.yaml").write_text(PLAN + """\
   train_seed1:
     run: train --cache {work}/cache --out {results}/policy_s1 --architecture cnn --rate 1.0 --epochs 1 --width 64 --seed 1
     deps: ["{work}/cache"]
     outs: ["{results}/policy_s1"]
     estimate_min: 0.1
+  tables_again:
+    run: tables {results}/eval --out {results}/tables_again
+    deps: ["{results}/eval"]
+    outs: ["{results}/tables_again"]
+    estimate_min: 0.1
 """)
     plan = load_plan(root / "plan.yaml")
-    assert [s.name for s in runner.to_run(plan, runner.states(plan))] == ["drives", "cache", "train_seed1"]
+    assert [s.name for s in runner.to_run(plan, runner.states(plan))] == ["tables_again", "drives", "cache", "train_seed1"]
     assert campaign(root, "run", "plan.yaml", "--no-commit").wait() == 0
     for folder in ("drives", "cache"):
         assert runner.tree_digest(root / "work" / folder) == runner.tree_digest(reference / "work" / folder), folder

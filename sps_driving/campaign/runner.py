@@ -213,21 +213,28 @@ def _finished_once(plan: Plan, step: Step) -> bool:
 
 
 def to_run(plan: Plan, current: list[StepState]) -> list[Step]:
-    """The steps `campaign run` runs, in plan order: every left one, and every done-not-here one
-    that a step to run reads from (its outputs rebuilt first)."""
+    """The steps `campaign run` runs: every left one, and every done-not-here one that a step to
+    run reads from (its outputs rebuilt first). Those that need nothing rebuilt come first, then
+    the rebuilds and the steps that wait for them, each group in plan order: a budget that ends
+    early is spent on results, not on rebuilding what the next machine has to rebuild again."""
     by_name = {s.step.name: s for s in current}
     chosen = {s.step.name for s in current if s.state == LEFT}
     for state in reversed(current):
         if state.step.name in chosen:
             chosen |= {u.name for u in plan.upstream(state.step) if by_name[u.name].state == ABSENT}
-    return [s.step for s in current if s.step.name in chosen]
+    waits_for_rebuild: set[str] = set()
+    for state in current:  # plan order: a step's upstream is decided before it
+        if state.step.name in chosen and (state.state == ABSENT or waits_for_rebuild & {u.name for u in plan.upstream(state.step)}):
+            waits_for_rebuild.add(state.step.name)
+    ordered = [s.step for s in current if s.step.name in chosen]
+    return [s for s in ordered if s.name not in waits_for_rebuild] + [s for s in ordered if s.name in waits_for_rebuild]
 
 
 # ---- running ----------------------------------------------------------------------------------
 
 
 def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, log=print) -> int:
-    """Run what is left in plan order; with `budget_min`, start a step only if its estimate fits
+    """Run what is left in the order of `to_run`; with `budget_min`, start a step only if its estimate fits
     the time left (or, for a step resumable in units, one unit does: it is then stopped at the
     budget's end and resumes next time). Each finished or stopped step's results are committed."""
     engine.ensure_repository(plan.root)
