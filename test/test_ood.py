@@ -9,7 +9,7 @@ import pytest
 from ood_samples import DIM, K, calibrated_checkpoint, calibration_of, fitted, training_frames
 from samples import tiny_policy
 
-from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores
+from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores, score_variants
 from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
     META_FILE,
@@ -158,11 +158,12 @@ def test_the_episode_log_acts_from_the_next_frame_and_records_the_handover():
     log = OodEpisodeLog(settings)
     for i, score in enumerate([1.0, 2.5, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0]):
         assert log.cruise_scale == (1.0 if i < 2 else 0.5)
-        log.frame(0.1 * i, {"pooled_mahalanobis": 0.0, "patch_coreset": score})
+        log.frame(0.1 * i, {"pooled_mahalanobis": 0.0, "patch_coreset": score}, 0.01 * i)
     assert log.handed_over and log.handover_s == pytest.approx(0.7)
     log.failure(0.75)
     row = log.as_dict()
     assert row["frames"] == 8 and row["slowed_frames"] == 6 and row["failure_times_s"] == [0.75]
+    assert row["steering_rad"] == pytest.approx([0.01 * i for i in range(8)])
     with pytest.raises(ValueError, match="apart"):
         ood_settings(settings["rule"], "patch_coreset", cruise_scale=0.5)
 
@@ -180,6 +181,16 @@ def test_auroc_and_failure_labels():
                    "scores": {"patch_coreset": [1.0, 2.0, 3.0, 4.0, 5.0]}}}
     assert frame_labels(row, 2.0).tolist() == [False, False, True, True, False]
     assert frame_scores(row, "patch_coreset", causal_window=2).tolist() == [1.0, 1.5, 2.5, 3.5, 4.5]
+    assert [label for label, _, _ in score_variants([{**row, "ood": {**row["ood"], "frames": 5}}])] == [
+        "patch_coreset", "patch_coreset (10-frame mean)"]
+
+
+def test_the_report_scores_the_policys_behaviour_from_the_logged_steering():
+    row = {"ood": {"frames": 4, "time_s": [0.0, 0.1, 0.2, 0.4], "failure_times_s": [], "scores": {"patch_coreset": [1.0] * 4},
+                   "steering_rad": [0.0, -0.02, 0.03, 0.03]}}
+    assert frame_scores(row, "steering_magnitude").tolist() == pytest.approx([0.0, 0.02, 0.03, 0.03])
+    assert frame_scores(row, "steering_rate").tolist() == pytest.approx([0.0, 0.2, 0.5, 0.0])
+    assert [m for _, m, window in score_variants([row]) if window == 1] == ["patch_coreset", "steering_magnitude", "steering_rate"]
 
 
 def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apart(tmp_path):
@@ -256,7 +267,8 @@ def test_an_ensembles_evaluation_logs_its_heads_disagreement_and_the_report_rank
     assert set(rows["same"]["ood"]["scores"][HEAD_DISAGREEMENT]) == {0.0}  # one checkpoint twice agrees with itself
     assert main(["ood", "report", str(out), "--method", "ens", "--out", str(tmp_path / "report")]) == 0
     report = json.loads((tmp_path / "report" / "ood_report.json").read_text())
-    assert set(report["prediction"]["summary"]) == {HEAD_DISAGREEMENT, f"{HEAD_DISAGREEMENT} (10-frame mean)"}
+    scores = (HEAD_DISAGREEMENT, "steering_magnitude", "steering_rate")  # the heads' spread and the policy's behaviour
+    assert set(report["prediction"]["summary"]) == {*scores, *(f"{name} (10-frame mean)" for name in scores)}
     assert report["lead_time"]["slow"]["failures"] == 0  # the rule's calibrated score was not logged
 
 

@@ -28,6 +28,10 @@ from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
 SMOOTHING_FRAMES = 10  # frames of the causal mean variant of each score (1 s at 10 Hz)
+# Scores of the policy's own behaviour, from the steering each frame was driven with (rows that log
+# `steering_rad`): its magnitude (rad) and its rate of change from the frame before (rad/s).
+STEERING_MAGNITUDE, STEERING_RATE = "steering_magnitude", "steering_rate"
+BEHAVIOUR_SCORES = (STEERING_MAGNITUDE, STEERING_RATE)
 
 
 def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -58,7 +62,7 @@ def frame_labels(row: dict, horizon_s: float) -> np.ndarray:
 
 def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
     """A method's per-frame score of an episode; with causal_window n, the mean of the last n frames."""
-    values = np.asarray(row["ood"]["scores"][method], dtype=np.float64)
+    values = _behaviour(row, method) if method in BEHAVIOUR_SCORES else _finite(row["ood"]["scores"][method])
     if causal_window <= 1:
         return values
     sums = np.cumsum(np.concatenate([[0.0], values]))
@@ -67,10 +71,23 @@ def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
     return (sums[idx] - sums[lo]) / (idx - lo)
 
 
+def _behaviour(row: dict, method: str) -> np.ndarray:
+    steering = np.asarray(row["ood"]["steering_rad"], dtype=np.float64)
+    if method == STEERING_MAGNITUDE:
+        return np.abs(steering)
+    times = np.asarray(row["ood"]["time_s"], dtype=np.float64)
+    rate = np.zeros(len(steering))
+    rate[1:] = np.abs(np.diff(steering)) / np.maximum(np.diff(times), 1e-9)
+    return rate
+
+
 def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:
-    """(label, method, causal window in frames) of every score the rows logged."""
+    """(label, method, causal window in frames) of every score the rows logged, and of the
+    behaviour scores where they logged the steering."""
     logged = {name for row in _logged(rows) for name in row["ood"]["scores"]}
-    methods = [m for m in (*METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT) if m in logged]
+    if _logged(rows) and all("steering_rad" in row["ood"] for row in _logged(rows)):
+        logged |= set(BEHAVIOUR_SCORES)
+    methods = [m for m in (*METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES) if m in logged]
     return [(m, m, 1) for m in methods] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in methods]
 
 
@@ -99,7 +116,7 @@ def prediction(rows: list[dict], horizon_s: float) -> dict:
         entry = {"frames": int(len(labels)), "positive_frames": int(labels.sum()),
                  "ood_average": float(np.mean([r["score"] for r in episodes])), "episodes": len(episodes)}
         for label, method, window in variants:
-            scores = np.concatenate([_finite(frame_scores(r, method, window)) for r in episodes])
+            scores = np.concatenate([frame_scores(r, method, window) for r in episodes])
             keep = np.isfinite(scores)
             entry[label] = auroc(scores[keep], labels[keep])
             mean_scores[label][scenario] = float(np.nanmean(scores))
@@ -135,7 +152,7 @@ def lead_times(rows: list[dict], method: str, threshold: float) -> dict:
     leads, without = [], 0
     for row in rows:
         times = np.asarray(row["ood"]["time_s"])
-        scores = _finite(frame_scores(row, method))
+        scores = frame_scores(row, method)
         previous = -math.inf
         for failure in row["ood"]["failure_times_s"]:
             window = (times > previous) & (times < failure) & (scores > threshold)

@@ -6,8 +6,9 @@ a score above the slow threshold, and a requested handover ends the episode ther
 driver takes the wheel. A constant cruise scale (the rule's honest baseline, a slower target
 everywhere) multiplies every frame's target instead. Rows get `ood`: per-frame time, scores of
 each method (sps_driving.core.ood.METHODS, with a calibration; HEAD_DISAGREEMENT, for an ensemble;
-SELECTION_DISAGREEMENT, with selection draws) and the failure times, the frames driven slowed and
-the handover's time (null: none).
+SELECTION_DISAGREEMENT, with selection draws), the steering command each frame gave (rad; the
+report derives scores of the policy's own behaviour from it) and the failure times, the frames
+driven slowed and the handover's time (null: none).
 """
 
 from __future__ import annotations
@@ -50,14 +51,17 @@ class OodEpisodeLog:
         self.rule = None if rule is None else OodRule(OodRuleConfig.from_config(rule))
         self.times: list[float] = []
         self.scores: dict[str, list] = {m: [] for m in logged}
+        self.steering: list[float] = []
         self.failure_times: list[float] = []
         self.slowed_frames = 0
         self.cruise_scale = self.fixed_scale
         self.handover_s: float | None = None
 
-    def frame(self, time_s: float, scores: dict | None) -> None:
-        """A frame's scores (None: a dropped frame, logged as NaN), then the rule's step at its time."""
+    def frame(self, time_s: float, scores: dict | None, steering_rad: float) -> None:
+        """A frame's scores (None: a dropped frame, logged as NaN) and the steering it was driven
+        with, then the rule's step at its time."""
         self.times.append(round(time_s, 3))
+        self.steering.append(round(float(steering_rad), SCORE_DIGITS + 1))
         for m, logged in self.scores.items():
             value = math.nan if scores is None else scores[m]
             logged.append(round(value, SCORE_DIGITS) if math.isfinite(value) else None)
@@ -81,5 +85,5 @@ class OodEpisodeLog:
 
     def as_dict(self) -> dict:
         return {"method": self.method, "rule": self.rule is not None, "cruise_scale": self.fixed_scale,
-                "time_s": self.times, "scores": self.scores, "failure_times_s": self.failure_times,
+                "time_s": self.times, "scores": self.scores, "steering_rad": self.steering, "failure_times_s": self.failure_times,
                 "slowed_frames": self.slowed_frames, "frames": len(self.times), "handover_s": self.handover_s}
