@@ -105,6 +105,20 @@ def test_bench_times_the_architecture_of_the_policy_it_is_given(tmp_path, capsys
     assert 0 < sparse["gflop"]["policy"] < 0.6 * dense["gflop"]["policy"]
 
 
+def test_bench_policy_forward_times_each_checkpoint_and_an_ensemble_beside_the_stock_path(tmp_path, capsys):
+    from samples import tiny_policy
+
+    heads = [tiny_policy(tmp_path / f"pt{seed}", variant="spps", seed=seed) for seed in (0, 1)]
+    grid_mlp = tiny_policy(tmp_path / "mlp")
+    assert cli.main(["ensemble", "--out", str(tmp_path / "ens"), *map(str, heads)]) == 0
+    capsys.readouterr()
+    assert cli.main(["bench", "--policy-forward", str(heads[0]), str(tmp_path / "ens"), str(grid_mlp), "--frames", "20"]) == 0
+    timed = json.loads(capsys.readouterr().out)["policy_forward_ms"]
+    # The transformers also on PyTorch's stock path; the grid MLP has no encoder layer to compare.
+    assert list(timed) == ["pt0", "pt0 (stock fast path)", "ens", "ens (stock fast path)", "mlp"]
+    assert all(0 < row["p50"] <= row["p99"] and row["kept_patches"] == 32 for row in timed.values())  # half of 8 x 8
+
+
 def test_tables_print_like_table_4(blip2, capsys):
     result = {"device": "cpu", "dtype": "float32", "threads": 2, "repeats": 1, "peak": bench.given_peak(190.0, 2),
               "load_average": [1.0, 1.0, 1.0]}

@@ -435,7 +435,7 @@ def test_the_strided_attention_trains_as_the_stock_one(padding):
     """Same outputs and, up to the order of float sums, the same gradients as nn.MultiheadAttention
     in a training step (with the sequence policies' padding masks as bool and as the encoder's -inf
     floats); the same parameters, so checkpoints load either way; built without drawing from the
-    random generator; evaluation takes the stock path itself."""
+    random generator; in evaluation too the same outputs as the stock path."""
     torch.manual_seed(3)
     stock = torch.nn.MultiheadAttention(16, 4, batch_first=True).train()
     after_stock = torch.rand(3)
@@ -460,7 +460,29 @@ def test_the_strided_attention_trains_as_the_stock_one(padding):
         assert torch.allclose(g_stock, g_strided, rtol=1e-4, atol=1e-5)
     strided.eval(), stock.eval()
     with torch.no_grad():
-        assert torch.equal(strided(x, x, x, need_weights=False)[0], stock(x, x, x, need_weights=False)[0])
+        assert torch.allclose(strided(x, x, x, key_padding_mask=mask, need_weights=False)[0],
+                              stock(x, x, x, key_padding_mask=mask, need_weights=False)[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("selection", ["sps", "spps"])
+def test_a_positional_transformer_evaluates_as_on_pytorchs_stock_fast_path(selection):
+    """Its encoder layers skip PyTorch's inference fast path for the fused attention kernel
+    (sps_driving.core.policies.blocks.FusedAttentionEncoderLayer) and give the stock layers'
+    commands, for a single frame and for a padded batch."""
+    from sps_driving.tools.bench_policy import stock_attention_copy
+
+    model = positional(selection)
+    stock = stock_attention_copy(model)
+    assert all(type(layer) is torch.nn.TransformerEncoderLayer for layer in stock.encoder.layers)
+    torch.manual_seed(0)
+    grids = torch.randn(3, GRID.n, D)
+    keep = torch.rand(3, GRID.n) < 0.5
+    keep[0, : GRID.n // 2] = False  # rows of different lengths: a padded batch for the sequence policy
+    with torch.inference_mode():
+        for rows in (slice(0, 1), slice(0, 3)):
+            fused, reference = (m.forward_selected(grids[rows], keep[rows]) for m in (model, stock))
+            assert torch.allclose(fused, reference, atol=1e-5)
+    assert stock_attention_copy(make("sps", architecture="mlp")) is None
 
 
 def test_fast_dropout_drops_a_fraction_p_scales_the_rest_and_follows_torchs_seed():

@@ -45,6 +45,10 @@ or --precisions it does so for each combination (rate x tokens x precision), int
 combination other than the checkpoint's own runs a timing copy of it (its weights, with that
 selection rate and tokens: timing only, its commands mean nothing). Each prints its FLOPs per
 frame (extractor and policy), the measured peak and the extractor's efficiency.
+
+`--policy-forward CKPT [CKPT ...]` times the policy stage alone (sps_driving.tools.bench_policy):
+each checkpoint's forward as the policy node calls it, an ensemble's too, beside the same weights
+on PyTorch's stock inference path.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from tqdm import tqdm
 
 from sps_driving.core.resources import portable_path, shipped_policy, source_revision
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
+from sps_driving.tools import bench_policy
 from sps_driving.tools.bench_train import CASES as TRAIN_CASES
 from sps_driving.tools.bench_train import count_cpu_attention_flops as _count_cpu_attention_flops
 from sps_driving.tools.bench_train import run_train
@@ -136,9 +141,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--train-cases", nargs="+", choices=[label for label, _ in TRAIN_CASES],
                         help="--train: the cases timed (default all: positional transformer and grid MLP at rates 0.5, 1.0)")
     parser.add_argument("--out", help="also write the JSON result to this file")
+    bench_policy.add_arguments(parser)
 
 
 def run(args) -> int:
+    if args.policy_forward:
+        return bench_policy.run_policy_forward(args)
     if args.graph:
         return run_graph(args)
     if args.eval:

@@ -131,12 +131,12 @@ class FastDropout(nn.Dropout):
 
 
 class StridedSelfAttention(nn.MultiheadAttention):
-    """nn.MultiheadAttention (same parameters, state-dict keys and results) whose training forward,
-    for batch-first self-attention without attention dropout, takes q, k and v as strided views of
-    one projection and hands them to the fused kernel as they lie. The stock path transposes to
+    """nn.MultiheadAttention (same parameters, state-dict keys and results) whose forward, for
+    batch-first self-attention without attention dropout, takes q, k and v as strided views of one
+    projection and hands them to the fused kernel as they lie. The stock path transposes to
     sequence-first, copies q, k and v apart, and in the backward zero-fills and copies the same
     tensors again: about a fifth of a positional transformer's training step (bench --train).
-    Anything else (evaluation, whose fused fast path is already lean; weights asked for) is the stock path."""
+    Anything else (weights asked for, a causal or explicit mask) is the stock path."""
 
     @classmethod
     def replacing(cls, attention: nn.MultiheadAttention) -> StridedSelfAttention:
@@ -150,7 +150,7 @@ class StridedSelfAttention(nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not (self.training and query is key and key is value and self.batch_first and not need_weights
+        if not (query is key and key is value and self.batch_first and not need_weights
                 and attn_mask is None and not is_causal and self.dropout == 0.0 and self._qkv_same_embed_dim
                 and self.in_proj_bias is not None and self.bias_k is None and not self.add_zero_attn):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
@@ -166,6 +166,19 @@ class StridedSelfAttention(nn.MultiheadAttention):
             mask = key_padding_mask.to(q.dtype).view(batch, 1, 1, length)
         attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(attended.transpose(1, 2).reshape(batch, length, width)), None
+
+
+class FusedAttentionEncoderLayer(nn.TransformerEncoderLayer):
+    """A pre-norm nn.TransformerEncoderLayer (same parameters and state-dict keys) that always takes
+    the composable path, so its StridedSelfAttention reaches the fused attention kernel. PyTorch's
+    inference fast path computes the attention as batched products and a separate softmax: on one
+    CPU thread a positional transformer's forward took 1.2x as long that way (`sps-driving bench
+    --policy-forward`, docs/results/driving/ood_policy/README.md)."""
+
+    def forward(self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
+                src_key_padding_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        x = src + self._sa_block(self.norm1(src), src_mask, src_key_padding_mask, is_causal=is_causal)
+        return x + self._ff_block(self.norm2(x))
 
 
 def readout_mlp(features: int, width: int, dropout: float) -> list[nn.Module]:

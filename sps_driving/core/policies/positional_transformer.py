@@ -23,6 +23,7 @@ from sps_driving.core.policies.blocks import (
     BoundedHead,
     DenseGridInput,
     FastDropout,
+    FusedAttentionEncoderLayer,
     PolicySpec,
     SequencePolicy,
     StandardizedInput,
@@ -51,7 +52,7 @@ class _PositionalTransformer(StandardizedInput, nn.Module):
         self.cell_embedding = nn.Parameter(torch.empty(grid.n, width))
         nn.init.trunc_normal_(self.cell_embedding, std=CELL_EMBEDDING_STD, a=-2 * CELL_EMBEDDING_STD,
                               b=2 * CELL_EMBEDDING_STD)
-        layer = nn.TransformerEncoderLayer(
+        layer = FusedAttentionEncoderLayer(
             width, heads, int(width * mlp_ratio), dropout, activation="gelu", batch_first=True, norm_first=True
         )
         # No dropout on the attention weights (the feed-forward and residual dropout stay): PyTorch's
