@@ -117,6 +117,11 @@ def test_bench_policy_forward_times_each_checkpoint_and_an_ensemble_beside_the_s
     # The transformers also on PyTorch's stock path; the grid MLP has no encoder layer to compare.
     assert list(timed) == ["pt0", "pt0 (stock fast path)", "ens", "ens (stock fast path)", "mlp"]
     assert all(0 < row["p50"] <= row["p99"] and row["kept_patches"] == 32 for row in timed.values())  # half of 8 x 8
+    # The graph bench counts an ensemble's FLOPs on a timing copy with every head.
+    from sps_driving.core.grid import PatchGrid
+
+    copy = bench.timed_policy(PatchGrid(8, 8), 16, "cpu", tmp_path / "ens")
+    assert len(copy.policy.module.heads) == 2 and copy.policy.config["architecture"] == "ensemble"
 
 
 def test_tables_print_like_table_4(blip2, capsys):
@@ -234,6 +239,7 @@ def test_bench_graph_times_the_same_extractor_standalone_and_in_the_graph(tmp_pa
         assert run["eval_worker_extractor_ms"] > 0
         assert run["eval_worker_over_standalone"] == pytest.approx(run["eval_worker_extractor_ms"] / run["standalone_ms"])
         assert run["camera_to_command_p99_ms"] >= run["camera_to_command_p50_ms"] > 0
+        assert run["policy_p99_ms"] >= run["policy_ms"] > 0
         assert configuration["summary"]["graph_over_standalone"]["median"] == pytest.approx(run["graph_over_standalone"])
         counted = dinov2_flops(shape, 64, 32, tokens=configuration["tokens"])
         assert configuration["flops"]["extractor"] == counted["encode"] + counted["descriptors"]

@@ -258,14 +258,22 @@ def timed_policy(grid, dim: int, device: str, policy_dir=None):
     """A policy of the checkpoint's architecture (default: the shipped one) on this backbone's
     grid, with random weights (the time does not depend on them), called as the policy node does
     (`predict_full_window`: a patch policy reads a full window)."""
+    from sps_driving.core.policies import ensemble
     from sps_driving.core.policies.checkpoint import DrivingPolicy, read_policy_config
     from sps_driving.core.policies.registry import PolicyArchitecture, build_policy
     from sps_driving.core.policies.streaming import StreamingPolicy
     from sps_driving.core.selection import SelectionConfig
 
+    def on_this_grid(source: dict) -> dict:
+        return PolicyArchitecture.of(source).config(grid, dim, SelectionConfig.from_dict(source["selection"]),
+                                                    backbone=source.get("backbone"), position_dim=source.get("position_dim"))
+
     source = read_policy_config(policy_dir or shipped_policy())
-    config = PolicyArchitecture.of(source).config(grid, dim, SelectionConfig.from_dict(source["selection"]),
-                                                  backbone=source.get("backbone"), position_dim=source.get("position_dim"))
+    if source.get("architecture") == ensemble.NAME:  # each head of its own architecture
+        members = source["members"]
+        config = ensemble.ensemble_config([on_this_grid(m) for m in members], [m["checkpoint"] for m in members])
+    else:
+        config = on_this_grid(source)
     torch.manual_seed(0)
     return StreamingPolicy(DrivingPolicy(build_policy(config), config, device=device))
 
@@ -757,6 +765,7 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
                     "camera_to_command_p50_ms": report["latency_ms"]["camera_to_command"]["p50"],
                     "camera_to_command_p99_ms": report["latency_ms"]["camera_to_command"]["p99"],
                     "policy_ms": report["compute_ms"].get("policy", {}).get("p50"),
+                    "policy_p99_ms": report["compute_ms"].get("policy", {}).get("p99"),
                     "frames_out": report["frames_out"],
                     "frames_in": report["frames_in"],
                     "graph_over_standalone": None if graph is None else graph / standalone,
@@ -768,7 +777,8 @@ def bench_graph(bag: Path, checkpoint: Path, backbone_config: Path | None, repea
     for configuration in configurations:
         summary = {}
         for key in ("standalone_ms", "standalone_fps", "graph_extractor_ms", "graph_fps", "camera_to_command_p50_ms",
-                    "camera_to_command_p99_ms", "graph_over_standalone", "eval_worker_extractor_ms", "eval_worker_over_standalone"):
+                    "camera_to_command_p99_ms", "policy_ms", "policy_p99_ms", "graph_over_standalone", "eval_worker_extractor_ms",
+                    "eval_worker_over_standalone"):
             values = [run[key] for run in configuration["runs"] if run[key] is not None]
             summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))} if values else None
         results.append({
@@ -856,7 +866,8 @@ def format_graph(result: dict) -> str:
              "graph_over_standalone": "graph / standalone", "eval_worker_extractor_ms": "in an eval worker [ms]",
              "eval_worker_over_standalone": "eval worker / standalone", "standalone_fps": "standalone [frames/s]",
              "graph_fps": "graph lockstep [frames/s]", "camera_to_command_p50_ms": "camera->command p50 [ms]",
-             "camera_to_command_p99_ms": "camera->command p99 [ms]"}
+             "camera_to_command_p99_ms": "camera->command p99 [ms]", "policy_ms": "policy stage p50 [ms]",
+             "policy_p99_ms": "policy stage p99 [ms]"}
     for configuration in result["configurations"]:
         facts = configuration["standalone_extractor"]
         lines += ["", configuration["label"] + (" (a timing copy of the checkpoint: its commands mean nothing)"
