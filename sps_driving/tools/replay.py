@@ -219,8 +219,9 @@ class _GraphOutputs:
 
 def _latency_and_compute(frames: dict, outputs: _GraphOutputs) -> tuple[dict, dict]:
     """(latency, compute) percentiles in ms: each stage's output and the command after the frame
-    entered the graph; each stage's compute, and the graph overhead: end-to-end latency minus the
-    compute on the critical path (extractor, policy)."""
+    entered the graph; each stage's compute (until its output is ready), and the graph overhead:
+    end-to-end latency minus the compute on the critical path (extractor, policy), so transport,
+    the publishing of each output included."""
 
     def latencies(topic):
         return {s: (t - frames[s]) / 1e6 for s, t in outputs.first_seen[topic].items() if s in frames}

@@ -168,9 +168,11 @@ class ExtractorNode(Node):
             if not np.all(np.isfinite(values)):
                 self._drop_invalid(stamp, "non-finite descriptors")
                 continue
-            self.publisher.publish(msgs.descriptors_message(values, indices, stamp, msg.header.frame_id))
+            message = msgs.descriptors_message(values, indices, stamp, msg.header.frame_id)
+            ready = time.perf_counter()
+            self.publisher.publish(message)
             self.counters["frames"] += 1
-            self.stage_timer.publish(stamp, started, {**self.counters, **self.facts})
+            self.stage_timer.publish(stamp, started, ready, {**self.counters, **self.facts})
 
     def _drop_invalid(self, stamp: int, why: str) -> None:
         self.counters["dropped_invalid"] += 1

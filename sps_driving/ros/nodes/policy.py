@@ -144,14 +144,16 @@ class PolicyNode(Node):
             self.stage_timer.dropped(stamp, str(exc), self.counters)
             self.get_logger().error(f"dropped descriptors: {exc}", throttle_duration_sec=1.0)
             return
-        self.publisher.publish(msgs.to_ros(msgs.command_fields(steering, throttle, stamp)))
+        command = msgs.to_ros(msgs.command_fields(steering, throttle, stamp))
+        ready = time.perf_counter()
+        self.publisher.publish(command)
         if self.ood is not None:
             self.ood.publish(stamp, values)
         self.counters.update(self.streaming.counts)
         if self.overlay is not None and self.counters["frames"] % self.overlay.every_n == 0:
             self.overlay.submit(stamp, values, indices, state)
         self.counters["frames"] += 1
-        self.stage_timer.publish(stamp, started, self.counters)
+        self.stage_timer.publish(stamp, started, ready, self.counters)
 
     def destroy_node(self):
         if self.overlay is not None:

@@ -64,9 +64,11 @@ class SelectionNode(Node):
         started = time.perf_counter()
         stamp = msgs.stamp_ns(info.header)
         indices = self.selector.select(stamp)
-        self.publisher.publish(msgs.selection_message(indices, self.grid.rows, self.grid.cols, stamp, info.header.frame_id))
+        message = msgs.selection_message(indices, self.grid.rows, self.grid.cols, stamp, info.header.frame_id)
+        ready = time.perf_counter()
+        self.publisher.publish(message)
         self.frames += 1
-        self.stage_timer.publish(stamp, started, {"frames": self.frames, "kept": len(indices)})
+        self.stage_timer.publish(stamp, started, ready, {"frames": self.frames, "kept": len(indices)})
 
 
 def main(args=None) -> int:
