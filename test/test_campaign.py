@@ -251,6 +251,7 @@ def test_status_shows_states_measured_times_and_what_is_left(reference, tmp_path
     assert by_step["drives"]["state"] == "done" and by_step["drives"]["measured_min"] > 0
     assert by_step["cache"]["state"] == "left" and "pixels.yaml modified" in by_step["cache"]["reason"]
     assert [by_step[s]["reason"] for s in ("train", "eval", "tables")] == ["after cache", "after train", "after eval"]
+    assert status["run_order"] == ["cache", "train", "eval", "tables"]
     # What is left is each step's measured cost (its finished attempt), not the plan's estimate.
     measured = {s.name: runner.measured_minutes(load_plan(root / "plan.yaml"), s) for s in load_plan(root / "plan.yaml").steps}
     assert status["left_min"] == pytest.approx(sum(measured[s] for s in ("cache", "train", "eval", "tables")), abs=0.05)

@@ -3,9 +3,9 @@
     sps-driving campaign status docs/results/driving/ood_policy/plan.yaml
     sps-driving campaign run docs/results/driving/ood_policy/plan.yaml --budget 150
 
-`run` runs the steps left in plan order through DVC and commits the results folder after each;
-`status` shows each step done, running or left, the measured time of those done and the estimate
-of what is left. `step` is what DVC runs for one step (not for use by hand).
+`run` runs the steps left through DVC, those that need nothing rebuilt first, and commits the
+results folder after each; `status` shows each step done, running or left, the measured time of
+those done, the estimate of what is left and the order `run` takes them in. `step` is what DVC runs for one step (not for use by hand).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sps_driving.campaign.plan import load_plan
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    run = actions.add_parser("run", help="run the steps left, in plan order, through DVC")
+    run = actions.add_parser("run", help="run the steps left through DVC, those that need nothing rebuilt first")
     run.add_argument("plan", help="the plan file (YAML)")
     run.add_argument("--budget", type=float, metavar="MINUTES",
                      help="start only steps whose estimate fits the minutes left (a step resumable in units: one unit), "
@@ -59,13 +59,16 @@ def run(args) -> int:
         print(json.dumps({"campaign": plan.name, "steps": [
             {"step": s.step.name, "state": s.state, "measured_min": round(s.measured_min, 2),
              "left_min": round(s.left_min, 2), "reason": s.reason} for s in current],
-            "left_min": round(sum(s.left_min for s in current), 2)}, indent=1))
+            "left_min": round(sum(s.left_min for s in current), 2),
+            "run_order": [s.name for s in runner.to_run(plan, current)]}, indent=1))
     else:
         print(status_table(plan, current))
     return 0
 
 
 def status_table(plan, current) -> str:
+    from sps_driving.campaign import runner
+
     done = [s for s in current if s.left_min == 0]
     width = max(len(s.step.name) for s in current)
     lines = [f"campaign {plan.name} ({plan.path.name}): {len(done)} of {len(current)} steps done, "
@@ -85,4 +88,7 @@ def status_table(plan, current) -> str:
     spent = sum(s.measured_min for s in done)
     lines.append(f"measured so far: {spent:.0f} min; left: about {total:.0f} min ({total / 60:.1f} h) on this machine, "
                  "from the measured cost of each step's finished attempt where it has one, else the plan's estimate_min")
+    order = [s.name for s in runner.to_run(plan, current)]
+    if order:
+        lines.append("`run` takes them in this order: " + ", ".join(order))
     return "\n".join(lines)
