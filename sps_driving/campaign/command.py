@@ -5,7 +5,8 @@
 
 `run` runs the steps left through DVC, those that need nothing rebuilt first, and commits the
 results folder after each; `status` shows each step done, running or left, the measured time of
-those done, the estimate of what is left and the order `run` takes them in. `step` is what DVC runs for one step (not for use by hand).
+those done, the estimate of what is left and the order `run` takes them in. `step` is what DVC
+runs for one step (not for use by hand).
 """
 
 from __future__ import annotations
