@@ -219,6 +219,23 @@ def quiet_thread_pools() -> None:
     ThreadpoolController().select(internal_api="openblas").limit(limits=1)
 
 
+class _InterruptWhileStarting:
+    """Python's SIGINT handler in a node process: it raises KeyboardInterrupt only while the node is
+    being built, where nothing spins yet. Later, rclpy's handler (which rclpy.init installs in front
+    of this one) shuts the context down and that ends the spin. Ctrl-C reaches every process of a
+    launch's group and launch passes it on as well, so a second SIGINT can land anywhere in the
+    teardown, even as `finally` begins, and raising there would cut the teardown short."""
+
+    def __init__(self):
+        self.starting = True
+        signal.signal(signal.SIGINT, self)
+
+    def __call__(self, _signum, _frame):
+        if self.starting:
+            self.starting = False
+            raise KeyboardInterrupt
+
+
 def run(node_class, args=None) -> int:
     """Init, spin until Ctrl-C or shutdown, clean up. A node that cannot start (bad parameter,
     missing checkpoint) prints one clear error and exits with status CANNOT_START (78).
@@ -231,21 +248,23 @@ def run(node_class, args=None) -> int:
     quiet_thread_pools()
     stop_with_parent()
     fail_safe = hasattr(node_class, "fail_safe_exit")
-    if fail_safe:
-        from rclpy.signals import SignalHandlerOptions
-
-        rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
-    else:
-        rclpy.init(args=args)
     name = getattr(node_class, "NODE_NAME", node_class.__name__)
+    interrupt = _InterruptWhileStarting()
     node = None
     status = 0
     try:
+        if fail_safe:
+            from rclpy.signals import SignalHandlerOptions
+
+            rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+        else:
+            rclpy.init(args=args)
         try:
             node = node_class()
         except (ValueError, FileNotFoundError, OSError) as exc:
             print(f"[{name}] cannot start: {exc}", file=sys.stderr, flush=True)
             return CANNOT_START
+        interrupt.starting = False
         if fail_safe:
             status = _spin_fail_safe(node)
         else:
@@ -253,8 +272,8 @@ def run(node_class, args=None) -> int:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        # Ctrl-C reaches every process of the launch's group and launch passes it on as well: the
-        # second SIGINT must not cut the teardown short (SIGTERM and SIGKILL still end it).
+        interrupt.starting = False
+        # rclpy's handler goes too: a second shutdown of the context must not race the teardown's.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if node is not None:
             node.destroy_node()
