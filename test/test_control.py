@@ -5,6 +5,7 @@ import math
 import pytest
 
 from sps_driving.core.control import (
+    SPEED_CAP_MAX_BRAKE,
     SYSTEMS,
     ControlLimits,
     EngageState,
@@ -14,6 +15,7 @@ from sps_driving.core.control import (
     SystemStatus,
     VehicleCommand,
     VehicleLogic,
+    capped_throttle,
     to_pacmod,
 )
 from sps_driving.core.failsafe import Failsafe, FailsafeState
@@ -483,3 +485,12 @@ def test_a_disabled_system_followed_by_the_report_saying_why_gets_that_cause():
     assert logic.last_event == Event.CAN_TIMEOUT.value and logic.disengagements == {"can_timeout": 1}
     logic.on_global_report(GlobalStatus(False, fault=True), 0.5)  # much later: a new fact, not this cause
     assert logic.last_event == Event.CAN_TIMEOUT.value
+
+
+def test_a_speed_cap_fades_the_accelerator_and_brakes_gently_above_it():
+    assert capped_throttle(0.2, speed_mps=2.0, cap_mps=8.0) == 0.2  # well below: the command as it is
+    assert 0.0 < capped_throttle(1.0, speed_mps=7.5, cap_mps=8.0) < 0.2  # near it: less accelerator
+    assert capped_throttle(1.0, speed_mps=8.0, cap_mps=8.0) == 0.0  # at it: none
+    assert -SPEED_CAP_MAX_BRAKE < capped_throttle(0.5, speed_mps=8.5, cap_mps=8.0) < 0.0  # above: a brake growing with the excess
+    assert capped_throttle(0.5, speed_mps=20.0, cap_mps=8.0) == -SPEED_CAP_MAX_BRAKE  # and no harder than the gentle pedal
+    assert capped_throttle(-0.9, speed_mps=20.0, cap_mps=8.0) == -0.9  # a harder brake the policy asks for is kept

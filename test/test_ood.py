@@ -224,6 +224,27 @@ def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apar
     assert slow["ood"]["slowed_frames"] == 20 and slow["ood"]["cruise_scale"] == 0.5 and not slow["handover"]
 
 
+def test_a_slow_down_by_speed_cap_slows_the_car_whatever_the_policy_commands(tmp_path):
+    from samples import tiny_dinov2_policy
+
+    from sps_driving.cli import main
+
+    ckpt = tiny_dinov2_policy(tmp_path / "policy", state_inputs=("speed_mps", "target_speed_mps"))
+    common = ["eval", "--policy", str(ckpt), "--episodes", "1", "--episode-s", "3.0", "--workers", "1", "--no-failure-strips",
+              "--scenarios", "rural-summer-dry-day-car", "--out", str(tmp_path / "eval")]
+    with pytest.raises(SystemExit, match="slow-by speed_cap is how"):
+        main(common + ["--slow-by", "speed_cap"])
+    calibration_of(ckpt)
+    for extra in ([], ["--cruise-scale", "0.3", "--slow-by", "speed_cap"]):
+        assert main(common + extra) == 0
+    rows = {r["method"]: r for r in (json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines())}
+    off, capped = rows["SPS-50"], rows["SPS-50-slow0.3-cap"]
+    assert capped["ood"]["slow_by"] == "speed_cap" and capped["ood"]["slowed_frames"] == capped["ood"]["frames"] == 30
+    # The random policy's own throttle is the same in both; the cap brakes the car from the episode's
+    # start speed towards 0.3 of its target.
+    assert capped["mean_speed_mps"] < off["mean_speed_mps"] - 1.0
+
+
 def test_replay_reports_the_score_distribution_and_the_frames_above_each_threshold():
     from types import SimpleNamespace
 

@@ -196,6 +196,20 @@ def clip(value: float, low: float, high: float) -> float:
     return min(max(value, low), high)
 
 
+# A lowered speed cap (the safety monitor slowing the car) must slow it within seconds: the
+# accelerator cut alone would coast, and a car coasts down for a minute. The brake grows with the
+# excess over the cap up to a gentle pedal (about 1.8 m/s^2 in config/sim.yaml's car).
+SPEED_CAP_GAIN_PER_MPS = 0.2  # throttle fraction per m/s below (accelerator) or above (brake) the cap
+SPEED_CAP_MAX_BRAKE = 0.3  # brake pedal fraction the cap applies at most
+
+
+def capped_throttle(throttle: float, speed_mps: float, cap_mps: float) -> float:
+    """`throttle` ([-1, 1], negative brakes) under a speed cap: the accelerator fades out as the
+    speed nears the cap, and above it a brake grows with the excess, up to SPEED_CAP_MAX_BRAKE;
+    a harder brake the command asks for is kept."""
+    return min(throttle, max(-SPEED_CAP_MAX_BRAKE, SPEED_CAP_GAIN_PER_MPS * (cap_mps - speed_mps)))
+
+
 class VehicleLogic:
     """The whole decision of the vehicle interface. Drive-by-wire reports are always needed (a car
     without them gets reports made up by its backend from what was commanded).

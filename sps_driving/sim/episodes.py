@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sps_driving.core.control import capped_throttle
 from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, SELECTION_DISAGREEMENT, SelectionDisagreement
 from sps_driving.sim.config import frame_stamp_ns
 from sps_driving.sim.expert import Command, Expert
@@ -208,9 +209,16 @@ class PolicyDriver:
         """The episode loop's driver: the command for `frame`'s camera image (with all_patches,
         frame.descriptors gets every patch's descriptor; None for a dropped frame)."""
         state = driving_state(frame.world)
-        if self.ood_log is not None:
-            state["target_speed_mps"] *= self.ood_log.cruise_scale
+        log = self.ood_log
+        cap_mps = None
+        if log is not None and log.cruise_scale < 1.0:
+            if log.slow_by == "speed_cap":
+                cap_mps = log.cruise_scale * state["target_speed_mps"]
+            else:
+                state["target_speed_mps"] *= log.cruise_scale
         command = Command(*self(frame.image, frame.stamp_ns, state))
+        if cap_mps is not None:
+            command = Command(command.steering, capped_throttle(command.throttle, state["speed_mps"], cap_mps))
         frame.descriptors = self.frame_descriptors
         if self.ood_log is not None:
             self.ood_log.frame(frame.world.time, None if self._seen is None else self._scores(frame.stamp_ns, state),

@@ -33,7 +33,7 @@ from sps_driving.core.resources import source_revision
 from sps_driving.sim.config import PROFILES, load_sim_config, widen_view
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
-from sps_driving.sim.ood_log import ood_settings
+from sps_driving.sim.ood_log import SLOW_BY, ood_settings
 from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missing_tasks, read_results
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
@@ -143,19 +143,23 @@ def _check_wider_view(policy_dir: str, policy_config: dict, scale: float) -> Non
 
 
 def _method_suffix(args) -> str:
-    """What the options add to the method's name: the int8 graph, the OOD rule, a constant cruise scale."""
+    """What the options add to the method's name: the int8 graph, the OOD rule, a constant cruise scale,
+    a slow-down by speed cap."""
     return ((INT8_SUFFIX if args.precision == "int8" else "") + (OOD_RULE_SUFFIX if args.ood_rule else "")
-            + (f"-slow{args.cruise_scale:g}" if args.cruise_scale != 1.0 else ""))
+            + (f"-slow{args.cruise_scale:g}" if args.cruise_scale != 1.0 else "")
+            + ("-cap" if args.slow_by == "speed_cap" else ""))
 
 
 def _ood_settings(args) -> dict:
     """The `ood` entry of the simulator config (sps_driving.sim.ood_log.ood_settings) the options ask for."""
     if (args.ood_rule or args.cruise_scale != 1.0 or args.selection_draws) and (args.graph or args.expert):
         raise SystemExit("eval: --ood-rule, --cruise-scale and --selection-draws drive a policy in process")
+    if args.slow_by != SLOW_BY[0] and not (args.ood_rule or args.cruise_scale != 1.0):
+        raise SystemExit(f"eval: --slow-by {args.slow_by} is how --ood-rule or --cruise-scale slows the car; give one")
     try:
         ood = load_ood_config(args.ood_config)
         return ood_settings(ood["rule"] if args.ood_rule else None, ood["score"]["method"], args.cruise_scale,
-                            args.selection_draws)
+                            args.selection_draws, args.slow_by)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"eval: {exc}") from None
 
@@ -216,6 +220,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cruise-scale", type=float, default=1.0, metavar="S",
                         help="in process: every frame's cruise target times S (the rule's constant-slow baseline); the "
                              "method is named with '-slowS' appended")
+    parser.add_argument("--slow-by", choices=SLOW_BY, default=SLOW_BY[0],
+                        help="how the rule or a cruise scale slows the car: the policy's cruise target (as the graph "
+                             "does), or a speed cap at the scaled target enforced on the throttle while the policy reads "
+                             "its own target; the method is named with '-cap' appended for the second")
     parser.add_argument("--selection-draws", type=int, default=0, metavar="K",
                         help="in process: also log each frame's steering spread (rad) over K other selections of it "
                              "(`selection_disagreement` in the rows' per-frame scores; every patch is extracted)")

@@ -1,10 +1,12 @@
 """The OOD score in evaluation episodes: every frame's scores logged, and the safety monitor's rule
 (sps_driving.core.monitor.OodRule) acting on them as in the graph.
 
-With the rule on, the policy's cruise target is multiplied by the rule's scale from the frame after
-a score above the slow threshold, and a requested handover ends the episode there: the safety
-driver takes the wheel. A constant cruise scale (the rule's honest baseline, a slower target
-everywhere) multiplies every frame's target instead. Rows get `ood`: per-frame time, scores of
+With the rule on, the car is slowed by the rule's scale from the frame after a score above the
+slow threshold, and a requested handover ends the episode there: the safety driver takes the
+wheel. A constant cruise scale (the rule's honest baseline, slower everywhere) slows every frame
+instead. How the car is slowed (`SLOW_BY`): the policy's cruise target times the scale, as the
+graph does, or a speed cap at the scale times the target, enforced on the throttle command
+(sps_driving.core.control.capped_throttle) while the policy reads its own target. Rows get `ood`: per-frame time, scores of
 each method (sps_driving.core.ood.METHODS, with a calibration; HEAD_DISAGREEMENT, for an ensemble;
 SELECTION_DISAGREEMENT, with selection draws), the steering command each frame gave (rad; the
 report derives scores of the policy's own behaviour from it) and the failure times, the frames
@@ -19,11 +21,13 @@ from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import METHODS
 
 SCORE_DIGITS = 4  # decimals kept of each logged score
+SLOW_BY = ("target", "speed_cap")
 
 
-def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, selection_draws: int = 0) -> dict:
+def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, selection_draws: int = 0,
+                 slow_by: str = SLOW_BY[0]) -> dict:
     """The `ood` entry of an evaluation's simulator config: the rule's settings (None: off), the
-    score it reads, a constant cruise scale, and the other selections of each frame whose steering
+    score it reads, a constant cruise scale, how a scale slows the car, and the other selections of each frame whose steering
     spread is logged (0: none; sps_driving.core.ood.SelectionDisagreement); checked here so a bad
     one stops the run, not a worker."""
     if rule is not None:
@@ -36,7 +40,10 @@ def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, sele
         raise ValueError("the OOD rule and a constant cruise scale are two methods: evaluate them apart")
     if selection_draws != 0 and selection_draws < 2:
         raise ValueError(f"selection draws must be 0 (none) or at least 2, got {selection_draws}")
-    return {"rule": rule, "method": method, "cruise_scale": float(cruise_scale), "selection_draws": int(selection_draws)}
+    if slow_by not in SLOW_BY:
+        raise ValueError(f"slow by must be one of {SLOW_BY}, got {slow_by!r}")
+    return {"rule": rule, "method": method, "cruise_scale": float(cruise_scale), "selection_draws": int(selection_draws),
+            "slow_by": slow_by}
 
 
 class OodEpisodeLog:
@@ -47,6 +54,7 @@ class OodEpisodeLog:
         settings = settings or {}
         self.method = settings.get("method", METHODS[-1])
         self.fixed_scale = float(settings.get("cruise_scale", 1.0))
+        self.slow_by = settings.get("slow_by", SLOW_BY[0])
         rule = settings.get("rule")
         self.rule = None if rule is None else OodRule(OodRuleConfig.from_config(rule))
         self.times: list[float] = []
@@ -84,6 +92,6 @@ class OodEpisodeLog:
         return self.handover_s is not None
 
     def as_dict(self) -> dict:
-        return {"method": self.method, "rule": self.rule is not None, "cruise_scale": self.fixed_scale,
+        return {"method": self.method, "rule": self.rule is not None, "cruise_scale": self.fixed_scale, "slow_by": self.slow_by,
                 "time_s": self.times, "scores": self.scores, "steering_rad": self.steering, "failure_times_s": self.failure_times,
                 "slowed_frames": self.slowed_frames, "frames": len(self.times), "handover_s": self.handover_s}
