@@ -189,6 +189,24 @@ def test_limits_and_speed_cap():
     assert StopReason.OVERSPEED in last.reasons and last.throttle == -LIMITS.stop_brake
 
 
+def test_the_safety_monitors_slow_down_caps_the_speed_at_its_scale_of_the_cruise_target():
+    logic, car = engaged()
+    car.speed, car.command = 5.0, (0.0, 0.3)
+    assert car.run(0.1, 0.2)[-1].throttle == pytest.approx(0.3)  # not slowed: the policy's throttle
+    assert logic.on_cruise_scale(0.5)
+    assert logic.speed_cap_mps == pytest.approx(0.5 * LIMITS.max_speed_mps)  # no target yet: half the top speed
+    assert logic.on_target_speed(6.0) and logic.speed_cap_mps == pytest.approx(3.0)
+    assert car.run(0.2, 0.3)[-1].throttle == -SPEED_CAP_MAX_BRAKE  # 2 m/s over the cap: the gentle brake
+    car.speed = 3.0
+    assert car.run(0.3, 0.4)[-1].throttle == 0.0  # at the cap: no accelerator
+    for bad in (0.0, 1.5, math.nan):
+        assert not logic.on_cruise_scale(bad)
+    assert not logic.on_target_speed(-1.0) and not logic.on_target_speed(math.inf)
+    assert logic.speed_cap_mps == pytest.approx(3.0)  # the bad ones change nothing
+    assert logic.on_cruise_scale(1.0) and logic.speed_cap_mps == LIMITS.max_speed_mps
+    assert car.run(0.4, 0.5)[-1].throttle == pytest.approx(0.3)
+
+
 def test_the_speed_cap_holds_in_reverse_too():
     logic, car = engaged()
     car.speed = -LIMITS.max_speed_mps  # PACMod's vehicle_speed is signed

@@ -1,6 +1,6 @@
 """vehicle_interface ("topics" backend) and safety_monitor as real processes over DDS: engagement
 through the services, limits, latched stops with their reasons, overrides and the re-arm lockout,
-a second publisher on the stop request, REP 117 ranges, a stepped ROS clock, and the exit
+a second publisher on the stop request, the OOD rule's slow-down, REP 117 ranges, a stepped ROS clock, and the exit
 sequence on SIGTERM (test_nodes_vehicle_exit.py). The PACMod 3 backend against the stand-in
 driver: test_nodes_pacmod.py."""
 
@@ -12,7 +12,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PoseStamped, TwistStamped
 from ros_helpers import Probe, Rate
 from sensor_msgs.msg import CameraInfo, JointState, Range
-from std_msgs.msg import Bool
+from std_msgs.msg import Bool, Float32
 from std_srvs.srv import SetBool, Trigger
 
 from sps_driving.core import topics
@@ -220,6 +220,37 @@ def test_a_second_stop_request_publisher_stops_and_blocks_engagement(rig):
     assert not answer.success and "duplicate_publisher" in answer.message
     probe.node.destroy_publisher(rogue)
     engage(probe, inputs)
+
+
+def test_the_ood_rules_slow_down_caps_the_speed_at_its_scale_of_the_cruise_target(rig):
+    graph, probe = rig
+    inputs = Inputs(probe)  # the car at 3 m/s, the policy asking for 0.2 throttle
+    inputs.steering = 0.0
+    engage(probe, inputs)
+    scale = probe.publisher(topics.CRUISE_SCALE, Float32, "control")
+    target = probe.publisher(topics.TARGET_SPEED, TwistStamped, "sensor_out")
+    wait_for_subscribers(scale, 1, 10)
+    wait_for_subscribers(target, 1, 10)
+
+    def slowed_to(value, cap_mps):
+        def tick():
+            inputs.tick()
+            scale.publish(Float32(data=value))
+            target.publish(msgs.to_ros(msgs.twist_fields(4.0, time.time_ns())))
+
+        assert probe.spin_until(lambda: vehicle(probe)[2].get("speed_cap_mps") == f"{cap_mps:.2f}", 3, every=tick), vehicle(probe)
+        probe.received[topics.ACTUATION].clear()
+        probe.spin_until(lambda: False, 0.3, every=tick)
+        return [t for _, t in actuation(probe)]
+
+    dropped = int(vehicle(probe)[2]["dropped_messages"])
+    assert all(t == pytest.approx(-0.2) for t in slowed_to(0.5, 2.0))  # 1 m/s over a cap of 0.5 x 4 m/s: a gentle brake
+    assert drives(probe)  # slowed, not stopped
+    assert all(t == pytest.approx(0.2) for t in slowed_to(1.0, 8.0))  # the rule lets go: the policy's throttle again
+    slowed_to(1.5, 8.0)  # not a scale: dropped and counted, the cap unchanged
+    assert int(vehicle(probe)[2]["dropped_messages"]) > dropped
+    probe.node.destroy_publisher(scale)
+    probe.node.destroy_publisher(target)
 
 
 def test_lane_failure_and_an_obstacle_too_close_to_measure_stop(rig):

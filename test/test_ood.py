@@ -212,8 +212,8 @@ def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apar
     for extra in ([], ["--ood-rule", "--ood-config", str(tmp_path / "ood.yaml")], ["--cruise-scale", "0.5"]):
         assert main(common + extra + ["--out", str(out)]) == 0
     rows = {r["method"]: r for r in (json.loads(line) for line in (out / "results.jsonl").read_text().splitlines())}
-    assert set(rows) == {"SPS-50", "SPS-50+OOD", "SPS-50-slow0.5"}
-    off, on, slow = rows["SPS-50"], rows["SPS-50+OOD"], rows["SPS-50-slow0.5"]
+    assert set(rows) == {"SPS-50", "SPS-50+OOD-cap", "SPS-50-slow0.5-cap"}  # slowed by the speed cap, as in the graph
+    off, on, slow = rows["SPS-50"], rows["SPS-50+OOD-cap"], rows["SPS-50-slow0.5-cap"]
     assert off["ood"]["frames"] == 20 and not off["handover"] and off["ood"]["handover_s"] is None
     assert all(v > 100 for v in off["ood"]["scores"][config["score"]["method"]])
     # Slowed from the second frame, the handover 0.5 s after the first score: the episode ends there.
@@ -235,7 +235,7 @@ def test_a_slow_down_by_speed_cap_slows_the_car_whatever_the_policy_commands(tmp
     with pytest.raises(SystemExit, match="slow-by speed_cap is how"):
         main(common + ["--slow-by", "speed_cap"])
     calibration_of(ckpt)
-    for extra in ([], ["--cruise-scale", "0.3", "--slow-by", "speed_cap"]):
+    for extra in ([], ["--cruise-scale", "0.3"]):
         assert main(common + extra) == 0
     rows = {r["method"]: r for r in (json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines())}
     off, capped = rows["SPS-50"], rows["SPS-50-slow0.3-cap"]

@@ -130,7 +130,7 @@ def test_every_car_process_has_its_enclave(policy):
         ("rr/vehicle_interface/engageReply", {"vehicle_interface"}),
         ("rr/vehicle_interface/rearmReply", {"vehicle_interface"}),
         ("rt" + topics.TARGET_SPEED, {"operator"}),  # the cruise target the policy reads
-        ("rt" + topics.CRUISE_SCALE, {"safety_monitor"}),  # what the OOD rule multiplies that target by
+        ("rt" + topics.CRUISE_SCALE, {"safety_monitor"}),  # the OOD rule's slow-down: the speed cap's scale of that target
         ("rt" + topics.OOD_SCORE, {"policy"}),
         ("rq/vehicle_interface/set_parametersRequest", set()),  # no one changes limits at run time
     ],

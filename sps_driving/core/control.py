@@ -256,6 +256,8 @@ class VehicleLogic:
         self._systems: dict[str, tuple[SystemStatus, float]] = {}
         self._global: tuple[GlobalStatus, float] | None = None
         self._speed: tuple[float, float] | None = None  # valid speed m/s (negative in reverse), when
+        self._cruise_scale = 1.0  # the safety monitor's slow-down; the latest holds (it sends 1.0 when not slowing)
+        self._target_speed: float | None = None  # m/s, the cruise target the safety driver set; the latest holds
         self._forward_gear: tuple[bool, float] | None = None  # a forward gear reported, when
         self._override_cleared: set[str] = set()  # reports (systems, "global") seen without override while engaging
         self._duplicates: dict[str, int] = {}
@@ -301,6 +303,29 @@ class VehicleLogic:
     def on_speed(self, speed_mps: float, valid: bool, now_s: float) -> None:
         if valid and math.isfinite(speed_mps):
             self._speed = (float(speed_mps), now_s)
+
+    def on_cruise_scale(self, scale: float) -> bool:
+        """The safety monitor's slow-down (topics.CRUISE_SCALE), in (0, 1]; False (ignored) otherwise."""
+        if not 0.0 < scale <= 1.0:  # False for NaN
+            return False
+        self._cruise_scale = float(scale)
+        return True
+
+    def on_target_speed(self, target_mps: float) -> bool:
+        """The cruise target (topics.TARGET_SPEED), m/s; False (ignored) when not a finite speed >= 0."""
+        if not (math.isfinite(target_mps) and target_mps >= 0.0):
+            return False
+        self._target_speed = float(target_mps)
+        return True
+
+    @property
+    def speed_cap_mps(self) -> float:
+        """No accelerator at or above this speed: max_speed_mps, or while the safety monitor slows the
+        car, its scale times the cruise target (times max_speed_mps until a target arrives)."""
+        top = self.limits.max_speed_mps
+        if self._cruise_scale == 1.0:
+            return top
+        return self._cruise_scale * (top if self._target_speed is None else min(self._target_speed, top))
 
     def on_gear(self, forward: bool, now_s: float) -> None:
         """The gear report: True for a forward gear (PACMod SHIFT_FORWARD or SHIFT_LOW)."""
@@ -503,8 +528,11 @@ class VehicleLogic:
         target, throttle, stamp = self._command
         throttle = clip(throttle, -lim.max_brake, lim.max_throttle)
         speed = self._speed[0] if self._speed is not None else None
-        if speed is not None and now_s - self._speed[1] <= lim.max_report_age_s and abs(speed) >= lim.max_speed_mps:
-            throttle = min(throttle, 0.0)
+        if speed is not None and now_s - self._speed[1] <= lim.max_report_age_s:
+            if abs(speed) >= lim.max_speed_mps:
+                throttle = min(throttle, 0.0)
+            if self._cruise_scale < 1.0:  # slowed: within seconds, with a gentle brake (capped_throttle)
+                throttle = max(capped_throttle(throttle, abs(speed), self.speed_cap_mps), -lim.max_brake)
         target = clip(target, -lim.max_road_wheel_angle_rad, lim.max_road_wheel_angle_rad)
         step = lim.max_steering_rate_rad_s * dt
         self._steering = clip(target, self._steering - step, self._steering + step)

@@ -333,7 +333,7 @@ class OodStatus:
     score: float  # the latest score (NaN: none yet or stale)
     stale: bool  # no score within max_score_age_s
     slowed: bool  # the cruise target is lowered
-    cruise_scale: float  # what the cruise target is multiplied by now (1.0 when not slowed)
+    cruise_scale: float  # the fraction of the cruise target the speed is capped at now (1.0 when not slowed)
     handover_requested: bool
     new_handover: bool  # the request began at this step
     stop_requested: bool  # a request went unanswered for handover_timeout_s
@@ -341,7 +341,7 @@ class OodStatus:
 
 
 class OodRule:
-    """Score -> lowered cruise target, handover request (with hysteresis) and, unanswered, a stop.
+    """Score -> slow-down (a fraction of the cruise target), handover request (with hysteresis) and, unanswered, a stop.
 
     Slowed while the score is above slow_threshold and for slow_hold_s after. A handover is requested
     once the score has stayed above handover_threshold for handover_after_s, and ends once it has

@@ -50,7 +50,8 @@ HANDOVER_EVENT = "requested_handover"
 # sensor_msgs/JointState, name = [the score's method], position = [score]: the OOD score of the kept patches
 # (sps_driving.core.ood; 1.0 = the 99th percentile of held-out training frames), the camera frame's stamp
 OOD_SCORE = "/sps/ood_score"
-CRUISE_SCALE = "/safety/cruise_scale"  # std_msgs/Float32 in (0, 1]: what the safety monitor's OOD rule multiplies the cruise target by
+# std_msgs/Float32 in (0, 1]: the safety monitor's OOD rule; the vehicle interface caps the speed at this fraction of the cruise target
+CRUISE_SCALE = "/safety/cruise_scale"
 # std_msgs/Bool at the safety monitor's rate: true while it asks the safety driver to take over (for the HMI to sound)
 HANDOVER_REQUEST = "/safety/handover_request"
 STAGE_TIMING = "/sps/timing"  # diagnostic_msgs/DiagnosticArray per frame and stage: compute time, frame's stamp

@@ -147,19 +147,27 @@ def _method_suffix(args) -> str:
     a slow-down by speed cap."""
     return ((INT8_SUFFIX if args.precision == "int8" else "") + (OOD_RULE_SUFFIX if args.ood_rule else "")
             + (f"-slow{args.cruise_scale:g}" if args.cruise_scale != 1.0 else "")
-            + ("-cap" if args.slow_by == "speed_cap" else ""))
+            + ("-cap" if _slows(args) and _slow_by(args) == "speed_cap" else ""))
+
+
+def _slows(args) -> bool:
+    return args.ood_rule or args.cruise_scale != 1.0
+
+
+def _slow_by(args) -> str:
+    return args.slow_by or SLOW_BY[0]
 
 
 def _ood_settings(args) -> dict:
     """The `ood` entry of the simulator config (sps_driving.sim.ood_log.ood_settings) the options ask for."""
-    if (args.ood_rule or args.cruise_scale != 1.0 or args.selection_draws) and (args.graph or args.expert):
+    if (_slows(args) or args.selection_draws) and (args.graph or args.expert):
         raise SystemExit("eval: --ood-rule, --cruise-scale and --selection-draws drive a policy in process")
-    if args.slow_by != SLOW_BY[0] and not (args.ood_rule or args.cruise_scale != 1.0):
+    if args.slow_by is not None and not _slows(args):
         raise SystemExit(f"eval: --slow-by {args.slow_by} is how --ood-rule or --cruise-scale slows the car; give one")
     try:
         ood = load_ood_config(args.ood_config)
         return ood_settings(ood["rule"] if args.ood_rule else None, ood["score"]["method"], args.cruise_scale,
-                            args.selection_draws, args.slow_by)
+                            args.selection_draws, _slow_by(args))
     except (OSError, ValueError) as exc:
         raise SystemExit(f"eval: {exc}") from None
 
@@ -214,16 +222,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1/S) and widen the policy's extraction to match (16x16 -> 16x24 at 1.5); for policies that "
                              "read a window about the roi's centre (relative_query, mlp with a canvas)")
     parser.add_argument("--ood-rule", action="store_true",
-                        help="in process: the safety monitor's OOD rule acts (config/ood.yaml: lowered cruise target, a "
+                        help="in process: the safety monitor's OOD rule acts (config/ood.yaml: the car slowed, a "
                              "requested handover ends the episode); needs the policy's calibration; the method is named "
                              f"with '{OOD_RULE_SUFFIX}' appended")
     parser.add_argument("--cruise-scale", type=float, default=1.0, metavar="S",
                         help="in process: every frame's cruise target times S (the rule's constant-slow baseline); the "
                              "method is named with '-slowS' appended")
-    parser.add_argument("--slow-by", choices=SLOW_BY, default=SLOW_BY[0],
-                        help="how the rule or a cruise scale slows the car: the policy's cruise target (as the graph "
-                             "does), or a speed cap at the scaled target enforced on the throttle while the policy reads "
-                             "its own target; the method is named with '-cap' appended for the second")
+    parser.add_argument("--slow-by", choices=SLOW_BY,
+                        help="how the rule or a cruise scale slows the car: a speed cap at the scaled cruise target, "
+                             "enforced on the throttle while the policy reads its own target (default, as the vehicle "
+                             "interface does; the method is named with '-cap' appended), or the policy's cruise target "
+                             "times the scale")
     parser.add_argument("--selection-draws", type=int, default=0, metavar="K",
                         help="in process: also log each frame's steering spread (rad) over K other selections of it "
                              "(`selection_disagreement` in the rows' per-frame scores; every patch is extracted)")
@@ -271,7 +280,7 @@ def run(args) -> int:
         method, policy_dir = args.name or method_name(policy_config), str(Path(args.policy).resolve())
         if not args.name:
             method += _method_suffix(args)
-        if args.ood_rule or args.cruise_scale != 1.0:
+        if _slows(args):
             _check_calibration(args.policy, policy_config)
         seed = training_seed(policy_config)
         if args.view_width_scale != 1.0:

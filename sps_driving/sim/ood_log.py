@@ -4,9 +4,10 @@
 With the rule on, the car is slowed by the rule's scale from the frame after a score above the
 slow threshold, and a requested handover ends the episode there: the safety driver takes the
 wheel. A constant cruise scale (the rule's honest baseline, slower everywhere) slows every frame
-instead. How the car is slowed (`SLOW_BY`): the policy's cruise target times the scale, as the
-graph does, or a speed cap at the scale times the target, enforced on the throttle command
-(sps_driving.core.control.capped_throttle) while the policy reads its own target. Rows get `ood`: per-frame time, scores of
+instead. How the car is slowed (`SLOW_BY`): a speed cap at the scale times the cruise target,
+enforced on the throttle command (sps_driving.core.control.capped_throttle) while the policy reads
+its own target, as the graph's vehicle interface does; or the policy's cruise target times the
+scale (the first mechanism measured, which made the shipped policy drive faster). Rows get `ood`: per-frame time, scores of
 each method (sps_driving.core.ood.METHODS, with a calibration; HEAD_DISAGREEMENT, for an ensemble;
 SELECTION_DISAGREEMENT, with selection draws), the steering command each frame gave (rad; the
 report derives scores of the policy's own behaviour from it) and the failure times, the frames
@@ -21,7 +22,7 @@ from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import METHODS
 
 SCORE_DIGITS = 4  # decimals kept of each logged score
-SLOW_BY = ("target", "speed_cap")
+SLOW_BY = ("speed_cap", "target")  # the first is the graph's (the vehicle interface's speed cap)
 
 
 def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, selection_draws: int = 0,
@@ -48,7 +49,7 @@ def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, sele
 
 class OodEpisodeLog:
     """One episode's scores (`logged`: the names each frame has) and the rule's state;
-    `cruise_scale` is what the next frame's target is multiplied by."""
+    `cruise_scale` is the slow-down of the next frame (1.0: none)."""
 
     def __init__(self, settings: dict | None, logged: tuple[str, ...] = METHODS):
         settings = settings or {}

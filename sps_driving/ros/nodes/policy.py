@@ -19,9 +19,9 @@ backwards or a long gap restart the history; the counters say how often (`histor
 With `ood_score` the node scores every commanded frame's kept descriptors against the calibration
 in the checkpoint's folder (sps_driving.core.ood: a missing or mismatched one stops the node at
 start with the reason) and publishes the score on topics.OOD_SCORE with the frame's stamp, after
-the command; the latest is in its timing diagnostics (`ood_score`). While the safety monitor's
-OOD rule lowers the cruise target (topics.CRUISE_SCALE, fresh within `max_target_speed_age_s`),
-a policy that reads the cruise target reads it multiplied by that scale.
+the command; the latest is in its timing diagnostics (`ood_score`). The safety monitor's OOD rule
+slows the car through the vehicle interface's speed cap; the policy reads the cruise target as set
+(a lowered one made the shipped policy drive faster: docs/results/ood_score.md).
 
 With `publish_overlay` the node also shows what the policy sees, on topics.POLICY_OVERLAY: every
 `overlay_every_n`-th commanded frame's camera image (read from topics.IMAGE, matched to the
@@ -98,7 +98,6 @@ class PolicyNode(Node):
         if self.policy.state_inputs:
             self.state_tracker = self._read_state(p)
         self.ood = OodPublisher(self, p) if p["ood_score"] else None
-        self.cruise_scale = CruiseScale(self, p["max_target_speed_age_s"]) if "target_speed_mps" in self.policy.state_inputs else None
         self.overlay = OverlayPublisher(self, p) if p["publish_overlay"] else None
         self.create_subscription(PointCloud2, topics.DESCRIPTORS, self._on_descriptors, msgs.qos("stream"))
         sel = self.policy.selection
@@ -131,8 +130,6 @@ class PolicyNode(Node):
         try:
             values, indices = msgs.descriptors_from_message(msg)
             state = self.state_tracker.at(stamp) if self.state_tracker is not None else None
-            if self.cruise_scale is not None:
-                state["target_speed_mps"] *= self.cruise_scale.now()
             steering, throttle = self.streaming.step(stamp, values, indices, state)
         except StateUnavailable as exc:
             self.counters[f"dropped_state_{exc.kind}"] += 1
@@ -186,32 +183,6 @@ class OodPublisher:
         self.node.counters["ood_score"] = round(score, 4)
         self.publisher.publish(msgs.to_ros(msgs.Fields("sensor_msgs/msg/JointState", {
             "header": msgs.header_fields(stamp, "camera"), "name": [self.method], "position": [score]})))
-
-
-class CruiseScale:
-    """The safety monitor's cruise-target scale (topics.CRUISE_SCALE): 1.0 until one arrives, when
-    it is older than `max_age_s`, or when it is not a number in (0, 1] (counted)."""
-
-    def __init__(self, node: PolicyNode, max_age_s: float):
-        from std_msgs.msg import Float32
-
-        self.node, self.max_age_s = node, max_age_s
-        self._scale, self._time_s = 1.0, None
-        node.counters.update(cruise_scale=1.0, cruise_scale_invalid=0)
-        node.create_subscription(Float32, topics.CRUISE_SCALE, self._on_scale, msgs.qos("control"))
-
-    def _on_scale(self, msg) -> None:
-        value = float(msg.data)
-        if not 0.0 < value <= 1.0:
-            self.node.counters["cruise_scale_invalid"] += 1
-            return
-        self._scale, self._time_s = value, time.monotonic()
-
-    def now(self) -> float:
-        fresh = self._time_s is not None and time.monotonic() - self._time_s <= self.max_age_s
-        scale = self._scale if fresh else 1.0
-        self.node.counters["cruise_scale"] = scale
-        return scale
 
 
 class OverlayPublisher:

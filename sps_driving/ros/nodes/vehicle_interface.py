@@ -7,7 +7,9 @@ messages for the simulator and replays). Every control period it also publishes 
 command on topics.ACTUATION: the heartbeat the failsafe watches.
 
 Engage and disengage are services (topics.ENGAGE_SERVICE, std_srvs/SetBool), and so is the
-re-arm after an override (topics.REARM_SERVICE, std_srvs/Trigger). Watchdogs run on the steady
+re-arm after an override (topics.REARM_SERVICE, std_srvs/Trigger). While the safety monitor's OOD
+rule slows the car (topics.CRUISE_SCALE below 1), the speed cap is that scale times the cruise
+target (topics.TARGET_SPEED): the policy reads its own target. Watchdogs run on the steady
 clock. Any reason to stop gives a controlled stop within one control period; the state, reasons
 and counts are on /diagnostics. All decisions live in sps_driving.core.control.
 
@@ -27,7 +29,7 @@ from geometry_msgs.msg import TwistStamped
 from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from sensor_msgs.msg import CameraInfo, JointState
-from std_msgs.msg import Bool
+from std_msgs.msg import Bool, Float32
 from std_srvs.srv import SetBool, Trigger
 
 from sps_driving.core import topics
@@ -210,6 +212,8 @@ class VehicleInterface(LifecycleNode):
         self.camera_sub = self.create_subscription(CameraInfo, topics.CAMERA_INFO, self._on_camera, msgs.qos("sensor"))
         self.safety_sub = self.create_subscription(DiagnosticArray, topics.SAFETY_STOP, self._on_safety, msgs.qos("control"))
         self.failsafe_sub = self.create_subscription(DiagnosticArray, topics.FAILSAFE_STATUS, self._on_failsafe, msgs.qos("control"))
+        self.create_subscription(Float32, topics.CRUISE_SCALE, self._on_cruise_scale, msgs.qos("control"))
+        self.create_subscription(TwistStamped, topics.TARGET_SPEED, self._on_target_speed, msgs.qos("sensor"))
         self.create_service(SetBool, topics.ENGAGE_SERVICE, self._on_engage)
         self.create_service(Trigger, topics.REARM_SERVICE, self._on_rearm)
         self.create_timer(self.limits.control_period_s, self._tick, clock=self.steady)
@@ -257,6 +261,16 @@ class VehicleInterface(LifecycleNode):
             self.get_logger().error(
                 f"refused command ({steering}, {throttle}) from a frame {latency_s:.3f} s old: stopping", throttle_duration_sec=1.0
             )
+
+    def _on_cruise_scale(self, msg: Float32) -> None:
+        if not self.logic.on_cruise_scale(float(msg.data)):
+            self.dropped_messages += 1
+            self.get_logger().warning(f"dropped a cruise scale of {msg.data}: not in (0, 1]", throttle_duration_sec=1.0)
+
+    def _on_target_speed(self, msg: TwistStamped) -> None:
+        if not self.logic.on_target_speed(float(msg.twist.linear.x)):
+            self.dropped_messages += 1
+            self.get_logger().warning(f"dropped a cruise target of {msg.twist.linear.x} m/s", throttle_duration_sec=1.0)
 
     def _on_camera(self, msg: CameraInfo) -> None:
         self.logic.on_camera(time.monotonic())
@@ -384,6 +398,7 @@ class VehicleInterface(LifecycleNode):
                     "rejected_stop_requests": self.rejected_stop_requests,
                     "steering_rad": f"{command.steering_rad:.5f}",
                     "throttle": f"{command.throttle:.4f}",
+                    "speed_cap_mps": f"{self.logic.speed_cap_mps:.2f}",
                     "hazards": command.hazards,
                 },
                 hardware_id=self.backend.hardware_id,
