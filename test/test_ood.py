@@ -240,6 +240,7 @@ def test_a_slow_down_by_speed_cap_slows_the_car_whatever_the_policy_commands(tmp
     rows = {r["method"]: r for r in (json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines())}
     off, capped = rows["SPS-50"], rows["SPS-50-slow0.3-cap"]
     assert capped["ood"]["slow_by"] == "speed_cap" and capped["ood"]["slowed_frames"] == capped["ood"]["frames"] == 30
+    assert capped["cpu_math"].startswith("ATen ") and "MKL_CBWR=" in capped["cpu_math"]  # the trajectory's provenance
     # The random policy's own throttle is the same in both; the cap brakes the car from the episode's
     # start speed towards 0.3 of its target.
     assert capped["mean_speed_mps"] < off["mean_speed_mps"] - 1.0
