@@ -7,8 +7,8 @@ AVX-512 machine, the shipped policy on one layout (urban day with an animal, 10 
 trajectory run after run, and another one from the third frame on with MKL or oneDNN held to their
 AVX2 paths. Evaluations and DAgger roll-outs therefore pin all three to AVX2, a path every CPU
 with AVX2 runs (for MKL, with the same results: its conditional numerical reproducibility), at no
-measured cost there (21.6-22.4 s for that episode either way). A variable already set is kept, so `MKL_CBWR=AUTO`
-(and the like) turns the pin off. The car and the benchmarks run the fastest path.
+measured cost there (21.6-22.4 s for that episode either way). A variable already set is kept, so
+`MKL_CBWR=AUTO` (and the like) turns the pin off. The car and the benchmarks run the fastest path.
 """
 
 from __future__ import annotations

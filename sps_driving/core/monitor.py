@@ -332,7 +332,7 @@ class OodRuleConfig:
 class OodStatus:
     score: float  # the latest score (NaN: none yet or stale)
     stale: bool  # no score within max_score_age_s
-    slowed: bool  # the cruise target is lowered
+    slowed: bool  # the car is slowed
     cruise_scale: float  # the fraction of the cruise target the speed is capped at now (1.0 when not slowed)
     handover_requested: bool
     new_handover: bool  # the request began at this step

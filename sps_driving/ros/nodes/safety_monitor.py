@@ -7,14 +7,13 @@ stamped, source "safety_monitor"; stop while a failure or a stale required input
 status on /diagnostics; on each failure onset, one DiagnosticArray event on topics.SAFETY_EVENTS.
 
 With `ood_rule` the monitor also acts on the policy's OOD score (topics.OOD_SCORE; the rule and its
-settings: sps_driving.core.monitor.OodRule, config/ood.yaml): at `rate_hz` it publishes the cruise
-target's scale on topics.CRUISE_SCALE (the vehicle interface caps the speed at that scale of the
-cruise target) and, on
-topics.HANDOVER_REQUEST, whether it asks the safety driver to take over (for the car's HMI to
-sound); each request is one event on topics.HANDOVER_EVENTS and puts /diagnostics at ERROR while it
-holds; a request unanswered for handover_timeout_s requests a controlled stop. Taking over
-(disengaging) is the answer: the stop request then brakes nothing, and it ends once the score has
-stayed low for handover_clear_s.
+settings: sps_driving.core.monitor.OodRule, config/ood.yaml): at `rate_hz` it publishes its
+slow-down on topics.CRUISE_SCALE (the vehicle interface caps the speed at that fraction of the
+cruise target) and, on topics.HANDOVER_REQUEST, whether it asks the safety driver to take over
+(for the car's HMI to sound); each request is one event on topics.HANDOVER_EVENTS and puts
+/diagnostics at ERROR while it holds; a request unanswered for handover_timeout_s requests a
+controlled stop. Taking over (disengaging) is the answer: the stop request then brakes nothing, and
+it ends once the score has stayed low for handover_clear_s.
 Logic: sps_driving.core.monitor.
 """
 
