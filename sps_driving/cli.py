@@ -32,7 +32,6 @@ COMMANDS = {
     "ood": ("sps_driving.analysis.ood", "out-of-distribution score: calibrate on a policy's training frames, bench, report"),
     "export": ("sps_driving.tools.export", "export the extractor to ONNX / TensorRT"),
 }
-CLOSED_LOOP = ("eval", "dagger")  # commands that drive the simulator with a policy (sps_driving.core.cpu_math)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,10 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sps-driving", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
-    if chosen in CLOSED_LOOP:
-        from sps_driving.core import cpu_math
-
-        cpu_math.pin()  # before the command's module loads torch
     for name, (module_name, help_text) in COMMANDS.items():
         # argparse %-formats a help string (not a description): a literal % must be %%.
         cmd_parser = sub.add_parser(name, help=help_text.replace("%", "%%"), description=help_text)

@@ -5,12 +5,7 @@ import tempfile
 
 import pytest
 
-from sps_driving.core import cpu_math
 from sps_driving.ros.graph import isolate_ros
-
-# Evaluations in this process and in the worker processes it starts must take the same math path
-# as a command-line `eval` (sps_driving.core.cpu_math), which is decided at torch's first op.
-cpu_math.pin()
 
 # Node tests talk over DDS on this machine only (UDP on 127.0.0.1, the car graph's settings
 # otherwise: config/fastdds_loopback.xml), in a domain of the test run's own (or

@@ -228,6 +228,7 @@ def test_a_slow_down_by_speed_cap_slows_the_car_whatever_the_policy_commands(tmp
     from samples import tiny_dinov2_policy
 
     from sps_driving.cli import main
+    from sps_driving.core import host
 
     ckpt = tiny_dinov2_policy(tmp_path / "policy", state_inputs=("speed_mps", "target_speed_mps"))
     common = ["eval", "--policy", str(ckpt), "--episodes", "1", "--episode-s", "3.0", "--workers", "1", "--no-failure-strips",
@@ -240,7 +241,8 @@ def test_a_slow_down_by_speed_cap_slows_the_car_whatever_the_policy_commands(tmp
     rows = {r["method"]: r for r in (json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines())}
     off, capped = rows["SPS-50"], rows["SPS-50-slow0.3-cap"]
     assert capped["ood"]["slow_by"] == "speed_cap" and capped["ood"]["slowed_frames"] == capped["ood"]["frames"] == 30
-    assert capped["cpu_math"].startswith("ATen ") and "MKL_CBWR=" in capped["cpu_math"]  # the trajectory's provenance
+    assert capped["host"] == host.describe() and "; ATen " in capped["host"]  # the kind of CPU it drove on
+    assert f"Host (sps_driving.core.host): {host.describe()}" in (tmp_path / "eval" / "table1.md").read_text()
     # The random policy's own throttle is the same in both; the cap brakes the car from the episode's
     # start speed towards 0.3 of its target.
     assert capped["mean_speed_mps"] < off["mean_speed_mps"] - 1.0

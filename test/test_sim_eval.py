@@ -374,27 +374,3 @@ def test_results_name_policies_without_machine_paths_and_read_older_absolute_one
         caches = json.loads(path.read_text()).get("training", {}).get("cache", [])
         assert not any(Path(cache).is_absolute() for cache in ([caches] if isinstance(caches, str) else caches)), path
 
-
-def test_closed_loop_commands_pin_the_cpu_math_path(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from sps_driving.core import cpu_math
-
-    # The command's --help exits after its module loaded torch; ATen picks its kernels at the first op.
-    probe = ("import sys, torch; from sps_driving.cli import main\n"
-             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-             "print(torch.backends.cpu.get_cpu_capability())")
-    env = {k: v for k, v in os.environ.items() if k not in cpu_math.PINNED}
-
-    def capability(*argv, **extra):
-        done = subprocess.run([sys.executable, "-c", probe, *argv], env={**env, **extra}, capture_output=True, text=True, check=True)
-        return done.stdout.splitlines()[-1]
-
-    assert capability("eval", "--help") == "AVX2"
-    assert capability("dagger", "--help") == "AVX2"
-    assert capability("eval", "--help", ATEN_CPU_CAPABILITY="default") == "DEFAULT"  # a value the user set is kept
-    native = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"], env=env,
-                            capture_output=True, text=True, check=True).stdout.strip()
-    assert capability("bench", "--help") == native  # the others run this machine's own path

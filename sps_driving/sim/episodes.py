@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sps_driving.core import cpu_math
+from sps_driving.core import host
 from sps_driving.core.control import capped_throttle
 from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, SELECTION_DISAGREEMENT, SelectionDisagreement
 from sps_driving.sim.config import frame_stamp_ns
@@ -292,7 +292,7 @@ def run_episode(config: dict, scenario_name: str, seed: int, driver=None, render
     result["episode"] = seed  # as in rows from before layouts were chosen, where the index was the seed
     result["dropped_frames"] = getattr(driver, "drops", 0) - drops_before
     if driver is not None:
-        result["cpu_math"] = cpu_math.describe()  # the trajectory depends on it (sps_driving.core.cpu_math)
+        result["host"] = host.describe()  # the kind of CPU decides the trajectory (sps_driving.core.host)
     return result
 
 

@@ -313,8 +313,7 @@ def _provenance(rows: list[dict], command: str, revision: str) -> list[str]:
     return [
         f"Command: `{command}`  ",
         f"Git revision: {revision}  ",
-        "CPU math path (sps_driving.core.cpu_math): " + ("; ".join(sorted({r["cpu_math"] for r in rows if "cpu_math" in r}))
-                                                         or "not recorded") + "  ",
+        "Host (sps_driving.core.host): " + (" | ".join(sorted({r["host"] for r in rows if "host" in r})) or "not recorded") + "  ",
         "Settings (profile, episode s, rendered size): " + "; ".join(f"{p}, {e:g} s, {w}x{h}" for p, e, w, h in settings) + "  ",
         f"Layouts (episode seeds, shared by all scenarios and methods): {layouts}  ",
     ]
