@@ -7,11 +7,12 @@ wheel. A constant cruise scale (the rule's honest baseline, slower everywhere) s
 instead. How the car is slowed (`SLOW_BY`): a speed cap at the scale times the cruise target,
 enforced on the throttle command (sps_driving.core.control.capped_throttle) while the policy reads
 its own target, as the graph's vehicle interface does; or the policy's cruise target times the
-scale (the first mechanism measured, which made the shipped policy drive faster). Rows get `ood`: per-frame time, scores of
-each method (sps_driving.core.ood.METHODS, with a calibration; HEAD_DISAGREEMENT, for an ensemble;
-SELECTION_DISAGREEMENT, with selection draws), the steering command each frame gave (rad; the
-report derives scores of the policy's own behaviour from it) and the failure times, the frames
-driven slowed and the handover's time (null: none).
+scale (the first mechanism measured, which made the shipped policy drive faster).
+
+Rows get `ood`: per-frame time, scores of each method (sps_driving.core.ood.METHODS, with a
+calibration; HEAD_DISAGREEMENT, for an ensemble; SELECTION_DISAGREEMENT, with selection draws),
+the steering command each frame gave (rad; the report derives scores of the policy's own behaviour
+from it) and the failure times, the frames driven slowed and the handover's time (null: none).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ SLOW_BY = ("speed_cap", "target")  # the first is the graph's (the vehicle inter
 def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, selection_draws: int = 0,
                  slow_by: str = SLOW_BY[0]) -> dict:
     """The `ood` entry of an evaluation's simulator config: the rule's settings (None: off), the
-    score it reads, a constant cruise scale, how a scale slows the car, and the other selections of each frame whose steering
-    spread is logged (0: none; sps_driving.core.ood.SelectionDisagreement); checked here so a bad
-    one stops the run, not a worker."""
+    score it reads, a constant cruise scale, how a scale slows the car (SLOW_BY), and the other
+    selections of each frame whose steering spread is logged (0: none;
+    sps_driving.core.ood.SelectionDisagreement); checked here so a bad one stops the run, not a
+    worker."""
     if rule is not None:
         OodRuleConfig.from_config(rule)
     if method not in METHODS:
