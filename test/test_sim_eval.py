@@ -373,4 +373,3 @@ def test_results_name_policies_without_machine_paths_and_read_older_absolute_one
     for path in checkpoints:
         caches = json.loads(path.read_text()).get("training", {}).get("cache", [])
         assert not any(Path(cache).is_absolute() for cache in ([caches] if isinstance(caches, str) else caches)), path
-

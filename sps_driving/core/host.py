@@ -13,6 +13,7 @@ kind that was (`describe`).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile")  # the ones kernels dispatch on
@@ -27,17 +28,18 @@ def describe() -> str:
     return f"{model}; {present}; ATen {torch.backends.cpu.get_cpu_capability()}"
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
+@functools.cache  # read once per process, not once per episode
+def _cpuinfo() -> tuple[str, frozenset[str]]:
     import platform
 
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = platform.processor() or platform.machine(), frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 model = value.strip()
             elif key.strip() == "flags":
-                flags = set(value.split())
+                flags = frozenset(value.split())
                 break
     except OSError:
         pass
