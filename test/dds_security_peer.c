@@ -73,6 +73,10 @@ int main(int argc, char **argv)
   dds_qos_t *reliable = dds_create_qos();
   dds_qset_reliability(reliable, DDS_RELIABILITY_RELIABLE, DDS_MSECS(100));
   int publishing = strcmp(mode, "pub") == 0;
+  /* The topic is keyless, so every writer's samples share one instance: a reader keeping only the
+   * last one would show whichever writer wrote just before each take, and writers whose periods
+   * keep the same phase could hide one another for tens of seconds. */
+  if (!publishing) dds_qset_history(reliable, DDS_HISTORY_KEEP_ALL, 0);
   dds_entity_t endpoint = publishing ? dds_create_writer(participant, topic, reliable, NULL)
                                      : dds_create_reader(participant, topic, reliable, NULL);
   dds_delete_qos(reliable);
