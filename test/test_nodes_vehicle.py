@@ -112,12 +112,12 @@ def drives(probe):
 
 
 def engage(probe, inputs, timeout_s=10.0):
-    """Disengage, re-arm and engage until the car drives."""
-    probe.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=False))
-    probe.call(Trigger, topics.REARM_SERVICE, Trigger.Request())
+    """Disengage, re-arm and engage until the car drives (again after a stop that latched meanwhile)."""
     deadline = time.monotonic() + timeout_s
     answer = None
     while time.monotonic() < deadline:
+        probe.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=False))
+        probe.call(Trigger, topics.REARM_SERVICE, Trigger.Request())
         run_until(probe, inputs, lambda: False, 0.2)
         answer = probe.call(SetBool, topics.ENGAGE_SERVICE, SetBool.Request(data=True))
         if answer is not None and answer.success and run_until(probe, inputs, lambda: drives(probe), 2.0):
@@ -239,6 +239,7 @@ def test_the_ood_rules_slow_down_caps_the_speed_at_its_scale_of_the_cruise_targe
             target.publish(msgs.to_ros(msgs.twist_fields(4.0, time.time_ns())))
 
         assert probe.spin_until(lambda: vehicle(probe)[2].get("speed_cap_mps") == f"{cap_mps:.2f}", 3, every=tick), vehicle(probe)
+        probe.spin_until(lambda: False, 0.2, every=tick)  # commands sent before the status can be taken in after it
         probe.received[topics.ACTUATION].clear()
         probe.spin_until(lambda: False, 0.3, every=tick)
         return [t for _, t in actuation(probe)]

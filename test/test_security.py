@@ -414,8 +414,10 @@ def test_only_the_vehicle_interface_enclave_reaches_the_driver(keystore, tmp_pat
         peers += [vehicle, policy_node, forged, plain, eavesdropper]
 
         assert wait_for(lambda: "received vehicle_interface" in driver.lines(), 30), (driver.lines(), vehicle.lines())
-        # Everyone else has had its chance: every peer is up (or refused) and a few seconds more.
+        # Everyone else has had its chance: every peer is up (or refused), the unsecured pair has
+        # met, and a few seconds more.
         assert wait_for(lambda: all(p.settled() for p in peers), 30)
+        assert wait_for(lambda: "plain" in eavesdropper.heard(), 30), eavesdropper.lines()
         time.sleep(3.0)
         assert driver.heard() == {"vehicle_interface"}
         assert policy_node.refused(), policy_node.lines()
@@ -496,6 +498,9 @@ def test_cyclone_dds_security_enforces_the_keystore(keystore, cyclone_peer, tmp_
         # A generous wait for a loaded machine: both are heard within half a second when idle.
         assert wait_for(lambda: driver.heard() >= {"vehicle_interface", "failsafe"}, 30), {p.label: p.lines()[-6:] for p in peers}
         assert wait_for(lambda: all(p.settled() for p in peers), 20)
+        assert wait_for(lambda: "plain" in eavesdropper.heard(), 30), eavesdropper.lines()
+        assert wait_for(lambda: any("Certificate not valid" in line for line in driver.lines()), 30), (
+            "the forged identity was not refused at the handshake")
         time.sleep(2.0)
         assert driver.heard() == {"vehicle_interface", "failsafe"}
         # The unsecured pair hears each other (so the plain writer works), nothing of the secured graph.
@@ -503,7 +508,6 @@ def test_cyclone_dds_security_enforces_the_keystore(keystore, cyclone_peer, tmp_
         by_label = {p.label: p for p in peers}
         assert by_label["policy"].refused() and by_label["pacmod3_driver"].refused()
         assert "ready" in by_label["forged"].lines() and "ready" in by_label["plain"].lines()
-        assert any("Certificate not valid" in line for line in driver.lines()), "the forged identity was not refused at the handshake"
     finally:
         for p in peers:
             p.stop()

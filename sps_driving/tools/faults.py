@@ -83,7 +83,8 @@ WATCHED_NODES = ("vehicle_interface", "failsafe", "safety_monitor", "camera_driv
 # The faults after which the failsafe takes over: the vehicle interface gone silent.
 FAILSAFE_FAULTS = ("kill -9 vehicle_interface", "SIGSTOP vehicle_interface")
 # The watchdog that must notice a silent node: (node's parameters section, parameter) in config/graph.yaml.
-# Every other fault is seen in the period it reaches the vehicle interface.
+# A second publisher is seen at the vehicle interface's next count of publishers; every other
+# fault in the period it reaches the vehicle interface.
 SILENCE_WATCHDOGS = {
     "vehicle_interface": ("failsafe", "silence_timeout_s"),
     "failsafe": ("vehicle_interface", "max_failsafe_age_s"),
@@ -548,6 +549,12 @@ class Harness:
             return float(self.settings[section][name])
         if fault.inject == "standin" and fault.target == "pause_reports":
             return float(self.settings["vehicle_interface"]["max_report_age_s"])
+        if fault.inject == "spoof":
+            from sps_driving.ros.nodes.vehicle_interface import PUBLISHER_CHECK_PERIODS
+
+            # The vehicle interface counts each topic's publishers once every PUBLISHER_CHECK_PERIODS periods.
+            vi = {**self.settings["vehicle_interface"], **self.parameters["vehicle_interface"]}
+            return PUBLISHER_CHECK_PERIODS / float(vi["control_rate_hz"])
         return 0.0
 
     def drive(self) -> str:
