@@ -18,7 +18,7 @@ pacmod = pytest.importorskip("pacmod3_msgs.msg", reason="pacmod3_msgs is built b
 
 
 def test_a_vehicle_interface_silent_past_the_lease_but_still_in_the_graph_is_reported_cut_off_while_the_car_stays_braked(tmp_path):
-    graph = Graph(["failsafe"], parameters={"failsafe": {"cut_off_after_s": 1.5}}, log_dir=tmp_path)
+    graph = Graph(["failsafe"], parameters={"failsafe": {"cut_off_after_s": 1.5, "silence_timeout_s": 0.5}}, log_dir=tmp_path)
     probe = Probe()
     vehicle_interface = Probe("vehicle_interface")
     heartbeat = vehicle_interface.publisher(topics.ACTUATION, JointState, "control")

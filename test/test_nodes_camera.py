@@ -58,7 +58,8 @@ def test_image_folder_publishes_stamped_pairs(tmp_path, probe):
     first = expected.index(seen[0])
     assert seen[:5] == (expected * 3)[first:first + 5]
     stamps = [msgs.stamp_ns(m.header) for m in images]
-    assert all(0.05e9 < b - a < 0.5e9 for a, b in zip(stamps, stamps[1:]))  # about 10 Hz, one tick lost per loop
+    gaps = np.diff(stamps)  # about 10 Hz, one tick lost per loop; a late tick shortens the next gap
+    assert 0.08e9 < np.median(gaps) < 0.12e9 and 0 < gaps.min() and gaps.max() < 0.5e9, gaps
     info = infos[-1]
     assert info.k[2] == 48.0 and info.k[0] > 0
 

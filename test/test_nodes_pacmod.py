@@ -30,7 +30,9 @@ def test_commands_reach_the_car_as_can_signals_and_reports_as_the_driver_parses_
     from pacmod3_msgs.msg import GlobalRpt, SystemRptFloat, VehicleSpeedRpt
 
     graph = Graph(["pacmod3_standin", "vehicle_interface", "failsafe", "safety_monitor"], log_dir=tmp_path,
-                  parameters={"vehicle_interface": {"backend": "pacmod3"}, "safety_monitor": {"required_inputs": ["lane"]}})
+                  # The test's inputs come from this process: ages that a stall of it on a loaded machine does not trip.
+                  parameters={"vehicle_interface": {"backend": "pacmod3", "max_command_age_s": 1.0, "max_camera_age_s": 1.0},
+                              "safety_monitor": {"required_inputs": ["lane"], "max_input_age_s": 1.0}})
     probe = Probe()
     for topic, kind in ((SENT, JointState), (topics.DIAGNOSTICS, DiagnosticArray)):
         probe.record(topic, kind, "status")
