@@ -227,7 +227,7 @@ def test_replay_realtime_drops_stale_frames_and_never_queues(tmp_path, capsys, m
     ])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["mode"] == "realtime"
-    assert report["frames_in"] == 12 and 1 <= report["frames_out"] < 12
+    assert report["frames_in"] == 12 and 1 <= report["frames_out"] < 12, report
     assert report["drops"].get("extractor: stale", 0) >= 1
     assert report["frames_out"] + sum(report["drops"].values()) == report["frames_dropped"] + report["frames_out"] == 12
     out = tmp_path / report["output_bag"]
