@@ -120,7 +120,7 @@ def test_the_policy_scores_each_frame_and_the_rule_slows_asks_and_stops(rig):
 
     # Between the thresholds: slowed, no request.
     assert hold(3.0, 5.0, until=lambda: latest(probe, topics.CRUISE_SCALE).data == pytest.approx(0.5))
-    assert not latest(probe, topics.HANDOVER_REQUEST).data
+    assert not requested()
     # The policy still reads the cruise target as set: the vehicle interface's speed cap slows the car
     # (test_nodes_vehicle.py).
     indices, command, _ = drive_frame(probe, publishers, T0 + 10**9, familiar)
@@ -128,7 +128,7 @@ def test_the_policy_scores_each_frame_and_the_rule_slows_asks_and_stops(rig):
                                     abs=1e-6)
 
     hold(5.0, 0.15)  # above the second threshold, but not for handover_after_s yet
-    assert not latest(probe, topics.HANDOVER_REQUEST).data
+    assert not requested()
     assert hold(5.0, 5.0, until=lambda: requested() and probe.messages(topics.HANDOVER_EVENTS)
                 and monitor_status()[0] == msgs.Level.ERROR)
     events = probe.messages(topics.HANDOVER_EVENTS)
