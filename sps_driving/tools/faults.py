@@ -539,10 +539,10 @@ class Harness:
 
     def detection_limit_s(self, fault: Fault) -> float:
         """s within which the graph's own limits say the fault must be seen."""
+        vi = {**self.settings["vehicle_interface"], **self.parameters["vehicle_interface"]}
         if fault.graph == "perception" and fault.inject in ("kill", "sigstop", "camera"):
             # Commands of frames taken before the fault keep coming for as long as the vehicle
             # interface accepts their age (max_command_latency_s), then the command watchdog runs out.
-            vi = {**self.settings["vehicle_interface"], **self.parameters["vehicle_interface"]}
             return float(vi["max_command_latency_s"]) + float(vi["max_command_age_s"])
         if fault.inject in ("kill", "sigstop") and fault.target in SILENCE_WATCHDOGS:
             section, name = SILENCE_WATCHDOGS[fault.target]
@@ -553,7 +553,6 @@ class Harness:
             from sps_driving.ros.nodes.vehicle_interface import PUBLISHER_CHECK_PERIODS
 
             # The vehicle interface counts each topic's publishers once every PUBLISHER_CHECK_PERIODS periods.
-            vi = {**self.settings["vehicle_interface"], **self.parameters["vehicle_interface"]}
             return PUBLISHER_CHECK_PERIODS / float(vi["control_rate_hz"])
         return 0.0
 
