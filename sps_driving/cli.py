@@ -8,6 +8,7 @@ import argparse
 import importlib
 import sys
 
+INTERRUPTED = 130  # exit code of a command stopped by SIGINT (Ctrl-C), as a shell reports one (128 + 2)
 DESCRIPTION = ("End-to-end driving for ROS 2 with Stochastic Patch Selection: run the graph on the car, replay and "
                "check recordings, train, evaluate and analyse policies. `sps-driving COMMAND --help` for each command.")
 COMMANDS = {
@@ -47,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             module.add_arguments(cmd_parser)
             cmd_parser.set_defaults(run=module.run)
     args = parser.parse_args(argv)
-    code = int(args.run(args) or 0)
+    try:
+        code = int(args.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: what a command finished is on disk already; no traceback
+        print(f"sps-driving {args.command}: interrupted", file=sys.stderr)
+        code = INTERRUPTED
     processes = sys.modules.get("sps_driving.train.distributed")  # imported only by commands that run under torchrun
     if processes is not None and processes.left_a_process_group:
         processes.exit_after_group(code)

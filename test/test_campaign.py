@@ -22,6 +22,7 @@ import yaml
 
 from sps_driving.campaign import engine, runner
 from sps_driving.campaign.plan import code_files, load_plan
+from sps_driving.cli import INTERRUPTED
 from sps_driving.core.resources import SOURCE_ROOT
 
 PLAN = """\
@@ -165,19 +166,21 @@ def test_killed_mid_training_and_mid_evaluation_it_resumes_to_the_uninterrupted_
     assert not git(root, "status", "--porcelain", "--", "results")  # everything finished is committed
 
 
-def test_a_campaign_started_with_sigint_ignored_shows_its_status_stops_on_sigint_and_resumes(reference, tmp_path):
+@pytest.mark.parametrize("sent_to", ["process group", "run process"])
+def test_a_campaign_started_with_sigint_ignored_shows_its_status_stops_on_sigint_and_resumes(reference, tmp_path, sent_to):
     """As from `campaign run ... &` in a script, whose shell starts it with SIGINT ignored (and DVC
-    ignores it around each step): `status` shows the training running; a SIGINT to the run's
-    process group stops the run, DVC and the step's command at once, and the next run resumes the
-    training from its last epoch."""
+    ignores it around each step): `status` shows the training running; a SIGINT, to the run's
+    process group as Ctrl-C sends it or to the run's process alone as `kill -INT` does, stops the
+    run, DVC and the step's command, without a traceback, records the step's end, commits what it
+    finished, and the next run resumes the training from its last epoch."""
     root = cut_after_cache(reference, tmp_path / "interrupted")
     # A training long enough to be still running when `status` has answered and the SIGINT comes.
     plan_file = root / "plan.yaml"
     plan_file.write_text(plan_file.read_text().replace("--epochs 12 --early-stop-patience 12",
                                                        "--epochs 80 --early-stop-patience 80"))
     env = {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
-    run = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", "run", "plan.yaml", "--no-commit"], cwd=root,
-                           env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    run = subprocess.Popen([sys.executable, "-m", "sps_driving.cli", "campaign", "run", "plan.yaml"], cwd=root,
+                           env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     state = root / "results/policy/last/train_state.json"
     end = time.time() + 120
@@ -192,14 +195,26 @@ def test_a_campaign_started_with_sigint_ignored_shows_its_status_stops_on_sigint
     assert shown.returncode == 0, shown.stderr
     assert {s["step"]: s["state"] for s in json.loads(shown.stdout)["steps"]} == {
         "drives": runner.DONE, "cache": runner.DONE, "train": runner.RUNNING, "eval": runner.LEFT, "tables": runner.LEFT}
-    os.killpg(run.pid, signal.SIGINT)
-    assert run.wait(timeout=30) != 0
+    if sent_to == "process group":
+        os.killpg(run.pid, signal.SIGINT)
+    else:
+        os.kill(run.pid, signal.SIGINT)
+    output, _ = run.communicate(timeout=60)
+    assert run.returncode == INTERRUPTED, output
+    assert "Traceback" not in output and "interrupted; train stopped" in output, output
     deadline = time.time() + 30
     while any(engine.process_running(pid) for pid in group) and time.time() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in group if engine.process_running(pid)]
+    plan = load_plan(root / "plan.yaml")
+    assert not (root / "results" / runner.RUNNING_FILE).exists()
+    assert runner.read_records(plan)[-1] | {"time": 0, "seconds": 0} == {
+        "step": "train", "key": runner.attempt_key(plan, plan.step("train")), "event": "end", "time": 0, "seconds": 0,
+        "exit": INTERRUPTED}
+    assert git(root, "log", "--format=%s", "-1") == "campaign tiny: train interrupted, finished units kept\n"
+    assert "results/policy/last/train_state.json" in git(root, "ls-files", "results/policy")
     assert campaign(root, "run", "plan.yaml", "--no-commit").wait() == 0
-    attempts = [r for r in runner.read_records(load_plan(root / "plan.yaml")) if r["step"] == "train" and r["event"] == "start"]
+    attempts = [r for r in runner.read_records(plan) if r["step"] == "train" and r["event"] == "start"]
     assert "--resume" in attempts[-1]["argv"]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -181,14 +182,27 @@ def locked(plan: Plan) -> dict:
     return (yaml.safe_load(path.read_text()) or {}).get("stages", {}) if path.is_file() else {}
 
 
-def reproduce(plan: Plan, step: Step, env_extra: dict | None = None) -> int:
+def reproduce(plan: Plan, step: Step, env_extra: dict | None = None, on_interrupt=None) -> int:
     """Run one step through DVC (its upstream steps are not looked at: the caller orders them);
-    DVC records its hashes in dvc.lock when the step's command succeeds. Returns the exit code."""
+    DVC records its hashes in dvc.lock when the step's command succeeds. Returns the exit code.
+    On KeyboardInterrupt, calls `on_interrupt` (which stops the step), waits for DVC to end, and re-raises."""
     env = {**environment(plan.root), **(env_extra or {})}
     lock = results_dir(plan) / LOCK_FILE
     if lock.is_file():
         lock_copy(plan).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(lock, lock_copy(plan))
     release_dead_locks(plan.root)
-    return subprocess.run([sys.executable, "-m", "dvc", "repro", "--quiet", "--single-item", stage_target(plan, step)],
-                          cwd=plan.root, env=env).returncode
+    process = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--quiet", "--single-item", stage_target(plan, step)],
+                               cwd=plan.root, env=env)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        # Not killed (as subprocess.run would): DVC ends once the step has, leaving its lock files in order.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if on_interrupt is not None:
+                on_interrupt()
+            process.wait()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        raise

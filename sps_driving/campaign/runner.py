@@ -25,6 +25,7 @@ from pathlib import Path
 
 from sps_driving.campaign import engine
 from sps_driving.campaign.plan import Plan, Step
+from sps_driving.cli import INTERRUPTED
 
 RECORD_FILE = "steps.jsonl"
 RUNNING_FILE = "running.json"
@@ -255,7 +256,14 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
                 f"left: not started ({len(pending) - done} step(s) left)")
             return 0
         log(f"campaign {plan.name}: {step.name} (about {estimate:.1f} min): sps-driving {' '.join(step.argv)}")
-        code = engine.reproduce(plan, step, {} if deadline is None else {DEADLINE_ENV: str(deadline)})
+        try:
+            code = engine.reproduce(plan, step, {} if deadline is None else {DEADLINE_ENV: str(deadline)},
+                                    on_interrupt=lambda: interrupt_running_step(plan))
+        except KeyboardInterrupt:
+            if commit:
+                commit_results(plan, f"{step.name} interrupted, finished units kept")
+            log(f"campaign {plan.name}: interrupted; {step.name} stopped, it resumes next time")
+            return INTERRUPTED
         if commit:
             commit_results(plan, f"{step.name} " + ("done" if code == 0 else f"stopped (exit {code}), finished units kept"))
         if code != 0 and deadline is not None and time.time() >= deadline:
@@ -312,17 +320,41 @@ def run_step(plan: Plan, step: Step) -> int:
     try:
         code = process.wait(None if deadline is None else max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGINT)
+        code = _stop(process, STOPPED_AT_BUDGET)
+    except KeyboardInterrupt:
+        # Ctrl-C reached the command too, or only this process (`interrupt_running_step`): ask it once more, harmlessly.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        code = STOPPED_AT_BUDGET
+            code = _stop(process, INTERRUPTED)
+        finally:
+            signal.signal(signal.SIGINT, previous)
     append_record(plan, {"step": step.name, "key": key, "event": "end", "time": time.time(),
                          "seconds": round(time.time() - began, 3), "exit": code})
     (folder / RUNNING_FILE).unlink(missing_ok=True)
     return code
+
+
+def _stop(process: subprocess.Popen, code: int) -> int:
+    """SIGINT to a step's command (it keeps its finished units), SIGKILL if it has not ended after STOP_GRACE_S."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    return code
+
+
+def interrupt_running_step(plan: Plan) -> None:
+    """SIGINT to the process of this plan's running step, which stops its command: DVC, between the run
+    and the step, ignores SIGINT while a step runs and does not pass it on."""
+    path = engine.results_dir(plan) / RUNNING_FILE
+    try:
+        record = json.loads(path.read_text())
+        if engine.process_running(int(record["pid"]), float(record["started"])):
+            os.kill(int(record["pid"]), signal.SIGINT)
+    except (OSError, ValueError, KeyError):
+        pass  # no step running (between steps, or it has just ended)
 
 
 def resume_flags(plan: Plan, step: Step) -> list[str]:
