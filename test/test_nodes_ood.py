@@ -19,6 +19,7 @@ from std_msgs.msg import Bool, Float32
 from sps_driving.core import topics
 from sps_driving.core.ood import load_ood_config
 from sps_driving.core.policies.checkpoint import load_policy
+from sps_driving.core.resources import config_path
 from sps_driving.core.state import STATE_NAMES
 from sps_driving.ros import msgs
 from sps_driving.ros.graph import Graph, wait_for_nodes, wait_for_subscribers
@@ -157,3 +158,16 @@ def test_a_policy_asked_for_a_score_without_a_calibration_does_not_start(tmp_pat
         assert graph.returncode("policy", wait_s=60) == CANNOT_START
         log = graph.log("policy")
     assert "cannot start" in log and "no OOD calibration" in log and "ood calibrate" in log
+
+
+def test_a_policy_asked_for_the_lane_probe_of_a_calibration_without_one_does_not_start(tmp_path):
+    scorer = fitted(np.random.default_rng(0), training_frames(np.random.default_rng(0)))
+    ckpt, _ = calibrated_checkpoint(tmp_path / "policy", scorer)
+    config = tmp_path / "ood.yaml"
+    config.write_text(config_path("ood.yaml").read_text().replace("method: patch_coreset", "method: lane_offset"))
+    graph = Graph(["policy"], parameters={"policy": {"checkpoint": str(ckpt), "ood_score": True, "ood_config": str(config)}},
+                  log_dir=tmp_path / "logs")
+    with graph:
+        assert graph.returncode("policy", wait_s=60) == CANNOT_START
+        log = graph.log("policy")
+    assert "cannot start" in log and "lane_offset is not in the calibration" in log and "lane pose" in log

@@ -86,6 +86,84 @@ def test_calibration_round_trips_and_a_missing_or_mismatched_one_is_a_clear_erro
         load_calibration(ckpt, config)
 
 
+def lane_drives(directory, drives=3, frames=150, seed=0):
+    """A feature cache of `drives` drives whose descriptors carry the car's lane pose (the lateral
+    offset in the left and right column bands, the heading error in the middle ones, under noise),
+    and each drive as a real rosbag2 bag that records that pose on /lane/pose at the frames' stamps."""
+    from sps_driving.core import topics
+    from sps_driving.ros import msgs
+    from sps_driving.ros.bagio import BagWriter
+    from sps_driving.train.cache import FeatureCacheWriter
+
+    rng = np.random.default_rng(seed)
+    cols = np.arange(64) % 8
+    bags = [directory / f"drive_{d}" for d in range(drives)]
+    meta = {"backbone": "dinov2_vits14", "grid": {"rows": 8, "cols": 8}, "descriptor_dim": DIM, "inputs": [str(b) for b in bags]}
+    with FeatureCacheWriter(directory / "cache", meta, shard_size=64) as cache:
+        for d, bag_path in enumerate(bags):
+            with BagWriter(bag_path, "sqlite3") as bag:
+                for i in range(frames):
+                    stamp = 1_700_000_000_000_000_000 + d * 10**12 + i * 100_000_000
+                    lateral, heading = rng.uniform(-1.2, 1.2), rng.uniform(-0.1, 0.1)
+                    cache.add(pose_frame(rng, cols, lateral, heading), 0.0, 0.0, stamp, bag_path.name)
+                    bag.write(topics.LANE_POSE, msgs.lane_pose_fields(lateral, heading, stamp), stamp)
+    return directory / "cache", bags
+
+
+def pose_frame(rng, cols, lateral, heading):
+    x = 0.3 * rng.standard_normal((len(cols), DIM)).astype(np.float32)
+    x[cols < 2, 0] += 2.0 * lateral
+    x[cols >= 6, 1] -= 2.0 * lateral
+    x[(cols >= 3) & (cols < 5), 2] += 20.0 * heading
+    return x
+
+
+def test_calibrate_fits_a_lane_pose_probe_on_drives_that_record_the_lane_pose(tmp_path):
+    """`ood calibrate`'s fit on a cache whose drives record the lane pose: the probe reads the lateral
+    offset back from the policy's kept patches, so a frame near the lane's edge scores high on
+    lane_offset and a centred one low, and the calibration saves and loads with it. Without the
+    drives it calibrates the novelty scores alone and records why."""
+    from sps_driving.analysis.ood import calibrate
+    from sps_driving.core.ood import PROBE_METHODS
+    from sps_driving.core.policies.checkpoint import load_policy
+
+    cache, bags = lane_drives(tmp_path)
+    ckpt = tiny_policy(tmp_path / "policy", dim=DIM)
+    settings = dict(load_ood_config()["calibration"], holdout_sources=1, coreset_size=64, coreset_sample_patches=5000,
+                    probe_ridge=1.0)
+    scorer = calibrate(ckpt, [str(cache)], settings, "test")
+    assert scorer.methods == METHODS + PROBE_METHODS
+    assert scorer.meta["probe"]["holdout_r2"]["lateral_offset_m"] > 0.9
+    assert scorer.meta["probe"]["holdout_mean_abs_error"]["lateral_offset_m"] < 0.15
+
+    rng, cols = np.random.default_rng(5), np.arange(64) % 8
+    indices = load_policy(ckpt).selector.select(123)
+    centred = pose_frame(rng, cols, 0.0, 0.0)[indices]
+    edge = pose_frame(rng, cols, 1.6, 0.0)[indices]
+    assert scorer.score(centred, "lane_offset", indices) < 0.3 < 1.0 < scorer.score(edge, "lane_offset", indices)
+    assert scorer.score(edge, "lane_lookahead", indices) > 3 * scorer.score(centred, "lane_lookahead", indices)
+    with pytest.raises(ValueError, match="indices"):
+        scorer.score(edge, "lane_offset")
+
+    scorer.save(ckpt)
+    config = read_policy_config(ckpt)
+    loaded = load_calibration(ckpt, config, ckpt / WEIGHTS_FILE)
+    assert loaded.scores(edge, indices) == pytest.approx(scorer.scores(edge, indices), rel=1e-6)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(ckpt / TENSORS_FILE))
+    save_file({**tensors, "probe_weights": tensors["probe_weights"][1:]}, str(ckpt / TENSORS_FILE))
+    with pytest.raises(CalibrationError, match="probe_weights"):
+        load_calibration(ckpt, config)
+
+    bags[0].rename(tmp_path / "moved")
+    novelty_only = calibrate(ckpt, [str(cache)], settings, "test")
+    assert novelty_only.methods == METHODS and "probe" not in novelty_only.meta
+    assert novelty_only.meta["made"]["lane_pose_probe"].endswith("drive_0 of cache source drive_0 is not here")
+    with pytest.raises(ValueError, match="no \\['lane_offset'\\]"):
+        novelty_only.score(edge, "lane_offset", indices)
+
+
 def test_the_shipped_settings_and_rule_load():
     config = load_ood_config()
     assert config["score"]["method"] in METHODS

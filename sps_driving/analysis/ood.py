@@ -6,9 +6,10 @@
 
 `calibrate` fits both scores of sps_driving.core.ood on the policy's training frames (a feature
 cache of them): each frame's kept patches are the ones the policy's own selection keeps at the
-frame's stamp, as on the car. The last `holdout_sources` drives of the cache are held out to set
-each score's scale (its 99th percentile there). The files go into the checkpoint folder, with how
-they were made in ood.json.
+frame's stamp, as on the car. Where the cache's drives are at hand and record the lane pose
+(topics.LANE_POSE), it fits the lane-pose probe on them too. The last `holdout_sources` drives of
+the cache are held out to set each score's scale (its 99th percentile there). The files go into
+the checkpoint folder, with how they were made in ood.json.
 
 `report` reads eval folders whose rows carry the per-frame scores (every in-process eval of a
 calibrated policy logs them) and writes the per-scenario AUROC for a failure within the next
@@ -31,11 +32,15 @@ import numpy as np
 from sps_driving.core.backbones.runtimes import file_sha256
 from sps_driving.core.ood import (
     FORMAT,
+    LOOKAHEAD_M,
     METHODS,
+    PROBE_METHODS,
     SCALE_QUANTILE,
+    LanePoseProbe,
     OodScorer,
     PatchCoreset,
     PooledMahalanobis,
+    band_features,
     descriptor_settings,
     load_calibration,
     load_ood_config,
@@ -46,10 +51,46 @@ HOLDOUT_QUANTILES = (0.5, 0.9, 0.99, 0.999, 1.0)
 
 
 def kept_frames(cache, policy, rows: np.ndarray):
-    """(row, kept descriptors float32 [k, D]) of cache rows, the policy's selection at each frame's stamp."""
+    """(row, kept indices, kept descriptors float32 [k, D]) of cache rows, the policy's selection at each frame's stamp."""
     for row in rows:
         frame = cache[int(row)]
-        yield int(row), np.asarray(frame.descriptors[policy.selector.select(frame.stamp_ns)], dtype=np.float32)
+        indices = policy.selector.select(frame.stamp_ns)
+        yield int(row), indices, np.asarray(frame.descriptors[indices], dtype=np.float32)
+
+
+def recorded_lane_poses(cache, tolerance_s: float) -> tuple[np.ndarray | None, str]:
+    """[frames, 2] each cache frame's (lateral offset m, heading error rad) as its drive recorded it
+    on topics.LANE_POSE nearest the frame's stamp (within `tolerance_s`), or None and why not: a
+    drive is not at the path the cache records, records no lane pose, or not near every frame."""
+    from sps_driving.core import topics
+    from sps_driving.ros.bagio import read_messages
+    from sps_driving.ros.msgs import lane_from_message, stamp_ns
+
+    drives = {}
+    for directory in cache.directories:
+        meta = json.loads((directory / "meta.json").read_text())
+        if len(meta.get("inputs") or []) != len(meta["sources"]):
+            return None, f"cache {directory} does not record one drive per source"
+        prefix = "" if len(cache.directories) == 1 else f"{directory.resolve().name}/"
+        drives.update({prefix + source: Path(path) for source, path in zip(meta["sources"], meta["inputs"])})
+    poses = np.full((len(cache), 2), np.nan)
+    for source_id, source in enumerate(cache.sources):
+        if not drives[source].exists():
+            return None, f"drive {drives[source]} of cache source {source} is not here"
+        recorded = [(stamp_ns(m.msg.header), *lane_from_message(m.msg)) for m in read_messages(drives[source], [topics.LANE_POSE])]
+        if not recorded:
+            return None, f"drive {drives[source]} records no {topics.LANE_POSE}"
+        stamps, values = np.array([r[0] for r in recorded]), np.array([r[1:] for r in recorded])
+        order = np.argsort(stamps)
+        stamps, values = stamps[order], values[order]
+        rows = np.flatnonzero(cache.source_ids == source_id)
+        wanted = cache.stamps[rows].astype(np.int64)
+        after = np.clip(np.searchsorted(stamps, wanted), 1, len(stamps) - 1)
+        nearest = np.where(np.abs(stamps[after] - wanted) < np.abs(stamps[after - 1] - wanted), after, after - 1)
+        if np.any(np.abs(stamps[nearest] - wanted) > tolerance_s * 1e9):
+            return None, f"drive {drives[source]} records no {topics.LANE_POSE} within {tolerance_s} s of some frames"
+        poses[rows] = values[nearest]
+    return poses, f"{topics.LANE_POSE} of the cache's {len(cache.sources)} drives"
 
 
 def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: str) -> OodScorer:
@@ -71,19 +112,35 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
     held = np.isin(cache.source_ids, np.arange(len(cache.sources) - holdout, len(cache.sources)))
     fit_rows, held_rows = np.flatnonzero(~held), np.flatnonzero(held)
     rng = np.random.default_rng(int(settings["seed"]))
-    pooled, patches = [], []
-    for _, kept in kept_frames(cache, policy, fit_rows):
+    poses, poses_from = recorded_lane_poses(cache, float(settings["lane_pose_tolerance_s"]))
+    bands, cols = int(settings["probe_bands"]), cache.grid.cols
+    pooled, patches, probe_features = [], [], []
+    for _, indices, kept in kept_frames(cache, policy, fit_rows):
         pooled.append(kept.mean(axis=0))
         patches.append(kept)
+        if poses is not None:
+            probe_features.append(band_features(kept, indices, bands, cols))
     patches = np.concatenate(patches)
     sample = rng.choice(len(patches), size=min(int(settings["coreset_sample_patches"]), len(patches)), replace=False)
     mahalanobis = PooledMahalanobis.fit(np.stack(pooled), float(settings["shrinkage"]))
     coreset = PatchCoreset.fit(patches[sample], int(settings["coreset_size"]), rng)
-    raw = {m: [] for m in METHODS}
-    for _, kept in kept_frames(cache, policy, held_rows):
+    probe = None if poses is None else LanePoseProbe.fit(np.stack(probe_features), poses[fit_rows],
+                                                         float(settings["probe_ridge"]), bands, cols)
+    methods = METHODS + (PROBE_METHODS if probe is not None else ())
+    raw = {m: [] for m in methods}
+    errors = []
+    for row, indices, kept in kept_frames(cache, policy, held_rows):
         raw["pooled_mahalanobis"].append(mahalanobis.raw(kept))
         raw["patch_coreset"].append(coreset.raw(kept))
-    scales = {m: float(np.quantile(raw[m], SCALE_QUANTILE)) for m in METHODS}
+        if probe is not None:
+            for m, value in probe.raw(kept, indices).items():
+                raw[m].append(value)
+            errors.append(np.subtract(probe.pose(kept, indices), poses[row]))
+    scales = {m: float(np.quantile(raw[m], SCALE_QUANTILE)) for m in methods}
+    probe_record = {} if probe is None else {"probe": {
+        "bands": bands, "poses": poses_from, "lookahead_m": LOOKAHEAD_M,
+        "holdout_mean_abs_error": dict(zip(("lateral_offset_m", "heading_error_rad"), np.abs(errors).mean(axis=0).round(4).tolist())),
+        "holdout_r2": dict(zip(("lateral_offset_m", "heading_error_rad"), _r2(np.array(errors), poses[held_rows]).round(4).tolist()))}}
     meta = {
         "format": FORMAT,
         "descriptors": expected,
@@ -91,16 +148,22 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
         "scales": scales,
         "scale_quantile": SCALE_QUANTILE,
         "holdout_scores": {m: {f"q{q:g}": float(np.quantile(np.asarray(raw[m]) / scales[m], q)) for q in HOLDOUT_QUANTILES}
-                           for m in METHODS},
+                           for m in methods},
         "settings": dict(settings),
+        **probe_record,
         "made": portable_record({
             "command": command, "revision": source_revision(), "caches": [portable_path(d) for d in cache_dirs],
             "cache_inputs": cache.meta.get("inputs"), "fit_frames": int(len(fit_rows)), "holdout_frames": int(len(held_rows)),
             "holdout_sources": cache.sources[-holdout:], "fit_patches": int(len(patches)),
             "selection": "the policy's own selection at each frame's stamp",
+            "lane_pose_probe": poses_from if probe is not None else f"none: {poses_from}",
         }),
     }
-    return OodScorer(mahalanobis, coreset, meta)
+    return OodScorer(mahalanobis, coreset, meta, probe)
+
+
+def _r2(errors: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    return 1.0 - (errors ** 2).sum(axis=0) / ((truth - truth.mean(axis=0)) ** 2).sum(axis=0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +219,7 @@ def _run_bench(args) -> int:
     indices = policy.selector.select(0)
     frames = np.random.default_rng(0).standard_normal((16, len(indices), scorer.dim)).astype(np.float32)
     state = {name: 8.0 for name in policy.state_inputs} or None
-    timed = {**{m: (lambda f, m=m: scorer.score(f, m)) for m in METHODS},
+    timed = {**{m: (lambda f, m=m: scorer.score(f, m, indices)) for m in scorer.methods},
              "policy_forward": lambda f: policy.predict(f, indices, state)}
     rounds = {name: [] for name in timed}
     per_round = max(args.frames // 10, 1)

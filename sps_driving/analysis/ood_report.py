@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving.core.monitor import OodRule, OodRuleConfig
-from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, SELECTION_DISAGREEMENT, load_ood_config
+from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, PROBE_METHODS, SELECTION_DISAGREEMENT, load_ood_config
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
@@ -87,7 +87,7 @@ def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:
     logged = {name for row in _logged(rows) for name in row["ood"]["scores"]}
     if _logged(rows) and all("steering_rad" in row["ood"] for row in _logged(rows)):
         logged |= set(BEHAVIOUR_SCORES)
-    methods = [m for m in (*METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES) if m in logged]
+    methods = [m for m in (*METHODS, *PROBE_METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES) if m in logged]
     return [(m, m, 1) for m in methods] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in methods]
 
 

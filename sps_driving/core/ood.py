@@ -9,6 +9,13 @@ Two scores, each a distance from what the policy was trained on:
   centre of a k-center coreset of training patch descriptors (greedy farthest-point selection),
   so a frame with a few unfamiliar patches among familiar ones scores above a frame of familiar ones.
 
+A calibration made from drives that record the car's lane pose (the simulator's, or a data car's
+localization against a lane map) adds a third kind, a score of the moment rather than of the scene:
+a linear probe (`LanePoseProbe`) that reads the car's lateral offset and heading error in its lane
+from the kept descriptors pooled in column bands, fitted on the training frames' recorded poses.
+`lane_offset` is its lateral offset's magnitude (m); `lane_lookahead` that offset carried
+LOOKAHEAD_M ahead along its heading. Each is high where the stack sees itself near its lane's edge.
+
 Each raw value is divided by its 99th percentile over held-out training frames (`scale`), so a
 score of 1.0 is where 1% of in-distribution frames lie above, whichever method. The calibration
 is a pair of files in the checkpoint's folder: `ood.safetensors` (the tensors) and `ood.json`
@@ -30,6 +37,8 @@ FORMAT = "sps_driving.ood/1"
 TENSORS_FILE = "ood.safetensors"
 META_FILE = "ood.json"
 METHODS = ("pooled_mahalanobis", "patch_coreset")
+PROBE_METHODS = ("lane_offset", "lane_lookahead")  # in a calibration made with lane poses (LanePoseProbe)
+LOOKAHEAD_M = 10.0  # m along the car's heading at which `lane_lookahead` reads the lateral offset (1 s at 10 m/s)
 # Scores of the policy's own uncertainty, logged in evaluations beside the calibrated ones (rad,
 # uncalibrated): the spread of an ensemble's heads' steering commands
 # (sps_driving.core.policies.ensemble.head_disagreement), and of a policy's steering over other
@@ -56,8 +65,8 @@ def load_ood_config(path=None) -> dict:
     missing = [key for key in ("score", "calibration", "rule") if not isinstance(config.get(key), dict)]
     if missing:
         raise ValueError(f"{path}: missing sections {missing}")
-    if config["score"].get("method") not in METHODS:
-        raise ValueError(f"{path}: score method must be one of {METHODS}, got {config['score'].get('method')!r}")
+    if config["score"].get("method") not in METHODS + PROBE_METHODS:
+        raise ValueError(f"{path}: score method must be one of {METHODS + PROBE_METHODS}, got {config['score'].get('method')!r}")
     return config
 
 
@@ -128,6 +137,47 @@ class PatchCoreset:
         return float(self.distances(descriptors).mean())
 
 
+def band_features(descriptors: np.ndarray, indices: np.ndarray, bands: int, cols: int) -> np.ndarray:
+    """[bands * D + 1]: the mean of the kept descriptors in each of `bands` column bands of a grid of
+    `cols` columns (the mean of all kept ones for a band without any), then 1 for the intercept."""
+    x = np.asarray(descriptors, dtype=np.float64)
+    band = (np.asarray(indices) % cols) * bands // cols
+    overall = _pooled(x)
+    pooled = [x[band == b].mean(axis=0) if np.any(band == b) else overall for b in range(bands)]
+    return np.concatenate([*pooled, [1.0]])
+
+
+@dataclass(frozen=True)
+class LanePoseProbe:
+    """Lateral offset (m, left positive) and heading error (rad) in the lane, linear in the kept
+    descriptors' means over `bands` column bands of the grid (a band without a kept patch takes the
+    mean of all kept ones), so any selection of the frame's patches can be read."""
+
+    weights: np.ndarray  # float64 [bands * D + 1, 2]: the last row is the intercept
+    bands: int
+    cols: int
+
+    @classmethod
+    def fit(cls, features: np.ndarray, poses: np.ndarray, ridge: float, bands: int, cols: int) -> LanePoseProbe:
+        """features: [n, bands * D + 1] (`band_features` of each training frame); poses: [n, 2] the recorded
+        (lateral offset, heading error); ridge: the penalty on the standardized features' weights."""
+        x = np.asarray(features[:, :-1], dtype=np.float64)
+        y = np.asarray(poses, dtype=np.float64)
+        mean, std = x.mean(axis=0), x.std(axis=0) + 1e-6
+        z = (x - mean) / std
+        w = np.linalg.solve(z.T @ z + ridge * np.eye(z.shape[1]), z.T @ (y - y.mean(axis=0)))
+        w = w / std[:, None]  # back to the unstandardized features, so a frame costs one product
+        return cls(np.vstack([w, y.mean(axis=0) - mean @ w]), bands, cols)
+
+    def pose(self, descriptors: np.ndarray, indices: np.ndarray) -> tuple[float, float]:
+        lateral, heading = band_features(descriptors, indices, self.bands, self.cols) @ self.weights
+        return float(lateral), float(heading)
+
+    def raw(self, descriptors: np.ndarray, indices: np.ndarray) -> dict:
+        lateral, heading = self.pose(descriptors, indices)
+        return {"lane_offset": abs(lateral), "lane_lookahead": abs(lateral + LOOKAHEAD_M * math.tan(heading))}
+
+
 def descriptor_settings(policy_config: dict) -> dict:
     """What the checkpoint's descriptors are: dimension, grid and the extraction settings that shape them."""
     extractor = policy_config.get("extractor") or {}
@@ -136,30 +186,44 @@ def descriptor_settings(policy_config: dict) -> dict:
 
 
 class OodScorer:
-    """Both scores of a calibration; `scores` gives each one of a frame, normalized by its scale."""
+    """The scores of a calibration (METHODS, and PROBE_METHODS where it has a lane-pose probe);
+    `scores` gives each one of a frame, normalized by its scale."""
 
-    def __init__(self, mahalanobis: PooledMahalanobis, coreset: PatchCoreset, meta: dict):
+    def __init__(self, mahalanobis: PooledMahalanobis, coreset: PatchCoreset, meta: dict,
+                 probe: LanePoseProbe | None = None):
         self.models = {"pooled_mahalanobis": mahalanobis, "patch_coreset": coreset}
+        self.probe = probe
+        self.methods = METHODS + (PROBE_METHODS if probe is not None else ())
         self.meta = meta
-        self.scales = {name: float(meta["scales"][name]) for name in METHODS}
+        self.scales = {name: float(meta["scales"][name]) for name in self.methods}
         self.dim = len(mahalanobis.mean)
 
-    def score(self, descriptors: np.ndarray, method: str) -> float:
-        """One method's score of a frame's kept descriptors [k, D]; ValueError for a frame of the wrong shape."""
-        descriptors = np.asarray(descriptors)
-        if descriptors.ndim != 2 or descriptors.shape[1] != self.dim:
-            raise ValueError(f"OOD score: expected [k, {self.dim}] descriptors, got shape {descriptors.shape}")
-        return self.models[method].raw(descriptors) / self.scales[method]
+    def score(self, descriptors: np.ndarray, method: str, indices: np.ndarray | None = None) -> float:
+        """One method's score of a frame's kept descriptors [k, D] (a probe's also needs their patch
+        `indices`); ValueError for a frame of the wrong shape."""
+        return self.scores(descriptors, indices, (method,))[method]
 
-    def scores(self, descriptors: np.ndarray) -> dict:
-        return {name: self.score(descriptors, name) for name in METHODS}
+    def scores(self, descriptors: np.ndarray, indices: np.ndarray | None = None, methods=None) -> dict:
+        descriptors = np.asarray(descriptors)
+        if descriptors.ndim != 2 or descriptors.shape[1] != self.dim or len(descriptors) == 0:
+            raise ValueError(f"OOD score: expected [k, {self.dim}] descriptors with k >= 1, got shape {descriptors.shape}")
+        methods = self.methods if methods is None else methods
+        if missing := [m for m in methods if m not in self.methods]:
+            raise ValueError(f"OOD score: this calibration has no {missing} (it has {self.methods})")
+        raw = {m: self.models[m].raw(descriptors) for m in methods if m in METHODS}
+        if any(m in PROBE_METHODS for m in methods):
+            if indices is None or len(indices) != len(descriptors):
+                raise ValueError(f"OOD score: the lane-pose probe needs the {len(descriptors)} kept patches' indices")
+            raw.update(self.probe.raw(descriptors, indices))
+        return {m: raw[m] / self.scales[m] for m in methods}
 
     def save(self, directory) -> Path:
         from safetensors.numpy import save_file
 
         directory = Path(directory)
+        probe = {} if self.probe is None else {"probe_weights": self.probe.weights}
         save_file({"mean": self.models["pooled_mahalanobis"].mean, "precision": self.models["pooled_mahalanobis"].precision,
-                   "centers": self.models["patch_coreset"].centers}, str(directory / TENSORS_FILE))
+                   "centers": self.models["patch_coreset"].centers, **probe}, str(directory / TENSORS_FILE))
         (directory / META_FILE).write_text(json.dumps(self.meta, indent=1) + "\n")
         return directory / META_FILE
 
@@ -198,11 +262,19 @@ def load_calibration(directory, policy_config: dict, weights_path=None) -> OodSc
             or any(tensors[name].shape != shape for name, shape in shapes.items()) \
             or tensors["centers"].ndim != 2 or tensors["centers"].shape[1] != dim:
         raise CalibrationError(f"{tensors_path} lacks mean [{dim}], precision [{dim}, {dim}] or centers [M, {dim}]")
+    probe = None
+    if "probe_weights" in tensors:
+        bands, cols = meta.get("probe", {}).get("bands"), expected["grid"]["cols"]
+        if not isinstance(bands, int) or not 1 <= bands <= cols or tensors["probe_weights"].shape != (bands * dim + 1, 2):
+            raise CalibrationError(f"{tensors_path}: probe_weights {tensors['probe_weights'].shape} do not fit "
+                                   f"{bands} bands of [{dim}] descriptors ({meta_path} 'probe')")
+        probe = LanePoseProbe(tensors["probe_weights"].astype(np.float64), bands, cols)
+    methods = METHODS + (PROBE_METHODS if probe is not None else ())
     scales = meta.get("scales", {})
-    if any(not (isinstance(scales.get(m), (int, float)) and scales[m] > 0) for m in METHODS):
-        raise CalibrationError(f"{meta_path} needs a positive scale for each of {METHODS}, got {scales}")
+    if any(not (isinstance(scales.get(m), (int, float)) and scales[m] > 0) for m in methods):
+        raise CalibrationError(f"{meta_path} needs a positive scale for each of {methods}, got {scales}")
     return OodScorer(PooledMahalanobis(tensors["mean"].astype(np.float64), tensors["precision"].astype(np.float64)),
-                     PatchCoreset(tensors["centers"].astype(np.float32)), meta)
+                     PatchCoreset(tensors["centers"].astype(np.float32)), meta, probe)
 
 
 class SelectionDisagreement:

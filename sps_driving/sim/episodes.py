@@ -27,7 +27,7 @@ import numpy as np
 
 from sps_driving.core import host
 from sps_driving.core.control import capped_throttle
-from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, SELECTION_DISAGREEMENT, SelectionDisagreement
+from sps_driving.core.ood import HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, SelectionDisagreement
 from sps_driving.sim.config import frame_stamp_ns
 from sps_driving.sim.expert import Command, Expert
 from sps_driving.sim.scenarios import get_scenario
@@ -167,7 +167,7 @@ class PolicyDriver:
         self.ood_settings = ood
         self.scorer = _ood_scorer(policy_dir, policy_config, ood, view_width_scale)
         self.selection_disagreement = None if draws == 0 else SelectionDisagreement(self.policy, draws)
-        self.logged_scores = ((METHODS if self.scorer is not None else ())
+        self.logged_scores = ((self.scorer.methods if self.scorer is not None else ())
                               + ((HEAD_DISAGREEMENT,) if policy_config.get("architecture") == ENSEMBLE else ())
                               + ((SELECTION_DISAGREEMENT,) if draws else ()))
         self.ood_log = None
@@ -234,7 +234,7 @@ class PolicyDriver:
         over other selections of the frame."""
         from sps_driving.core.policies.ensemble import head_disagreement
 
-        scores = {} if self.scorer is None else self.scorer.scores(self._seen[1])
+        scores = {} if self.scorer is None else self.scorer.scores(self._seen[1], self._seen[0])
         if HEAD_DISAGREEMENT in self.logged_scores:
             spread = head_disagreement(self.policy.module)
             scores[HEAD_DISAGREEMENT] = math.nan if spread is None else spread

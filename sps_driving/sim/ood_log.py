@@ -10,9 +10,10 @@ its own target, as the graph's vehicle interface does; or the policy's cruise ta
 scale (the first mechanism measured, which made the shipped policy drive faster).
 
 Rows get `ood`: per-frame time, scores of each method (sps_driving.core.ood.METHODS, with a
-calibration; HEAD_DISAGREEMENT, for an ensemble; SELECTION_DISAGREEMENT, with selection draws),
-the steering command each frame gave (rad; the report derives scores of the policy's own behaviour
-from it) and the failure times, the frames driven slowed and the handover's time (null: none).
+calibration, and PROBE_METHODS, with one that has a lane-pose probe; HEAD_DISAGREEMENT, for an
+ensemble; SELECTION_DISAGREEMENT, with selection draws), the steering command each frame gave
+(rad; the report derives scores of the policy's own behaviour from it) and the failure times, the
+frames driven slowed and the handover's time (null: none).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 
 from sps_driving.core.monitor import OodRule, OodRuleConfig
-from sps_driving.core.ood import METHODS
+from sps_driving.core.ood import METHODS, PROBE_METHODS
 
 SCORE_DIGITS = 4  # decimals kept of each logged score
 SLOW_BY = ("speed_cap", "target")  # the first is the graph's (the vehicle interface's speed cap)
@@ -35,8 +36,8 @@ def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, sele
     worker."""
     if rule is not None:
         OodRuleConfig.from_config(rule)
-    if method not in METHODS:
-        raise ValueError(f"OOD score method must be one of {METHODS}, got {method!r}")
+    if method not in METHODS + PROBE_METHODS:
+        raise ValueError(f"OOD score method must be one of {METHODS + PROBE_METHODS}, got {method!r}")
     if not (math.isfinite(cruise_scale) and 0 < cruise_scale <= 1):
         raise ValueError(f"cruise scale must lie in (0, 1], got {cruise_scale}")
     if rule is not None and cruise_scale != 1.0:
