@@ -236,12 +236,13 @@ def test_the_episode_log_acts_from_the_next_frame_and_records_the_handover():
     log = OodEpisodeLog(settings)
     for i, score in enumerate([1.0, 2.5, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0]):
         assert log.cruise_scale == (1.0 if i < 2 else 0.5)
-        log.frame(0.1 * i, {"pooled_mahalanobis": 0.0, "patch_coreset": score}, 0.01 * i)
+        log.frame(0.1 * i, {"pooled_mahalanobis": 0.0, "patch_coreset": score}, 0.01 * i, 0.1 * i, -0.01)
     assert log.handed_over and log.handover_s == pytest.approx(0.7)
     log.failure(0.75)
     row = log.as_dict()
     assert row["frames"] == 8 and row["slowed_frames"] == 6 and row["failure_times_s"] == [0.75]
     assert row["steering_rad"] == pytest.approx([0.01 * i for i in range(8)])
+    assert row["lane_offset_m"] == pytest.approx([0.1 * i for i in range(8)]) and row["heading_error_rad"] == [-0.01] * 8
     with pytest.raises(ValueError, match="apart"):
         ood_settings(settings["rule"], "patch_coreset", cruise_scale=0.5)
 
@@ -269,6 +270,15 @@ def test_the_report_scores_the_policys_behaviour_from_the_logged_steering():
     assert frame_scores(row, "steering_magnitude").tolist() == pytest.approx([0.0, 0.02, 0.03, 0.03])
     assert frame_scores(row, "steering_rate").tolist() == pytest.approx([0.0, 0.2, 0.5, 0.0])
     assert [m for _, m, window in score_variants([row]) if window == 1] == ["patch_coreset", "steering_magnitude", "steering_rate"]
+
+
+def test_the_report_bounds_a_lane_score_by_the_cars_true_lane_pose_where_rows_log_it():
+    row = {"ood": {"frames": 3, "time_s": [0.0, 0.1, 0.2], "failure_times_s": [], "scores": {}, "steering_rad": [0.0] * 3,
+                   "lane_offset_m": [0.5, -1.0, None], "heading_error_rad": [0.0, 0.05, 0.0]}}
+    assert frame_scores(row, "true_lane_offset")[:2].tolist() == pytest.approx([0.5, 1.0])
+    assert frame_scores(row, "true_lane_lookahead")[:2].tolist() == pytest.approx([0.5, abs(-1.0 + 10.0 * math.tan(0.05))])
+    assert math.isnan(frame_scores(row, "true_lane_offset")[2])
+    assert "true_lane_lookahead" in [m for _, m, _ in score_variants([row])]
 
 
 def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apart(tmp_path):
@@ -369,7 +379,8 @@ def test_an_ensembles_evaluation_logs_its_heads_disagreement_and_the_report_rank
     assert set(rows["same"]["ood"]["scores"][HEAD_DISAGREEMENT]) == {0.0}  # one checkpoint twice agrees with itself
     assert main(["ood", "report", str(out), "--method", "ens", "--out", str(tmp_path / "report")]) == 0
     report = json.loads((tmp_path / "report" / "ood_report.json").read_text())
-    scores = (HEAD_DISAGREEMENT, "steering_magnitude", "steering_rate")  # the heads' spread and the policy's behaviour
+    # The heads' spread, the policy's behaviour and the bound from the car's true lane pose.
+    scores = (HEAD_DISAGREEMENT, "steering_magnitude", "steering_rate", "true_lane_offset", "true_lane_lookahead")
     assert set(report["prediction"]["summary"]) == {*scores, *(f"{name} (10-frame mean)" for name in scores)}
     assert report["lead_time"]["slow"]["failures"] == 0  # the rule's calibrated score was not logged
 

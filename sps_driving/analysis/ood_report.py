@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from sps_driving.core.monitor import OodRule, OodRuleConfig
-from sps_driving.core.ood import HEAD_DISAGREEMENT, METHODS, PROBE_METHODS, SELECTION_DISAGREEMENT, load_ood_config
+from sps_driving.core.ood import (
+    HEAD_DISAGREEMENT,
+    LOOKAHEAD_M,
+    METHODS,
+    PROBE_METHODS,
+    SELECTION_DISAGREEMENT,
+    load_ood_config,
+)
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
@@ -32,6 +39,11 @@ SMOOTHING_FRAMES = 10  # frames of the causal mean variant of each score (1 s at
 # `steering_rad`): its magnitude (rad) and its rate of change from the frame before (rad/s).
 STEERING_MAGNITUDE, STEERING_RATE = "steering_magnitude", "steering_rate"
 BEHAVIOUR_SCORES = (STEERING_MAGNITUDE, STEERING_RATE)
+# Privileged, not scores the car has: the simulator's true lane pose of each frame (rows that log
+# `lane_offset_m`), as the lane-pose probe's scores read it (PROBE_METHODS): the bound of what any
+# score of the car's place in its lane can predict.
+TRUE_LANE_OFFSET, TRUE_LANE_LOOKAHEAD = "true_lane_offset", "true_lane_lookahead"
+TRUE_LANE_SCORES = (TRUE_LANE_OFFSET, TRUE_LANE_LOOKAHEAD)
 
 
 def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -62,7 +74,12 @@ def frame_labels(row: dict, horizon_s: float) -> np.ndarray:
 
 def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
     """A method's per-frame score of an episode; with causal_window n, the mean of the last n frames."""
-    values = _behaviour(row, method) if method in BEHAVIOUR_SCORES else _finite(row["ood"]["scores"][method])
+    if method in BEHAVIOUR_SCORES:
+        values = _behaviour(row, method)
+    elif method in TRUE_LANE_SCORES:
+        values = _true_lane(row, method)
+    else:
+        values = _finite(row["ood"]["scores"][method])
     if causal_window <= 1:
         return values
     sums = np.cumsum(np.concatenate([[0.0], values]))
@@ -81,13 +98,23 @@ def _behaviour(row: dict, method: str) -> np.ndarray:
     return rate
 
 
+def _true_lane(row: dict, method: str) -> np.ndarray:
+    lateral = _finite(row["ood"]["lane_offset_m"])
+    if method == TRUE_LANE_OFFSET:
+        return np.abs(lateral)
+    return np.abs(lateral + LOOKAHEAD_M * np.tan(_finite(row["ood"]["heading_error_rad"])))
+
+
 def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:
     """(label, method, causal window in frames) of every score the rows logged, and of the
     behaviour scores where they logged the steering."""
     logged = {name for row in _logged(rows) for name in row["ood"]["scores"]}
     if _logged(rows) and all("steering_rad" in row["ood"] for row in _logged(rows)):
         logged |= set(BEHAVIOUR_SCORES)
-    methods = [m for m in (*METHODS, *PROBE_METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES) if m in logged]
+    if _logged(rows) and all("lane_offset_m" in row["ood"] for row in _logged(rows)):
+        logged |= set(TRUE_LANE_SCORES)
+    methods = [m for m in (*METHODS, *PROBE_METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES,
+                           *TRUE_LANE_SCORES) if m in logged]
     return [(m, m, 1) for m in methods] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in methods]
 
 

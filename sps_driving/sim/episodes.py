@@ -223,7 +223,7 @@ class PolicyDriver:
         frame.descriptors = self.frame_descriptors
         if self.ood_log is not None:
             self.ood_log.frame(frame.world.time, None if self._seen is None else self._scores(frame.stamp_ns, state),
-                               command.steering)
+                               command.steering, frame.world.lane.lateral, frame.world.lane.heading_error)
         if self.views is not None and self._seen is not None:
             self.views.append(FrameView(frame.world.time, frame.image, *self._seen, state, command.steering))
         return command

@@ -12,8 +12,10 @@ scale (the first mechanism measured, which made the shipped policy drive faster)
 Rows get `ood`: per-frame time, scores of each method (sps_driving.core.ood.METHODS, with a
 calibration, and PROBE_METHODS, with one that has a lane-pose probe; HEAD_DISAGREEMENT, for an
 ensemble; SELECTION_DISAGREEMENT, with selection draws), the steering command each frame gave
-(rad; the report derives scores of the policy's own behaviour from it) and the failure times, the
-frames driven slowed and the handover's time (null: none).
+(rad; the report derives scores of the policy's own behaviour from it), the car's true lane pose
+(the simulator's lateral offset, m, and heading error, rad: what a score of the car's place in its
+lane could know at best), the failure times, the frames driven slowed and the handover's time
+(null: none).
 """
 
 from __future__ import annotations
@@ -64,16 +66,21 @@ class OodEpisodeLog:
         self.times: list[float] = []
         self.scores: dict[str, list] = {m: [] for m in logged}
         self.steering: list[float] = []
+        self.lane_offset: list[float] = []
+        self.heading_error: list[float] = []
         self.failure_times: list[float] = []
         self.slowed_frames = 0
         self.cruise_scale = self.fixed_scale
         self.handover_s: float | None = None
 
-    def frame(self, time_s: float, scores: dict | None, steering_rad: float) -> None:
-        """A frame's scores (None: a dropped frame, logged as NaN) and the steering it was driven
-        with, then the rule's step at its time."""
+    def frame(self, time_s: float, scores: dict | None, steering_rad: float, lane_offset_m: float = math.nan,
+              heading_error_rad: float = math.nan) -> None:
+        """A frame's scores (None: a dropped frame, logged as NaN), the steering it was driven with and
+        the car's true lane pose, then the rule's step at its time."""
         self.times.append(round(time_s, 3))
         self.steering.append(round(float(steering_rad), SCORE_DIGITS + 1))
+        self.lane_offset.append(round(lane_offset_m, SCORE_DIGITS) if math.isfinite(lane_offset_m) else None)
+        self.heading_error.append(round(heading_error_rad, SCORE_DIGITS + 1) if math.isfinite(heading_error_rad) else None)
         for m, logged in self.scores.items():
             value = math.nan if scores is None else scores[m]
             logged.append(round(value, SCORE_DIGITS) if math.isfinite(value) else None)
@@ -97,5 +104,6 @@ class OodEpisodeLog:
 
     def as_dict(self) -> dict:
         return {"method": self.method, "rule": self.rule is not None, "cruise_scale": self.fixed_scale, "slow_by": self.slow_by,
-                "time_s": self.times, "scores": self.scores, "steering_rad": self.steering, "failure_times_s": self.failure_times,
+                "time_s": self.times, "scores": self.scores, "steering_rad": self.steering,
+                "lane_offset_m": self.lane_offset, "heading_error_rad": self.heading_error, "failure_times_s": self.failure_times,
                 "slowed_frames": self.slowed_frames, "frames": len(self.times), "handover_s": self.handover_s}
