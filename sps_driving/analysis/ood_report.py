@@ -25,11 +25,11 @@ import numpy as np
 from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
     HEAD_DISAGREEMENT,
-    LOOKAHEAD_M,
     METHODS,
     PROBE_METHODS,
     SELECTION_DISAGREEMENT,
     load_ood_config,
+    lookahead_offset,
 )
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
@@ -102,7 +102,7 @@ def _true_lane(row: dict, method: str) -> np.ndarray:
     lateral = _finite(row["ood"]["lane_offset_m"])
     if method == TRUE_LANE_OFFSET:
         return np.abs(lateral)
-    return np.abs(lateral + LOOKAHEAD_M * np.tan(_finite(row["ood"]["heading_error_rad"])))
+    return lookahead_offset(lateral, _finite(row["ood"]["heading_error_rad"]))
 
 
 def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:

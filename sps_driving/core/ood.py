@@ -137,6 +137,11 @@ class PatchCoreset:
         return float(self.distances(descriptors).mean())
 
 
+def lookahead_offset(lateral_m, heading_rad):
+    """|lateral offset LOOKAHEAD_M ahead along the heading| (m), of numbers or arrays."""
+    return np.abs(lateral_m + LOOKAHEAD_M * np.tan(heading_rad))
+
+
 def band_features(descriptors: np.ndarray, indices: np.ndarray, bands: int, cols: int) -> np.ndarray:
     """[bands * D + 1]: the mean of the kept descriptors in each of `bands` column bands of a grid of
     `cols` columns (the mean of all kept ones for a band without any), then 1 for the intercept."""
@@ -175,7 +180,7 @@ class LanePoseProbe:
 
     def raw(self, descriptors: np.ndarray, indices: np.ndarray) -> dict:
         lateral, heading = self.pose(descriptors, indices)
-        return {"lane_offset": abs(lateral), "lane_lookahead": abs(lateral + LOOKAHEAD_M * math.tan(heading))}
+        return {"lane_offset": abs(lateral), "lane_lookahead": float(lookahead_offset(lateral, heading))}
 
 
 def descriptor_settings(policy_config: dict) -> dict:
