@@ -9,7 +9,7 @@ import pytest
 from ood_samples import DIM, K, calibrated_checkpoint, calibration_of, fitted, training_frames
 from samples import tiny_policy
 
-from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores, score_variants
+from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores, outcome_known, score_variants
 from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
     META_FILE,
@@ -259,6 +259,9 @@ def test_auroc_and_failure_labels():
     row = {"ood": {"time_s": [0.0, 1.0, 2.0, 3.0, 4.0], "failure_times_s": [3.5],
                    "scores": {"patch_coreset": [1.0, 2.0, 3.0, 4.0, 5.0]}}}
     assert frame_labels(row, 2.0).tolist() == [False, False, True, True, False]
+    # Past 3.5 s no failure came before the end: the frame at 4.0 s (end 5.0 s) cannot tell, at 3.0 s it can.
+    assert outcome_known({**row, "duration_s": 5.0}, 2.0).tolist() == [True, True, True, True, False]
+    assert outcome_known({**row, "duration_s": 6.0}, 2.0).tolist() == [True] * 5
     assert frame_scores(row, "patch_coreset", causal_window=2).tolist() == [1.0, 1.5, 2.5, 3.5, 4.5]
     assert [label for label, _, _ in score_variants([{**row, "ood": {**row["ood"], "frames": 5}}])] == [
         "patch_coreset", "patch_coreset (10-frame mean)"]

@@ -2,7 +2,8 @@
 
 - Prediction, on the rows of the runs without the rule (and without a cruise scale): for each
   scenario, the AUROC of each score for "a failure follows within horizon_s", over every frame of
-  its episodes; the median over the OOD scenarios; Spearman's rank correlation, across the OOD
+  its episodes whose outcome the episode tells (not one within horizon_s of its end with no
+  failure after it); the median over the OOD scenarios; Spearman's rank correlation, across the OOD
   scenarios, of a scenario's mean score with its OOD average (a good score ranks the worst
   scenarios highest); the lead time of the first alarm (the score above the rule's slow or handover
   threshold) before each failure, counted from the previous failure or the episode's start.
@@ -70,6 +71,15 @@ def frame_labels(row: dict, horizon_s: float) -> np.ndarray:
         return np.zeros(len(times), dtype=bool)
     ahead = failures[None, :] - times[:, None]
     return ((ahead > 0) & (ahead <= horizon_s)).any(axis=1)
+
+
+def outcome_known(row: dict, horizon_s: float) -> np.ndarray:
+    """For each logged frame: whether the episode tells if a failure follows within `horizon_s`. A
+    frame less than `horizon_s` before the episode's end without a failure after it is unknown (the
+    end hides what would have come), not safe."""
+    times = np.asarray(row["ood"]["time_s"], dtype=np.float64)
+    end = float(row.get("duration_s", times[-1] if len(times) else 0.0))
+    return frame_labels(row, horizon_s) | (times + horizon_s <= end + 1e-9)
 
 
 def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
@@ -140,11 +150,12 @@ def prediction(rows: list[dict], horizon_s: float) -> dict:
     variants = score_variants(rows)
     for scenario, episodes in by_scenario.items():
         labels = np.concatenate([frame_labels(r, horizon_s) for r in episodes])
-        entry = {"frames": int(len(labels)), "positive_frames": int(labels.sum()),
+        known = np.concatenate([outcome_known(r, horizon_s) for r in episodes])
+        entry = {"frames": int(known.sum()), "positive_frames": int(labels.sum()), "unknown_frames": int((~known).sum()),
                  "ood_average": float(np.mean([r["score"] for r in episodes])), "episodes": len(episodes)}
         for label, method, window in variants:
             scores = np.concatenate([frame_scores(r, method, window) for r in episodes])
-            keep = np.isfinite(scores)
+            keep = np.isfinite(scores) & known
             entry[label] = auroc(scores[keep], labels[keep])
             mean_scores[label][scenario] = float(np.nanmean(scores))
         table[scenario] = entry
@@ -317,10 +328,11 @@ def markdown(report: dict) -> str:
     pred = report["prediction"]
     labels = list(pred["summary"])
     lines = [f"### AUROC for a failure within {report['horizon_s']:g} s, per scenario (rule off)", "",
-             "| scenario | episodes | OOD average | frames (positive) | " + " | ".join(labels) + " |",
+             "| scenario | episodes | OOD average | frames (positive; unknown, left out) | " + " | ".join(labels) + " |",
              "|---|---|---|---|" + "---|" * len(labels)]
     for scenario, e in pred["per_scenario"].items():
-        lines.append(f"| {scenario} | {e['episodes']} | {_f(e['ood_average'])} | {e['frames']} ({e['positive_frames']}) | "
+        frames = f"{e['frames']} ({e['positive_frames']}; {e['unknown_frames']})"
+        lines.append(f"| {scenario} | {e['episodes']} | {_f(e['ood_average'])} | {frames} | "
                      + " | ".join(_f(e[label]) for label in labels) + " |")
     s = pred["summary"]
     lines += ["", "| score | median AUROC over OOD scenarios (scenarios with a failure) | Spearman: mean score vs OOD average | "
