@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
-INTERRUPTED = 130  # exit code of a command stopped by SIGINT (Ctrl-C), as a shell reports one (128 + 2)
 DESCRIPTION = ("End-to-end driving for ROS 2 with Stochastic Patch Selection: run the graph on the car, replay and "
                "check recordings, train, evaluate and analyse policies. `sps-driving COMMAND --help` for each command.")
 COMMANDS = {
@@ -35,6 +35,11 @@ COMMANDS = {
 }
 
 
+def _quiet_on_interrupt(kind, value, traceback) -> None:
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, traceback)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="sps-driving", description=DESCRIPTION)
@@ -50,9 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code = int(args.run(args) or 0)
-    except KeyboardInterrupt:  # Ctrl-C: what a command finished is on disk already; no traceback
+    except KeyboardInterrupt:
+        # Ctrl-C: what the command finished is on disk. Python ends the process by SIGINT, so a
+        # script's loop stops as well; without a traceback, and a second SIGINT (a campaign's step
+        # passes one on) does not cut short what runs at exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"sps-driving {args.command}: interrupted", file=sys.stderr)
-        code = INTERRUPTED
+        sys.excepthook = _quiet_on_interrupt
+        raise
     processes = sys.modules.get("sps_driving.train.distributed")  # imported only by commands that run under torchrun
     if processes is not None and processes.left_a_process_group:
         processes.exit_after_group(code)

@@ -159,9 +159,14 @@ def test_calibrate_fits_a_lane_pose_probe_on_drives_that_record_the_lane_pose(tm
     bags[0].rename(tmp_path / "moved")
     novelty_only = calibrate(ckpt, [str(cache)], settings, "test")
     assert novelty_only.methods == METHODS and "probe" not in novelty_only.meta
-    assert novelty_only.meta["made"]["lane_pose_probe"].endswith("drive_0 of cache source drive_0 is not here")
+    assert novelty_only.meta["made"]["lane_pose_probe"].startswith("none: drive drive_0 of cache source drive_0 is not here")
     with pytest.raises(ValueError, match="no \\['lane_offset'\\]"):
         novelty_only.score(edge, "lane_offset", indices)
+    novelty_only.save(ckpt)
+    with pytest.raises(CalibrationError, match="lane_offset is not in the calibration"):
+        load_calibration(ckpt, config, method="lane_offset")
+    with pytest.raises(ValueError, match="probe_bands"):
+        calibrate(ckpt, [str(cache)], dict(settings, probe_bands=9), "test")
 
 
 def test_the_shipped_settings_and_rule_load():
@@ -281,6 +286,7 @@ def test_the_report_bounds_a_lane_score_by_the_cars_true_lane_pose_where_rows_lo
     assert frame_scores(row, "true_lane_offset")[:2].tolist() == pytest.approx([0.5, 1.0])
     assert frame_scores(row, "true_lane_lookahead")[:2].tolist() == pytest.approx([0.5, abs(-1.0 + 10.0 * math.tan(0.05))])
     assert math.isnan(frame_scores(row, "true_lane_offset")[2])
+    assert np.isnan(frame_scores(row, "lane_offset")).all()  # not logged in this episode
     assert "true_lane_lookahead" in [m for _, m, _ in score_variants([row])]
 
 

@@ -48,6 +48,8 @@ from sps_driving.core.ood import (
 from sps_driving.core.resources import portable_path, portable_record, source_revision
 
 HOLDOUT_QUANTILES = (0.5, 0.9, 0.99, 0.999, 1.0)
+CALIBRATION_SETTINGS = ("shrinkage", "coreset_size", "coreset_sample_patches", "holdout_sources", "seed", "probe_bands",
+                        "probe_ridge", "lane_pose_tolerance_s")  # config/ood.yaml, calibration
 
 
 def kept_frames(cache, policy, rows: np.ndarray):
@@ -63,7 +65,8 @@ def recorded_lane_poses(cache, tolerance_s: float) -> tuple[np.ndarray | None, s
     on topics.LANE_POSE nearest the frame's stamp (within `tolerance_s`), or None and why not: a
     drive is not at the path the cache records, records no lane pose, or not near every frame."""
     from sps_driving.core import topics
-    from sps_driving.ros.bagio import read_messages
+    from sps_driving.core.state import nearest
+    from sps_driving.ros.bagio import BagError, is_bag, read_messages
     from sps_driving.ros.msgs import lane_from_message, stamp_ns
 
     drives = {}
@@ -75,21 +78,23 @@ def recorded_lane_poses(cache, tolerance_s: float) -> tuple[np.ndarray | None, s
         drives.update({prefix + source: Path(path) for source, path in zip(meta["sources"], meta["inputs"])})
     poses = np.full((len(cache), 2), np.nan)
     for source_id, source in enumerate(cache.sources):
-        if not drives[source].exists():
-            return None, f"drive {drives[source]} of cache source {source} is not here"
-        recorded = [(stamp_ns(m.msg.header), *lane_from_message(m.msg)) for m in read_messages(drives[source], [topics.LANE_POSE])]
+        drive = drives[source]
+        if not drive.exists():
+            return None, f"drive {drive} of cache source {source} is not here (paths are read from the current folder)"
+        if not is_bag(drive):
+            return None, f"cache source {source} is not a bag ({drive}): it records no lane pose"
+        try:
+            recorded = sorted((stamp_ns(m.msg.header), *lane_from_message(m.msg)) for m in read_messages(drive, [topics.LANE_POSE]))
+        except BagError as exc:
+            return None, str(exc)
         if not recorded:
-            return None, f"drive {drives[source]} records no {topics.LANE_POSE}"
-        stamps, values = np.array([r[0] for r in recorded]), np.array([r[1:] for r in recorded])
-        order = np.argsort(stamps)
-        stamps, values = stamps[order], values[order]
-        rows = np.flatnonzero(cache.source_ids == source_id)
-        wanted = cache.stamps[rows].astype(np.int64)
-        after = np.clip(np.searchsorted(stamps, wanted), 1, len(stamps) - 1)
-        nearest = np.where(np.abs(stamps[after] - wanted) < np.abs(stamps[after - 1] - wanted), after, after - 1)
-        if np.any(np.abs(stamps[nearest] - wanted) > tolerance_s * 1e9):
-            return None, f"drive {drives[source]} records no {topics.LANE_POSE} within {tolerance_s} s of some frames"
-        poses[rows] = values[nearest]
+            return None, f"drive {drive} records no {topics.LANE_POSE}"
+        stamps = np.array([r[0] for r in recorded], dtype=np.int64)
+        for row in np.flatnonzero(cache.source_ids == source_id):
+            index = nearest(stamps, int(cache.stamps[row]))
+            if abs(int(stamps[index]) - int(cache.stamps[row])) > tolerance_s * 1e9:
+                return None, f"drive {drive} records no {topics.LANE_POSE} within {tolerance_s} s of frame {int(cache.stamps[row])}"
+            poses[row] = recorded[index][1:]
     return poses, f"{topics.LANE_POSE} of the cache's {len(cache.sources)} drives"
 
 
@@ -105,6 +110,13 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
     if cache_settings != expected:
         raise ValueError(f"cache {cache.name} holds other descriptors than policy {policy_dir} reads: "
                          f"{cache_settings} against {expected}")
+    if missing := [key for key in CALIBRATION_SETTINGS if key not in settings]:
+        raise ValueError(f"calibration settings lack {missing} (see config/ood.yaml, calibration)")
+    bands, cols = int(settings["probe_bands"]), cache.grid.cols
+    if not 1 <= bands <= cols:
+        raise ValueError(f"probe_bands must lie in 1..{cols} (the grid's columns), got {bands}")
+    if not (float(settings["probe_ridge"]) >= 0 and float(settings["lane_pose_tolerance_s"]) >= 0):
+        raise ValueError("probe_ridge and lane_pose_tolerance_s must be >= 0")
     policy = load_policy(policy_dir)
     holdout = int(settings["holdout_sources"])
     if not 1 <= holdout < len(cache.sources):
@@ -113,7 +125,6 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
     fit_rows, held_rows = np.flatnonzero(~held), np.flatnonzero(held)
     rng = np.random.default_rng(int(settings["seed"]))
     poses, poses_from = recorded_lane_poses(cache, float(settings["lane_pose_tolerance_s"]))
-    bands, cols = int(settings["probe_bands"]), cache.grid.cols
     pooled, patches, probe_features = [], [], []
     for _, indices, kept in kept_frames(cache, policy, fit_rows):
         pooled.append(kept.mean(axis=0))
@@ -202,7 +213,8 @@ def _run_calibrate(args) -> int:
         raise SystemExit(f"ood calibrate: {exc}") from None
     path = scorer.save(args.policy)
     print(json.dumps({"written": str(path), "scales": scorer.meta["scales"], "holdout_scores": scorer.meta["holdout_scores"],
-                      "seconds": round(time.perf_counter() - started, 1)}, indent=1))
+                      "lane_pose_probe": scorer.meta["made"]["lane_pose_probe"], "seconds": round(time.perf_counter() - started, 1)},
+                     indent=1))
     return 0
 
 

@@ -88,8 +88,8 @@ def frame_scores(row: dict, method: str, causal_window: int = 1) -> np.ndarray:
         values = _behaviour(row, method)
     elif method in TRUE_LANE_SCORES:
         values = _true_lane(row, method)
-    else:
-        values = _finite(row["ood"]["scores"][method])
+    else:  # NaN where an episode did not log it (another calibration): left out like a dropped frame
+        values = _finite(row["ood"]["scores"].get(method, [None] * len(row["ood"]["time_s"])))
     if causal_window <= 1:
         return values
     sums = np.cumsum(np.concatenate([[0.0], values]))

@@ -12,6 +12,7 @@ environment of every DVC call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ DVC_SETTINGS = {"core.analytics": "false", "core.check_update": "false", "core.a
 # Folders DVC never needs to walk (it looks for pipelines in the whole repository).
 DVC_IGNORED = (".venv/", "out/", "build/", ".hypothesis/", ".pytest_cache/")
 REPOSITORY_FILES = (".dvc/config", ".dvc/.gitignore", ".dvcignore")  # what `dvc init` leaves that git keeps
+INTERRUPT_POLL_S = 0.2  # s between looks at a running process for a SIGINT to act on
 
 
 def environment(root: Path) -> dict:
@@ -182,27 +184,40 @@ def locked(plan: Plan) -> dict:
     return (yaml.safe_load(path.read_text()) or {}).get("stages", {}) if path.is_file() else {}
 
 
+@contextlib.contextmanager
+def sigint_caught():
+    """While the block runs, SIGINT appends to the yielded list instead of raising KeyboardInterrupt,
+    which could land anywhere (between a record's start and end, inside a commit)."""
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def reproduce(plan: Plan, step: Step, env_extra: dict | None = None, on_interrupt=None) -> int:
     """Run one step through DVC (its upstream steps are not looked at: the caller orders them);
     DVC records its hashes in dvc.lock when the step's command succeeds. Returns the exit code.
-    On KeyboardInterrupt, calls `on_interrupt` (which stops the step), waits for DVC to end, and re-raises."""
+    After a SIGINT, calls `on_interrupt` (which stops the step) until DVC has ended, then raises
+    KeyboardInterrupt: DVC is not killed, so it leaves its lock files in order."""
     env = {**environment(plan.root), **(env_extra or {})}
     lock = results_dir(plan) / LOCK_FILE
     if lock.is_file():
         lock_copy(plan).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(lock, lock_copy(plan))
     release_dead_locks(plan.root)
-    process = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--quiet", "--single-item", stage_target(plan, step)],
-                               cwd=plan.root, env=env)
-    try:
-        return process.wait()
-    except KeyboardInterrupt:
-        # Not killed (as subprocess.run would): DVC ends once the step has, leaving its lock files in order.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            if on_interrupt is not None:
-                on_interrupt()
-            process.wait()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        raise
+    with sigint_caught() as interrupted:
+        process = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "--quiet", "--single-item",
+                                    stage_target(plan, step)], cwd=plan.root, env=env)
+        code = None
+        while code is None:
+            try:
+                code = process.wait(INTERRUPT_POLL_S)
+            except subprocess.TimeoutExpired:
+                # Again each time: the step may not have started, or not yet said where it runs.
+                if interrupted and on_interrupt is not None:
+                    on_interrupt()
+    if interrupted:
+        raise KeyboardInterrupt
+    return code

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from sps_driving.campaign import engine
 from sps_driving.campaign.plan import Plan, Step
-from sps_driving.cli import INTERRUPTED
 
 RECORD_FILE = "steps.jsonl"
 RUNNING_FILE = "running.json"
 DEADLINE_ENV = "SPS_DRIVING_CAMPAIGN_DEADLINE"  # unix time at which a running step is stopped (--budget)
 STOPPED_AT_BUDGET = 75  # exit code of a step stopped at its deadline (its finished units are kept)
+INTERRUPTED = 130  # exit code of a step stopped by SIGINT (Ctrl-C; 128 + 2, as a shell reports one)
 STOP_GRACE_S = 20.0  # s between asking a stopped step to end and killing it
 DONE, ABSENT, RUNNING, LEFT = "done", "done, not here", "running", "left"
 # Instruction sets by which onnxruntime and torch choose their CPU kernels: the same step gives
@@ -260,10 +260,11 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
             code = engine.reproduce(plan, step, {} if deadline is None else {DEADLINE_ENV: str(deadline)},
                                     on_interrupt=lambda: interrupt_running_step(plan))
         except KeyboardInterrupt:
-            if commit:
-                commit_results(plan, f"{step.name} interrupted, finished units kept")
+            with engine.sigint_caught():  # a second Ctrl-C does not cut the commit short
+                if commit:
+                    commit_results(plan, f"{step.name} interrupted, finished units kept")
             log(f"campaign {plan.name}: interrupted; {step.name} stopped, it resumes next time")
-            return INTERRUPTED
+            raise
         if commit:
             commit_results(plan, f"{step.name} " + ("done" if code == 0 else f"stopped (exit {code}), finished units kept"))
         if code != 0 and deadline is not None and time.time() >= deadline:
@@ -294,7 +295,19 @@ STEP_LAUNCHER = ("import runpy, sys; sys.path[0] = sys.argv.pop(1); "
 
 def run_step(plan: Plan, step: Step) -> int:
     """The step as DVC runs it: remove outputs of another attempt key, run the command with its
-    resume flags (stopped at the deadline of DEADLINE_ENV), record start and end."""
+    resume flags (stopped at the deadline of DEADLINE_ENV, or by a SIGINT), record start and end."""
+    folder = engine.results_dir(plan)
+    folder.mkdir(parents=True, exist_ok=True)
+    with engine.sigint_caught() as interrupted:
+        # First: a run stopped from now on finds this process (`interrupt_running_step`).
+        (folder / RUNNING_FILE).write_text(json.dumps({"step": step.name, "pid": os.getpid(), "started": time.time()}))
+        try:
+            return _run_step(plan, step, interrupted)
+        finally:
+            (folder / RUNNING_FILE).unlink(missing_ok=True)
+
+
+def _run_step(plan: Plan, step: Step, interrupted: list) -> int:
     key = attempt_key(plan, step)
     attempts = [r for r in read_records(plan) if r["step"] == step.name]
     if not attempts or attempts[-1]["key"] != key:
@@ -305,9 +318,8 @@ def run_step(plan: Plan, step: Step) -> int:
             elif path.exists():
                 path.unlink()
     argv = list(step.argv) + resume_flags(plan, step)
-    folder = engine.results_dir(plan)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / RUNNING_FILE).write_text(json.dumps({"step": step.name, "pid": os.getpid(), "started": time.time()}))
+    if interrupted:
+        return INTERRUPTED
     append_record(plan, {"step": step.name, "key": key, "event": "start", "time": time.time(), "argv": argv, "host": host_cpu(),
                          **({"code": step.code_revision} if step.code_revision else {})})
     began = time.time()
@@ -317,20 +329,19 @@ def run_step(plan: Plan, step: Step) -> int:
     path = os.pathsep.join([str(step.code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "SOURCE_DATE_EPOCH": str(int(first)), "PYTHONPATH": path}
     process = subprocess.Popen([sys.executable, "-c", STEP_LAUNCHER, str(step.code_root), *argv], cwd=plan.root, env=env)
-    try:
-        code = process.wait(None if deadline is None else max(1.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        code = _stop(process, STOPPED_AT_BUDGET)
-    except KeyboardInterrupt:
-        # Ctrl-C reached the command too, or only this process (`interrupt_running_step`): ask it once more, harmlessly.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
+    code = None
+    while code is None:
+        if interrupted:  # Ctrl-C reached the command too, or only this process: one more SIGINT is harmless
             code = _stop(process, INTERRUPTED)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        elif deadline is not None and time.time() >= deadline:
+            code = _stop(process, STOPPED_AT_BUDGET)
+        else:
+            try:
+                code = process.wait(engine.INTERRUPT_POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
     append_record(plan, {"step": step.name, "key": key, "event": "end", "time": time.time(),
                          "seconds": round(time.time() - began, 3), "exit": code})
-    (folder / RUNNING_FILE).unlink(missing_ok=True)
     return code
 
 

@@ -233,9 +233,10 @@ class OodScorer:
         return directory / META_FILE
 
 
-def load_calibration(directory, policy_config: dict, weights_path=None) -> OodScorer:
+def load_calibration(directory, policy_config: dict, weights_path=None, method: str | None = None) -> OodScorer:
     """The calibration in the checkpoint folder `directory`, checked against the checkpoint's
-    config (and, with `weights_path`, its weights); CalibrationError with the reason otherwise."""
+    config (and, with `weights_path`, its weights; with `method`, that it has that score);
+    CalibrationError with the reason otherwise."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -278,6 +279,9 @@ def load_calibration(directory, policy_config: dict, weights_path=None) -> OodSc
     scales = meta.get("scales", {})
     if any(not (isinstance(scales.get(m), (int, float)) and scales[m] > 0) for m in methods):
         raise CalibrationError(f"{meta_path} needs a positive scale for each of {methods}, got {scales}")
+    if method is not None and method not in methods:
+        raise CalibrationError(f"the OOD score {method} is not in the calibration in {directory} (it has {methods}: a "
+                               "lane-pose probe needs drives that record the lane pose)")
     return OodScorer(PooledMahalanobis(tensors["mean"].astype(np.float64), tensors["precision"].astype(np.float64)),
                      PatchCoreset(tensors["centers"].astype(np.float32)), meta, probe)
 

@@ -253,11 +253,11 @@ def _ood_scorer(policy_dir: str, policy_config: dict, ood: dict | None, view_wid
     acts = ood is not None and (ood.get("rule") is not None or float(ood.get("cruise_scale", 1.0)) != 1.0)
     if view_width_scale != 1.0 and not acts:
         return None
+    if acts:
+        return load_calibration(policy_dir, policy_config, Path(policy_dir) / WEIGHTS_FILE, method=ood["method"])
     try:
         return load_calibration(policy_dir, policy_config, Path(policy_dir) / WEIGHTS_FILE)
     except CalibrationError:
-        if acts:
-            raise
         return None
 
 

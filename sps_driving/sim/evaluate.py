@@ -172,14 +172,14 @@ def _ood_settings(args) -> dict:
         raise SystemExit(f"eval: {exc}") from None
 
 
-def _check_calibration(policy_dir: str, policy_config: dict) -> None:
-    """Exit with the reason unless the policy's OOD calibration is there and its own (a worker that
-    cannot start would be started again and again)."""
+def _check_calibration(policy_dir: str, policy_config: dict, method: str) -> None:
+    """Exit with the reason unless the policy's OOD calibration is there, its own and has the rule's
+    score `method` (a worker that cannot start would be started again and again)."""
     from sps_driving.core.ood import CalibrationError, load_calibration
     from sps_driving.core.policies.checkpoint import WEIGHTS_FILE
 
     try:
-        load_calibration(policy_dir, policy_config, Path(policy_dir) / WEIGHTS_FILE)
+        load_calibration(policy_dir, policy_config, Path(policy_dir) / WEIGHTS_FILE, method=method)
     except CalibrationError as exc:
         raise SystemExit(f"eval: {exc}") from None
 
@@ -281,7 +281,7 @@ def run(args) -> int:
         if not args.name:
             method += _method_suffix(args)
         if _slows(args):
-            _check_calibration(args.policy, policy_config)
+            _check_calibration(args.policy, policy_config, config["ood"]["method"])
         seed = training_seed(policy_config)
         if args.view_width_scale != 1.0:
             _check_wider_view(args.policy, policy_config, args.view_width_scale)

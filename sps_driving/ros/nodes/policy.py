@@ -162,15 +162,13 @@ class OodPublisher:
     """The OOD score of each commanded frame on topics.OOD_SCORE (see the module docstring)."""
 
     def __init__(self, node: PolicyNode, p: dict):
-        from sps_driving.core.ood import CalibrationError, load_calibration, load_ood_config
+        from sps_driving.core.ood import load_calibration, load_ood_config
         from sps_driving.core.policies.checkpoint import WEIGHTS_FILE
 
         self.node = node
         self.method = load_ood_config(p["ood_config"] or None)["score"]["method"]
-        self.scorer = load_calibration(p["checkpoint"], node.policy.config, Path(p["checkpoint"]) / WEIGHTS_FILE)
-        if self.method not in self.scorer.methods:
-            raise CalibrationError(f"the OOD score {self.method} is not in the calibration of {p['checkpoint']} (it has "
-                                   f"{self.scorer.methods}: a lane-pose probe needs drives that record the lane pose)")
+        self.scorer = load_calibration(p["checkpoint"], node.policy.config, Path(p["checkpoint"]) / WEIGHTS_FILE,
+                                       method=self.method)
         self.publisher = node.create_publisher(JointState, topics.OOD_SCORE, msgs.qos("stream"))
         node.counters.update(ood_score=float("nan"), ood_invalid=0)
         node.get_logger().info(f"OOD score {self.method} on {topics.OOD_SCORE} (calibration of {p['checkpoint']}: "
