@@ -219,6 +219,21 @@ def test_a_campaign_started_with_sigint_ignored_shows_its_status_stops_on_sigint
     assert "--resume" in attempts[-1]["argv"]
 
 
+def test_a_step_stopped_at_the_budgets_end_records_and_commits_why(reference, tmp_path):
+    """The step's own exit code, not DVC's (which says only that the stage failed), in its end
+    record, the commit message and the log; the run itself ends well, the step resumes next time."""
+    root = cut_after_cache(reference, tmp_path / "budget_end")
+    plan_file = root / "plan.yaml"
+    # A training that outlasts the budget (about 30 epochs a second).
+    plan_file.write_text(plan_file.read_text().replace("--epochs 12 --early-stop-patience 12",
+                                                       "--epochs 10000 --early-stop-patience 10000"))
+    assert campaign(root, "run", "plan.yaml", "--budget", "0.3").wait(timeout=120) == 0
+    plan = load_plan(plan_file)
+    assert runner.read_records(plan)[-1]["exit"] == runner.STOPPED_AT_BUDGET
+    assert git(root, "log", "--format=%s", "-1") == "campaign tiny: train stopped (at the budget's end), finished units kept\n"
+    assert "train stopped at the budget's end; it resumes next time" in (root / "campaign.log").read_text()
+
+
 def test_a_fresh_machine_resumes_from_the_repository_and_rebuilds_the_cache_bit_for_bit(reference, tmp_path):
     root = tmp_path / "fresh"
     git(tmp_path, "clone", "-q", str(reference), str(root))

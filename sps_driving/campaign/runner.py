@@ -256,6 +256,7 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
                 f"left: not started ({len(pending) - done} step(s) left)")
             return 0
         log(f"campaign {plan.name}: {step.name} (about {estimate:.1f} min): sps-driving {' '.join(step.argv)}")
+        started = time.time()
         try:
             code = engine.reproduce(plan, step, {} if deadline is None else {DEADLINE_ENV: str(deadline)},
                                     on_interrupt=lambda: interrupt_running_step(plan))
@@ -265,8 +266,9 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
                     commit_results(plan, f"{step.name} interrupted, finished units kept")
             log(f"campaign {plan.name}: interrupted; {step.name} stopped, it resumes next time")
             raise
+        code = step_exit(plan, step, since=started, otherwise=code)
         if commit:
-            commit_results(plan, f"{step.name} " + ("done" if code == 0 else f"stopped (exit {code}), finished units kept"))
+            commit_results(plan, f"{step.name} " + ("done" if code == 0 else f"stopped ({_exit_reason(code)}), finished units kept"))
         if code != 0 and deadline is not None and time.time() >= deadline:
             log(f"campaign {plan.name}: {step.name} stopped at the budget's end; it resumes next time")
             return 0
@@ -274,6 +276,17 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
             log(f"campaign {plan.name}: {step.name} ended with exit {code}")
             return code
     return 0
+
+
+def step_exit(plan: Plan, step: Step, since: float, otherwise: int) -> int:
+    """The exit code the step recorded at its end after `since`; `otherwise` (DVC's own, which says
+    only that the stage failed) where it recorded none: DVC ended before the step ran."""
+    ends = [r for r in read_records(plan) if r["step"] == step.name and r["event"] == "end" and r["time"] >= since]
+    return int(ends[-1]["exit"]) if ends else otherwise
+
+
+def _exit_reason(code: int) -> str:
+    return {STOPPED_AT_BUDGET: "at the budget's end", INTERRUPTED: "interrupted"}.get(code, f"exit {code}")
 
 
 def commit_results(plan: Plan, what: str) -> None:
