@@ -9,7 +9,14 @@ import pytest
 from ood_samples import DIM, K, calibrated_checkpoint, calibration_of, fitted, training_frames
 from samples import tiny_policy
 
-from sps_driving.analysis.ood_report import auroc, frame_labels, frame_scores, outcome_known, score_variants
+from sps_driving.analysis.ood_report import (
+    auroc,
+    frame_labels,
+    frame_scores,
+    outcome_known,
+    rank_correlation,
+    score_variants,
+)
 from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
     META_FILE,
@@ -257,6 +264,9 @@ def test_auroc_and_failure_labels():
     assert auroc(np.array([0.9, 0.8, 0.2, 0.1]), np.array([0, 0, 1, 1])) == 0.0
     assert auroc(np.array([0.5, 0.5, 0.5, 0.5]), np.array([0, 1, 0, 1])) == 0.5
     assert math.isnan(auroc(np.array([0.1, 0.2]), np.array([0, 0])))
+    # Tied scores share their mean rank; a scenario without the score leaves the correlation unknown.
+    assert rank_correlation([1.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.9 ** 0.5)
+    assert math.isnan(rank_correlation([1.0, math.nan, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]))
     rng = np.random.default_rng(3)
     scores, labels = rng.standard_normal(300), rng.random(300) < 0.3
     pairs = np.mean([(a > b) + 0.5 * (a == b) for a in scores[labels] for b in scores[~labels]])

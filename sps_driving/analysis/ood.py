@@ -33,14 +33,13 @@ from sps_driving.core.backbones.runtimes import file_sha256
 from sps_driving.core.ood import (
     FORMAT,
     LOOKAHEAD_M,
-    METHODS,
-    PROBE_METHODS,
     SCALE_QUANTILE,
     LanePoseProbe,
     OodScorer,
     PatchCoreset,
     PooledMahalanobis,
     band_features,
+    calibration_methods,
     descriptor_settings,
     load_calibration,
     load_ood_config,
@@ -137,7 +136,7 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
     coreset = PatchCoreset.fit(patches[sample], int(settings["coreset_size"]), rng)
     probe = None if poses is None else LanePoseProbe.fit(np.stack(probe_features), poses[fit_rows],
                                                          float(settings["probe_ridge"]), bands, cols)
-    methods = METHODS + (PROBE_METHODS if probe is not None else ())
+    methods = calibration_methods(probe)
     raw = {m: [] for m in methods}
     errors = []
     for row, indices, kept in kept_frames(cache, policy, held_rows):

@@ -165,7 +165,7 @@ def prediction(rows: list[dict], horizon_s: float) -> dict:
         values = [table[s][label] for s in ood if math.isfinite(table[s][label])]
         summary[label] = {
             "median_auroc": float(np.median(values)) if values else math.nan, "scenarios_with_failures": len(values),
-            "spearman_mean_score_vs_ood_average": _spearman([mean_scores[label][s] for s in ood],
+            "spearman_mean_score_vs_ood_average": rank_correlation([mean_scores[label][s] for s in ood],
                                                             [table[s]["ood_average"] for s in ood]),
             "in_distribution_mean": mean_scores[label].get(ID_SCENARIO.name, math.nan),
             "ood_mean": float(np.mean([mean_scores[label][s] for s in ood])) if ood else math.nan,
@@ -177,11 +177,13 @@ def _finite(values: np.ndarray) -> np.ndarray:
     return np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
 
 
-def _spearman(a: list, b: list) -> float:
+def rank_correlation(a: list, b: list) -> float:
+    """Rank correlation with tied ranks averaged; NaN for fewer than 3 pairs or a missing value."""
     if len(a) < 3:
         return math.nan
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
 
 
 def lead_times(rows: list[dict], method: str, threshold: float) -> dict:

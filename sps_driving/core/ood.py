@@ -190,6 +190,11 @@ def descriptor_settings(policy_config: dict) -> dict:
             "extractor": {key: extractor.get(key, SETTING_DEFAULTS.get(key)) for key in DESCRIPTOR_SETTINGS}}
 
 
+def calibration_methods(probe) -> tuple:
+    """The scores a calibration has: METHODS, and PROBE_METHODS where it has a lane-pose probe."""
+    return METHODS + (PROBE_METHODS if probe is not None else ())
+
+
 class OodScorer:
     """The scores of a calibration (METHODS, and PROBE_METHODS where it has a lane-pose probe);
     `scores` gives each one of a frame, normalized by its scale."""
@@ -198,7 +203,7 @@ class OodScorer:
                  probe: LanePoseProbe | None = None):
         self.models = {"pooled_mahalanobis": mahalanobis, "patch_coreset": coreset}
         self.probe = probe
-        self.methods = METHODS + (PROBE_METHODS if probe is not None else ())
+        self.methods = calibration_methods(probe)
         self.meta = meta
         self.scales = {name: float(meta["scales"][name]) for name in self.methods}
         self.dim = len(mahalanobis.mean)
@@ -275,7 +280,7 @@ def load_calibration(directory, policy_config: dict, weights_path=None, method: 
             raise CalibrationError(f"{tensors_path}: probe_weights {tensors['probe_weights'].shape} do not fit "
                                    f"{bands} bands of [{dim}] descriptors ({meta_path} 'probe')")
         probe = LanePoseProbe(tensors["probe_weights"].astype(np.float64), bands, cols)
-    methods = METHODS + (PROBE_METHODS if probe is not None else ())
+    methods = calibration_methods(probe)
     scales = meta.get("scales", {})
     if any(not (isinstance(scales.get(m), (int, float)) and scales[m] > 0) for m in methods):
         raise CalibrationError(f"{meta_path} needs a positive scale for each of {methods}, got {scales}")
