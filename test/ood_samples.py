@@ -5,7 +5,15 @@ import numpy as np
 from samples import tiny_policy
 
 from sps_driving.core.backbones.runtimes import file_sha256
-from sps_driving.core.ood import FORMAT, METHODS, OodScorer, PatchCoreset, PooledMahalanobis, descriptor_settings
+from sps_driving.core.ood import (
+    FORMAT,
+    PEAK_METHOD,
+    OodScorer,
+    PatchCoreset,
+    PooledMahalanobis,
+    calibration_methods,
+    descriptor_settings,
+)
 from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, read_policy_config
 
 DIM = 16
@@ -22,8 +30,9 @@ def fitted(rng, frames) -> OodScorer:
     fit, held = frames[: len(frames) * 3 // 4], frames[len(frames) * 3 // 4:]
     mahalanobis = PooledMahalanobis.fit(fit.mean(axis=1), shrinkage=0.1)
     coreset = PatchCoreset.fit(fit.reshape(-1, DIM), 64, rng)
+    coreset_raw = [coreset.raw(f) for f in held]
     scales = {"pooled_mahalanobis": float(np.quantile([mahalanobis.raw(f) for f in held], 0.99)),
-              "patch_coreset": float(np.quantile([coreset.raw(f) for f in held], 0.99))}
+              **{m: float(np.quantile([r[m] for r in coreset_raw], 0.99)) for m in ("patch_coreset", PEAK_METHOD)}}
     return OodScorer(mahalanobis, coreset, {"scales": scales})
 
 
@@ -43,7 +52,8 @@ def calibration_of(ckpt, scale: float = 1.0) -> None:
     config = read_policy_config(ckpt)
     dim = int(config["descriptor_dim"])
     rng = np.random.default_rng(0)
+    meta = {"format": FORMAT, "descriptors": descriptor_settings(config), "scales": dict.fromkeys(calibration_methods(None), scale),
+            "policy_weights_sha256": file_sha256(ckpt / WEIGHTS_FILE)}
     scorer = OodScorer(PooledMahalanobis(np.zeros(dim), np.eye(dim)), PatchCoreset(rng.standard_normal((8, dim)).astype(np.float32)),
-                       {"format": FORMAT, "descriptors": descriptor_settings(config), "scales": dict.fromkeys(METHODS, scale),
-                        "policy_weights_sha256": file_sha256(ckpt / WEIGHTS_FILE)})
+                       meta)
     scorer.save(ckpt)

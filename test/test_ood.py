@@ -21,6 +21,8 @@ from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
     META_FILE,
     METHODS,
+    PEAK_METHOD,
+    PROBE_METHODS,
     TENSORS_FILE,
     CalibrationError,
     PatchCoreset,
@@ -38,7 +40,7 @@ def scorer_and_frames():
     return fitted(rng, frames), frames, rng
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + (PEAK_METHOD,))
 def test_training_frames_score_low_and_noise_or_shuffled_frames_high(scorer_and_frames, method):
     scorer, frames, _ = scorer_and_frames
     rng = np.random.default_rng(1)
@@ -50,6 +52,17 @@ def test_training_frames_score_low_and_noise_or_shuffled_frames_high(scorer_and_
     assert low < 1.5
     assert scorer.score(noise, method) > 3 * low
     assert scorer.score(shuffled, method) > 2 * low
+
+
+def test_one_novel_patch_raises_the_peak_and_hardly_the_mean(scorer_and_frames):
+    """An animal on the road covers a few patches: the peak sees them, the mean over the kept patches
+    dilutes them."""
+    scorer, frames, _ = scorer_and_frames
+    frame = frames[0].copy()
+    frame[3] = frames.std() * np.random.default_rng(4).standard_normal(DIM)
+    before, after = scorer.scores(frames[0]), scorer.scores(frame)
+    assert after[PEAK_METHOD] > 2.5 * before[PEAK_METHOD]
+    assert after["patch_coreset"] < 1.3 * before["patch_coreset"]
 
 
 def test_a_frame_of_the_wrong_width_is_refused(scorer_and_frames):
@@ -85,6 +98,11 @@ def test_calibration_round_trips_and_a_missing_or_mismatched_one_is_a_clear_erro
     with pytest.raises(CalibrationError, match="other descriptors"):
         load_calibration(ckpt, wider)
     meta = json.loads((ckpt / META_FILE).read_text())
+    # Made before the peak existed: it loads without it, and asking for it is a clear error.
+    (ckpt / META_FILE).write_text(json.dumps(dict(meta, scales={m: meta["scales"][m] for m in METHODS})))
+    assert load_calibration(ckpt, config).methods == METHODS
+    with pytest.raises(CalibrationError, match="patch_peak is not in the calibration.*calibrate again"):
+        load_calibration(ckpt, config, method=PEAK_METHOD)
     (ckpt / META_FILE).write_text(json.dumps(dict(meta, scales={"patch_coreset": 1.0})))
     with pytest.raises(CalibrationError, match="positive scale"):
         load_calibration(ckpt, config)
@@ -131,7 +149,6 @@ def test_calibrate_fits_a_lane_pose_probe_on_drives_that_record_the_lane_pose(tm
     lane_offset and a centred one low, and the calibration saves and loads with it. Without the
     drives it calibrates the novelty scores alone and records why."""
     from sps_driving.analysis.ood import calibrate
-    from sps_driving.core.ood import PROBE_METHODS
     from sps_driving.core.policies.checkpoint import load_policy
 
     cache, bags = lane_drives(tmp_path)
@@ -139,7 +156,7 @@ def test_calibrate_fits_a_lane_pose_probe_on_drives_that_record_the_lane_pose(tm
     settings = dict(load_ood_config()["calibration"], holdout_sources=1, coreset_size=64, coreset_sample_patches=5000,
                     probe_ridge=1.0)
     scorer = calibrate(ckpt, [str(cache)], settings, "test")
-    assert scorer.methods == METHODS + PROBE_METHODS
+    assert scorer.methods == METHODS + (PEAK_METHOD,) + PROBE_METHODS
     assert scorer.meta["probe"]["holdout_r2"]["lateral_offset_m"] > 0.9
     assert scorer.meta["probe"]["holdout_mean_abs_error"]["lateral_offset_m"] < 0.15
 
@@ -165,7 +182,7 @@ def test_calibrate_fits_a_lane_pose_probe_on_drives_that_record_the_lane_pose(tm
 
     bags[0].rename(tmp_path / "moved")
     novelty_only = calibrate(ckpt, [str(cache)], settings, "test")
-    assert novelty_only.methods == METHODS and "probe" not in novelty_only.meta
+    assert novelty_only.methods == METHODS + (PEAK_METHOD,) and "probe" not in novelty_only.meta
     assert novelty_only.meta["made"]["lane_pose_probe"].startswith("none: drive drive_0 of cache source drive_0 is not here")
     with pytest.raises(ValueError, match="no \\['lane_offset'\\]"):
         novelty_only.score(edge, "lane_offset", indices)

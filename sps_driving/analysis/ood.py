@@ -141,7 +141,8 @@ def calibrate(policy_dir: Path, cache_dirs: list[str], settings: dict, command: 
     errors = []
     for row, indices, kept in kept_frames(cache, policy, held_rows):
         raw["pooled_mahalanobis"].append(mahalanobis.raw(kept))
-        raw["patch_coreset"].append(coreset.raw(kept))
+        for m, value in coreset.raw(kept).items():
+            raw[m].append(value)
         if probe is not None:
             for m, value in probe.raw(kept, indices).items():
                 raw[m].append(value)

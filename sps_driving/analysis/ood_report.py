@@ -26,8 +26,7 @@ import numpy as np
 from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
     HEAD_DISAGREEMENT,
-    METHODS,
-    PROBE_METHODS,
+    SCORE_METHODS,
     SELECTION_DISAGREEMENT,
     load_ood_config,
     lookahead_offset,
@@ -41,7 +40,7 @@ SMOOTHING_FRAMES = 10  # frames of the causal mean variant of each score (1 s at
 STEERING_MAGNITUDE, STEERING_RATE = "steering_magnitude", "steering_rate"
 BEHAVIOUR_SCORES = (STEERING_MAGNITUDE, STEERING_RATE)
 # Privileged, not scores the car has: the simulator's true lane pose of each frame (rows that log
-# `lane_offset_m`), as the lane-pose probe's scores read it (PROBE_METHODS): the bound of what any
+# `lane_offset_m`), as the lane-pose probe's scores read it (core.ood.PROBE_METHODS): the bound of what any
 # score of the car's place in its lane can predict.
 TRUE_LANE_OFFSET, TRUE_LANE_LOOKAHEAD = "true_lane_offset", "true_lane_lookahead"
 TRUE_LANE_SCORES = (TRUE_LANE_OFFSET, TRUE_LANE_LOOKAHEAD)
@@ -123,7 +122,7 @@ def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:
         logged |= set(BEHAVIOUR_SCORES)
     if _logged(rows) and all("lane_offset_m" in row["ood"] for row in _logged(rows)):
         logged |= set(TRUE_LANE_SCORES)
-    methods = [m for m in (*METHODS, *PROBE_METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES,
+    methods = [m for m in (*SCORE_METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES,
                            *TRUE_LANE_SCORES) if m in logged]
     return [(m, m, 1) for m in methods] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in methods]
 

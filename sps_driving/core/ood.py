@@ -37,7 +37,11 @@ FORMAT = "sps_driving.ood/1"
 TENSORS_FILE = "ood.safetensors"
 META_FILE = "ood.json"
 METHODS = ("pooled_mahalanobis", "patch_coreset")
+# The kept patch farthest from the coreset: a local novelty (an animal on the road) that the mean
+# over the kept patches dilutes. In calibrations that give it a scale (those made since it exists).
+PEAK_METHOD = "patch_peak"
 PROBE_METHODS = ("lane_offset", "lane_lookahead")  # in a calibration made with lane poses (LanePoseProbe)
+SCORE_METHODS = METHODS + (PEAK_METHOD,) + PROBE_METHODS  # every score a calibration can have
 LOOKAHEAD_M = 10.0  # m along the car's heading at which `lane_lookahead` reads the lateral offset (1 s at 10 m/s)
 # Scores of the policy's own uncertainty, logged in evaluations beside the calibrated ones (rad,
 # uncalibrated): the spread of an ensemble's heads' steering commands
@@ -65,8 +69,8 @@ def load_ood_config(path=None) -> dict:
     missing = [key for key in ("score", "calibration", "rule") if not isinstance(config.get(key), dict)]
     if missing:
         raise ValueError(f"{path}: missing sections {missing}")
-    if config["score"].get("method") not in METHODS + PROBE_METHODS:
-        raise ValueError(f"{path}: score method must be one of {METHODS + PROBE_METHODS}, got {config['score'].get('method')!r}")
+    if config["score"].get("method") not in SCORE_METHODS:
+        raise ValueError(f"{path}: score method must be one of {SCORE_METHODS}, got {config['score'].get('method')!r}")
     return config
 
 
@@ -131,10 +135,12 @@ class PatchCoreset:
         squared = np.einsum("kd,kd->k", x, x)[:, None] - 2.0 * (x @ self.centers.T) + self._squared[None, :]
         return np.sqrt(np.maximum(squared.min(axis=1), 0.0))
 
-    def raw(self, descriptors: np.ndarray) -> float:
+    def raw(self, descriptors: np.ndarray) -> dict:
+        """{patch_coreset: the kept patches' mean distance, patch_peak: their largest}."""
         if descriptors.ndim != 2 or len(descriptors) == 0:
             raise ValueError(f"OOD score: expected [k, D] descriptors with k >= 1, got shape {descriptors.shape}")
-        return float(self.distances(descriptors).mean())
+        distances = self.distances(descriptors)
+        return {"patch_coreset": float(distances.mean()), PEAK_METHOD: float(distances.max())}
 
 
 def lookahead_offset(lateral_m, heading_rad):
@@ -190,20 +196,21 @@ def descriptor_settings(policy_config: dict) -> dict:
             "extractor": {key: extractor.get(key, SETTING_DEFAULTS.get(key)) for key in DESCRIPTOR_SETTINGS}}
 
 
-def calibration_methods(probe) -> tuple:
-    """The scores a calibration has: METHODS, and PROBE_METHODS where it has a lane-pose probe."""
-    return METHODS + (PROBE_METHODS if probe is not None else ())
+def calibration_methods(probe, peak: bool = True) -> tuple:
+    """The scores a calibration has: METHODS, PEAK_METHOD where it has its scale, and PROBE_METHODS
+    where it has a lane-pose probe."""
+    return METHODS + ((PEAK_METHOD,) if peak else ()) + (PROBE_METHODS if probe is not None else ())
 
 
 class OodScorer:
-    """The scores of a calibration (METHODS, and PROBE_METHODS where it has a lane-pose probe);
-    `scores` gives each one of a frame, normalized by its scale."""
+    """The scores of a calibration (`calibration_methods`); `scores` gives each one of a frame,
+    normalized by its scale."""
 
     def __init__(self, mahalanobis: PooledMahalanobis, coreset: PatchCoreset, meta: dict,
                  probe: LanePoseProbe | None = None):
         self.models = {"pooled_mahalanobis": mahalanobis, "patch_coreset": coreset}
         self.probe = probe
-        self.methods = calibration_methods(probe)
+        self.methods = calibration_methods(probe, PEAK_METHOD in meta["scales"])
         self.meta = meta
         self.scales = {name: float(meta["scales"][name]) for name in self.methods}
         self.dim = len(mahalanobis.mean)
@@ -220,7 +227,11 @@ class OodScorer:
         methods = self.methods if methods is None else methods
         if missing := [m for m in methods if m not in self.methods]:
             raise ValueError(f"OOD score: this calibration has no {missing} (it has {self.methods})")
-        raw = {m: self.models[m].raw(descriptors) for m in methods if m in METHODS}
+        raw = {}
+        if "pooled_mahalanobis" in methods:
+            raw["pooled_mahalanobis"] = self.models["pooled_mahalanobis"].raw(descriptors)
+        if {"patch_coreset", PEAK_METHOD} & set(methods):
+            raw.update(self.models["patch_coreset"].raw(descriptors))
         if any(m in PROBE_METHODS for m in methods):
             if indices is None or len(indices) != len(descriptors):
                 raise ValueError(f"OOD score: the lane-pose probe needs the {len(descriptors)} kept patches' indices")
@@ -280,13 +291,14 @@ def load_calibration(directory, policy_config: dict, weights_path=None, method: 
             raise CalibrationError(f"{tensors_path}: probe_weights {tensors['probe_weights'].shape} do not fit "
                                    f"{bands} bands of [{dim}] descriptors ({meta_path} 'probe')")
         probe = LanePoseProbe(tensors["probe_weights"].astype(np.float64), bands, cols)
-    methods = calibration_methods(probe)
     scales = meta.get("scales", {})
+    methods = calibration_methods(probe, PEAK_METHOD in scales)
     if any(not (isinstance(scales.get(m), (int, float)) and scales[m] > 0) for m in methods):
         raise CalibrationError(f"{meta_path} needs a positive scale for each of {methods}, got {scales}")
     if method is not None and method not in methods:
-        raise CalibrationError(f"the OOD score {method} is not in the calibration in {directory} (it has {methods}: a "
-                               "lane-pose probe needs drives that record the lane pose)")
+        why = ("a lane-pose probe needs drives that record the lane pose" if method in PROBE_METHODS
+               else "it was made before that score existed: calibrate again")
+        raise CalibrationError(f"the OOD score {method} is not in the calibration in {directory} (it has {methods}: {why})")
     return OodScorer(PooledMahalanobis(tensors["mean"].astype(np.float64), tensors["precision"].astype(np.float64)),
                      PatchCoreset(tensors["centers"].astype(np.float32)), meta, probe)
 

@@ -9,8 +9,8 @@ enforced on the throttle command (sps_driving.core.control.capped_throttle) whil
 its own target, as the graph's vehicle interface does; or the policy's cruise target times the
 scale (the first mechanism measured, which made the shipped policy drive faster).
 
-Rows get `ood`: per-frame time, scores of each method (sps_driving.core.ood.METHODS, with a
-calibration, and PROBE_METHODS, with one that has a lane-pose probe; HEAD_DISAGREEMENT, for an
+Rows get `ood`: per-frame time, scores of each method (those of the policy's calibration,
+sps_driving.core.ood.calibration_methods; HEAD_DISAGREEMENT, for an
 ensemble; SELECTION_DISAGREEMENT, with selection draws), the steering command each frame gave
 (rad; the report derives scores of the policy's own behaviour from it), the car's true lane pose
 (the simulator's lateral offset, m, and heading error, rad: what a score of the car's place in its
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from sps_driving.core.monitor import OodRule, OodRuleConfig
-from sps_driving.core.ood import METHODS, PROBE_METHODS
+from sps_driving.core.ood import METHODS, SCORE_METHODS
 
 SCORE_DIGITS = 4  # decimals kept of each logged score
 SLOW_BY = ("speed_cap", "target")  # the first is the graph's (the vehicle interface's speed cap)
@@ -38,8 +38,8 @@ def ood_settings(rule: dict | None, method: str, cruise_scale: float = 1.0, sele
     worker."""
     if rule is not None:
         OodRuleConfig.from_config(rule)
-    if method not in METHODS + PROBE_METHODS:
-        raise ValueError(f"OOD score method must be one of {METHODS + PROBE_METHODS}, got {method!r}")
+    if method not in SCORE_METHODS:
+        raise ValueError(f"OOD score method must be one of {SCORE_METHODS}, got {method!r}")
     if not (math.isfinite(cruise_scale) and 0 < cruise_scale <= 1):
         raise ValueError(f"cruise scale must lie in (0, 1], got {cruise_scale}")
     if rule is not None and cruise_scale != 1.0:
