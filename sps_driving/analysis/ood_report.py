@@ -165,7 +165,7 @@ def prediction(rows: list[dict], horizon_s: float) -> dict:
         summary[label] = {
             "median_auroc": float(np.median(values)) if values else math.nan, "scenarios_with_failures": len(values),
             "spearman_mean_score_vs_ood_average": rank_correlation([mean_scores[label][s] for s in ood],
-                                                            [table[s]["ood_average"] for s in ood]),
+                                                                   [table[s]["ood_average"] for s in ood]),
             "in_distribution_mean": mean_scores[label].get(ID_SCENARIO.name, math.nan),
             "ood_mean": float(np.mean([mean_scores[label][s] for s in ood])) if ood else math.nan,
         }
