@@ -288,6 +288,22 @@ def test_status_shows_states_measured_times_and_what_is_left(reference, tmp_path
     assert status["left_min"] == pytest.approx(sum(measured[s] for s in ("cache", "train", "eval", "tables")), abs=0.05)
 
 
+def test_what_is_left_of_a_step_begun_again_with_new_inputs_is_its_last_finished_cost_less_the_new_attempts(
+        reference, tmp_path):
+    """A training that finished once (10 min) and, its inputs since changed, has run 2 min of a new
+    attempt has about 8 min left, not one unit (the new attempt's time less itself)."""
+    root = cut_after_cache(reference, tmp_path / "begun_again")
+    plan = load_plan(root / "plan.yaml")
+    step = plan.step("train")
+    for key, seconds, code in (("inputs before", 600.0, 0), (runner.attempt_key(plan, step), 120.0, runner.STOPPED_AT_BUDGET)):
+        runner.append_record(plan, {"step": "train", "key": key, "event": "start", "time": time.time()})
+        runner.append_record(plan, {"step": "train", "key": key, "event": "end", "time": time.time(), "seconds": seconds,
+                                    "exit": code})
+    train = next(s for s in runner.states(plan) if s.step.name == "train")
+    assert train.state == runner.LEFT
+    assert (train.measured_min, train.left_min) == pytest.approx((2.0, 8.0))
+
+
 def test_budget_starts_only_what_fits(tmp_path):
     root = tmp_path / "budget"
     root.mkdir()

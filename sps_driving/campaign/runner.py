@@ -202,15 +202,12 @@ def _describe(entries: list) -> str:
 
 
 def remaining_minutes(plan: Plan, step: Step, spent: float) -> float:
-    """What is left of a step: its estimate (the measured cost of its last finished attempt when
-    it has one, else the plan's), less what an unfinished attempt with the same inputs has spent
-    so far, but at least one unit."""
-    estimate = measured_minutes(plan, step) if _finished_once(plan, step) else step.estimate_min
+    """What is left of a step: its estimate (the measured cost of its last finished attempt, all of
+    that attempt key's time, when it has one, else the plan's), less what an unfinished attempt
+    with the same inputs has spent so far, but at least one unit."""
+    finished = [r["key"] for r in read_records(plan) if r["step"] == step.name and r["event"] == "end" and r.get("exit") == 0]
+    estimate = measured_minutes(plan, step, finished[-1]) if finished else step.estimate_min
     return max(estimate - spent, step.unit_min or 0.0, 0.0)
-
-
-def _finished_once(plan: Plan, step: Step) -> bool:
-    return any(r["step"] == step.name and r["event"] == "end" and r.get("exit") == 0 for r in read_records(plan))
 
 
 def to_run(plan: Plan, current: list[StepState]) -> list[Step]:
