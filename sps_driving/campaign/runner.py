@@ -109,9 +109,14 @@ def tree_digest(path: Path) -> str:
     return sha.hexdigest()
 
 
+def step_ends(plan: Plan, step: Step) -> list[dict]:
+    """The end records of the step's attempts, oldest first."""
+    return [r for r in read_records(plan) if r["step"] == step.name and r["event"] == "end"]
+
+
 def measured_minutes(plan: Plan, step: Step, key: str | None = None) -> float:
     """Minutes the step's attempts took (those of attempt `key`, or of its last key), ends only."""
-    ends = [r for r in read_records(plan) if r["step"] == step.name and r["event"] == "end"]
+    ends = step_ends(plan, step)
     key = key if key is not None else (ends[-1]["key"] if ends else None)
     return sum(r["seconds"] for r in ends if r["key"] == key) / 60.0
 
@@ -205,7 +210,7 @@ def remaining_minutes(plan: Plan, step: Step, spent: float) -> float:
     """What is left of a step: its estimate (the measured cost of its last finished attempt, all of
     that attempt key's time, when it has one, else the plan's), less what an unfinished attempt
     with the same inputs has spent so far, but at least one unit."""
-    finished = [r["key"] for r in read_records(plan) if r["step"] == step.name and r["event"] == "end" and r.get("exit") == 0]
+    finished = [r["key"] for r in step_ends(plan, step) if r.get("exit") == 0]
     estimate = measured_minutes(plan, step, finished[-1]) if finished else step.estimate_min
     return max(estimate - spent, step.unit_min or 0.0, 0.0)
 
@@ -278,7 +283,7 @@ def run_plan(plan: Plan, budget_min: float | None = None, commit: bool = True, l
 def step_exit(plan: Plan, step: Step, since: float, otherwise: int) -> int:
     """The exit code the step recorded at its end after `since`; `otherwise` (DVC's own, which says
     only that the stage failed) where it recorded none: DVC ended before the step ran."""
-    ends = [r for r in read_records(plan) if r["step"] == step.name and r["event"] == "end" and r["time"] >= since]
+    ends = [r for r in step_ends(plan, step) if r["time"] >= since]
     return int(ends[-1]["exit"]) if ends else otherwise
 
 
