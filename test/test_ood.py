@@ -11,6 +11,7 @@ from samples import tiny_policy
 
 from sps_driving.analysis.ood_report import (
     auroc,
+    combine,
     frame_labels,
     frame_scores,
     outcome_known,
@@ -31,6 +32,7 @@ from sps_driving.core.ood import (
 )
 from sps_driving.core.policies.checkpoint import WEIGHTS_FILE, read_policy_config
 from sps_driving.sim.ood_log import OodEpisodeLog, ood_settings
+from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +317,65 @@ def test_the_report_bounds_a_lane_score_by_the_cars_true_lane_pose_where_rows_lo
     assert math.isnan(frame_scores(row, "true_lane_offset")[2])
     assert np.isnan(frame_scores(row, "lane_offset")).all()  # not logged in this episode
     assert "true_lane_lookahead" in [m for _, m, _ in score_variants([row])]
+
+
+def logged_row(scenario, seed, scores, steering, failures=(), duration_s=None):
+    """An eval row of a rule-off episode whose frames are 1 s apart, logging `scores`."""
+    frames = len(steering)
+    return {"method": "P", "training_seed": 0, "scenario": scenario, "seed": seed, "episode_s": float(frames),
+            "width": 448, "height": 280, "duration_s": duration_s or float(frames), "score": 1.0 - 0.1 * len(failures),
+            "interventions": len(failures), "distance_m": 10.0 * frames, "mean_speed_mps": 10.0,
+            "ood": {"frames": frames, "time_s": [float(t) for t in range(frames)], "failure_times_s": list(failures),
+                    "steering_rad": list(steering), "scores": dict(scores), "rule": False, "cruise_scale": 1.0,
+                    "slowed_frames": 0, "handover_s": None, "method": "patch_coreset"}}
+
+
+def test_runs_that_drove_a_cell_alike_are_read_with_the_scores_each_logged(tmp_path):
+    from sps_driving.sim.results import merge_results
+
+    ood = OOD_SCENARIO_NAMES[0]
+    first, second, other = (tmp_path / name for name in ("first", "second", "other"))
+    for folder, scores, steering in ((first, {"patch_coreset": [1.0, 2.0]}, [0.1, 0.2]),
+                                     (second, {"lane_lookahead": [0.5, 0.7]}, [0.1, 0.2]),
+                                     (other, {"lane_offset": [0.3, 0.3]}, [0.1, -0.2])):
+        folder.mkdir()
+        (folder / "results.jsonl").write_text(json.dumps(logged_row(ood, 100, scores, steering)) + "\n")
+    (row,) = merge_results([str(first), str(second)])
+    assert row["ood"]["scores"] == {"patch_coreset": [1.0, 2.0], "lane_lookahead": [0.5, 0.7]}
+    # Another drive of the same cell (it steered otherwise) replaces the row and takes none of its scores.
+    (row,) = merge_results([str(first), str(second), str(other)])
+    assert row["ood"]["scores"] == {"lane_offset": [0.3, 0.3]}
+
+
+def test_a_combination_is_the_mean_of_its_parts_each_scaled_in_distribution(tmp_path):
+    from sps_driving.cli import main
+
+    rows = [logged_row(ID_SCENARIO.name, 100, {"patch_coreset": [2.0] * 5}, [0.5] * 5),
+            logged_row(OOD_SCENARIO_NAMES[0], 100, {"patch_coreset": [4.0, 2.0, 2.8, 0.0, 2.0]}, [0.5, -1.0, 0.7, 0.0, 0.0],
+                       failures=[1.5])]
+    combine(rows, "patch_coreset+steering_magnitude")
+    # Scales 2.0 and 0.5 rad (their in-distribution 99th percentiles): each part reads 1 where it reads as in distribution.
+    assert rows[1]["ood"]["scores"]["patch_coreset+steering_magnitude"] == pytest.approx([1.5, 1.5, 1.4, 0.0, 0.5])
+    with pytest.raises(ValueError, match="lane_lookahead.*patch_coreset, steering_magnitude"):
+        combine(rows, "patch_coreset+lane_lookahead")
+    with pytest.raises(ValueError, match="none are here"):
+        combine(rows[1:], "patch_coreset+steering_rate")
+    path = tmp_path / "run"
+    path.mkdir()
+    (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "report"
+    assert main(["ood", "report", str(path), "--combine", "patch_coreset+steering_magnitude", "--out", str(out)]) == 0
+    summary = json.loads((out / "ood_report.json").read_text())["prediction"]["summary"]
+    # The two frames before the failure (0 and 1 s) against the two after it whose outcome is known: each part
+    # ranks one of them below the frame at 2 s, their mean ranks both above it.
+    assert summary["patch_coreset"]["median_auroc"] == summary["steering_magnitude"]["median_auroc"] == 0.75
+    assert summary["patch_coreset+steering_magnitude"]["median_auroc"] == 1.0
+    against = summary["patch_coreset+steering_magnitude"]["against_parts"]
+    assert {part: (e["mean_points"], e["higher"], e["lower"]) for part, e in against.items()} == {
+        "patch_coreset": (25.0, 1, 0), "steering_magnitude": (25.0, 1, 0)}
+    assert "patch_coreset+steering_magnitude (10-frame mean)" in summary
+    with pytest.raises(SystemExit, match="cannot combine 'patch_coreset'"):
+        main(["ood", "report", str(path), "--combine", "patch_coreset", "--out", str(out)])
 
 
 def test_eval_with_the_rule_ends_an_episode_at_a_requested_handover_counted_apart(tmp_path):

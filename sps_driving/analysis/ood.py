@@ -13,7 +13,9 @@ the checkpoint folder, with how they were made in ood.json.
 
 `report` reads eval folders whose rows carry the per-frame scores (every in-process eval of a
 calibrated policy logs them) and writes the per-scenario AUROC for a failure within the next
-`--horizon-s`, the lead time of the first alarm, and the closed-loop rows by method.
+`--horizon-s`, the lead time of the first alarm, and the closed-loop rows by method. Runs that
+drove the same cells alike, frame for frame, are read as one, with the scores each logged
+(sim.results.merge_results); `--combine a+b` adds a score made of others.
 
 `bench` times each score per frame on the kept patches of a frame (the process's threads as set
 by OMP_NUM_THREADS; the number it prints is the per-frame cost).
@@ -188,6 +190,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--out", required=True, help="folder for ood_report.md and ood_report.json")
     rep.add_argument("--horizon-s", type=float, default=2.0, help="s: a frame is positive when a failure follows within this")
     rep.add_argument("--method", help="method (column name) whose rule-off rows the AUROC reads (default: every one)")
+    rep.add_argument("--combine", action="append", metavar="A+B[+...]",
+                     help="also score by the mean of these scores, each scaled by its 99th percentile in distribution (repeatable)")
     ben = sub.add_parser("bench", help="per-frame cost of each score")
     ben.add_argument("--policy", required=True, help="calibrated checkpoint folder")
     ben.add_argument("--frames", type=int, default=2000, help="frames timed per score")

@@ -3,10 +3,12 @@
 - Prediction, on the rows of the runs without the rule (and without a cruise scale): for each
   scenario, the AUROC of each score for "a failure follows within horizon_s", over every frame of
   its episodes whose outcome the episode tells (not one within horizon_s of its end with no
-  failure after it); the median over the OOD scenarios; Spearman's rank correlation, across the OOD
-  scenarios, of a scenario's mean score with its OOD average (a good score ranks the worst
-  scenarios highest); the lead time of the first alarm (the score above the rule's slow or handover
-  threshold) before each failure, counted from the previous failure or the episode's start.
+  failure after it); the median over the OOD scenarios, with its 95% bootstrap interval over them;
+  each combination of scores asked for (`combine`) against each of its parts, scenario by
+  scenario; Spearman's rank correlation, across the OOD scenarios, of a scenario's mean score with
+  its OOD average (a good score ranks the worst scenarios highest); the lead time of the first
+  alarm (the score above the rule's slow or handover threshold) before each failure, counted from
+  the previous failure or the episode's start.
 - The rule replayed on those logged scores (sps_driving.core.monitor.OodRule, config/ood.yaml):
   handovers it would request per 10 minutes in the episodes without a failure, by scenario kind.
 - Closed loop, per method (rule off, rule on, constant slow), on the cells every method drove: OOD average, failures per km and per
@@ -22,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
 from sps_driving.core.monitor import OodRule, OodRuleConfig
 from sps_driving.core.ood import (
@@ -33,6 +36,7 @@ from sps_driving.core.ood import (
 )
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
+from sps_driving.sim.statistics import BOOTSTRAP_RESAMPLES, CONFIDENCE
 
 SMOOTHING_FRAMES = 10  # frames of the causal mean variant of each score (1 s at 10 Hz)
 # Scores of the policy's own behaviour, from the steering each frame was driven with (rows that log
@@ -44,6 +48,10 @@ BEHAVIOUR_SCORES = (STEERING_MAGNITUDE, STEERING_RATE)
 # score of the car's place in its lane can predict.
 TRUE_LANE_OFFSET, TRUE_LANE_LOOKAHEAD = "true_lane_offset", "true_lane_lookahead"
 TRUE_LANE_SCORES = (TRUE_LANE_OFFSET, TRUE_LANE_LOOKAHEAD)
+# A combination of scores ("a+b+c", `ood report --combine`) is the mean of its parts, each divided by
+# this quantile of its values over the in-distribution episodes' frames, so that each part counts
+# alike and no failure label goes into the scale.
+COMBINATION_QUANTILE = 0.99
 
 
 def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -114,17 +122,40 @@ def _true_lane(row: dict, method: str) -> np.ndarray:
     return lookahead_offset(lateral, _finite(row["ood"]["heading_error_rad"]))
 
 
-def score_variants(rows: list[dict]) -> list[tuple[str, str, int]]:
-    """(label, method, causal window in frames) of every score the rows logged, and of the
-    behaviour scores where they logged the steering."""
+def score_variants(rows: list[dict], combinations: tuple[str, ...] = ()) -> list[tuple[str, str, int]]:
+    """(label, method, causal window in frames) of every score the rows logged, of the behaviour
+    scores where they logged the steering, and of the combinations added to them (`combine`)."""
     logged = {name for row in _logged(rows) for name in row["ood"]["scores"]}
     if _logged(rows) and all("steering_rad" in row["ood"] for row in _logged(rows)):
         logged |= set(BEHAVIOUR_SCORES)
     if _logged(rows) and all("lane_offset_m" in row["ood"] for row in _logged(rows)):
         logged |= set(TRUE_LANE_SCORES)
     methods = [m for m in (*SCORE_METHODS, HEAD_DISAGREEMENT, SELECTION_DISAGREEMENT, *BEHAVIOUR_SCORES,
-                           *TRUE_LANE_SCORES) if m in logged]
+                           *TRUE_LANE_SCORES) if m in logged] + list(combinations)
     return [(m, m, 1) for m in methods] + [(f"{m} ({SMOOTHING_FRAMES}-frame mean)", m, SMOOTHING_FRAMES) for m in methods]
+
+
+def combine(rows: list[dict], combination: str) -> None:
+    """Adds to each row's per-frame scores the combination "a+b+..." of the scores it names (see
+    COMBINATION_QUANTILE); a frame without one of its parts has none."""
+    parts = combination.split("+")
+    known = {method for _, method, _ in score_variants(rows)}
+    if len(parts) < 2 or not set(parts) <= known:
+        raise ValueError(f"cannot combine {combination!r}: name two or more of these rows' scores, joined by '+': "
+                         + ", ".join(sorted(known)))
+    in_distribution = [r for r in rows if r["scenario"] == ID_SCENARIO.name]
+    if not in_distribution:
+        raise ValueError(f"cannot combine {combination!r}: its scale is read from in-distribution episodes, and none are here")
+    scales = []
+    for part in parts:
+        values = np.concatenate([frame_scores(r, part) for r in in_distribution])
+        scale = float(np.nanquantile(values, COMBINATION_QUANTILE)) if np.isfinite(values).any() else math.nan
+        if not (math.isfinite(scale) and scale > 0.0):
+            raise ValueError(f"cannot combine {combination!r}: {part} has no positive scale in distribution ({scale})")
+        scales.append(scale)
+    for row in rows:
+        scaled = [frame_scores(row, part) / scale for part, scale in zip(parts, scales)]
+        row["ood"]["scores"][combination] = np.mean(scaled, axis=0).tolist()
 
 
 def _logged(rows: list[dict]) -> list[dict]:
@@ -140,13 +171,13 @@ def _autonomy_s(row: dict) -> float:
     return float(row["duration_s"]) if handover is None else float(handover)
 
 
-def prediction(rows: list[dict], horizon_s: float) -> dict:
+def prediction(rows: list[dict], horizon_s: float, combinations: tuple[str, ...] = ()) -> dict:
     """AUROC per scenario and score variant, their median over OOD scenarios, rank correlation."""
     by_scenario = defaultdict(list)
     for row in rows:
         by_scenario[row["scenario"]].append(row)
     table, mean_scores = {}, defaultdict(dict)
-    variants = score_variants(rows)
+    variants = score_variants(rows, combinations)
     for scenario, episodes in by_scenario.items():
         labels = np.concatenate([frame_labels(r, horizon_s) for r in episodes])
         known = np.concatenate([outcome_known(r, horizon_s) for r in episodes])
@@ -164,12 +195,35 @@ def prediction(rows: list[dict], horizon_s: float) -> dict:
         values = [table[s][label] for s in ood if math.isfinite(table[s][label])]
         summary[label] = {
             "median_auroc": float(np.median(values)) if values else math.nan, "scenarios_with_failures": len(values),
+            "median_auroc_interval": over_scenarios(values, np.median),
             "spearman_mean_score_vs_ood_average": rank_correlation([mean_scores[label][s] for s in ood],
                                                                    [table[s]["ood_average"] for s in ood]),
             "in_distribution_mean": mean_scores[label].get(ID_SCENARIO.name, math.nan),
             "ood_mean": float(np.mean([mean_scores[label][s] for s in ood])) if ood else math.nan,
         }
+    for combination in combinations:
+        # A combination earns its place only where it beats each of its parts, scenario by scenario.
+        summary[combination]["against_parts"] = {
+            part: _paired([table[s][combination] for s in ood], [table[s][part] for s in ood]) for part in combination.split("+")}
     return {"per_scenario": table, "summary": summary}
+
+
+def over_scenarios(values: list[float], statistic) -> list[float]:
+    """The 95% percentile bootstrap interval of `statistic` over the scenarios' values (seeded; NaN
+    for fewer than 2). Frames of one scenario are not independent, so the scenarios are the sample."""
+    if len(values) < 2:
+        return [math.nan, math.nan]
+    result = stats.bootstrap((np.asarray(values),), statistic, confidence_level=CONFIDENCE, n_resamples=BOOTSTRAP_RESAMPLES,
+                             method="percentile", rng=np.random.default_rng(0))
+    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
+
+
+def _paired(a: list[float], b: list[float]) -> dict:
+    """A's per-scenario AUROC minus B's, in points: mean, interval, scenarios higher and lower."""
+    differences = [100.0 * (x - y) for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
+    return {"mean_points": float(np.mean(differences)) if differences else math.nan,
+            "interval": over_scenarios(differences, np.mean), "scenarios": len(differences),
+            "higher": sum(d > 0 for d in differences), "lower": sum(d < 0 for d in differences)}
 
 
 def _finite(values: np.ndarray) -> np.ndarray:
@@ -180,9 +234,7 @@ def rank_correlation(a: list, b: list) -> float:
     """Rank correlation with tied ranks averaged; NaN for fewer than 3 pairs or a missing value."""
     if len(a) < 3:
         return math.nan
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(a, b).statistic)
+    return float(stats.spearmanr(a, b).statistic)
 
 
 def lead_times(rows: list[dict], method: str, threshold: float) -> dict:
@@ -304,9 +356,16 @@ def write_report(args) -> int:
     # The rule's alarms exist only where the rule's calibrated score was logged (not for an
     # uncalibrated ensemble's head disagreement alone).
     calibrated = [r for r in base if method in r["ood"]["scores"]]
+    combinations = tuple(args.combine or ())
+    try:
+        for combination in combinations:
+            combine(base, combination)
+    except ValueError as error:
+        raise SystemExit(f"ood report: {error}") from None
     report = {
         "horizon_s": args.horizon_s, "runs": args.runs, "rule": config["rule"], "score_method": method,
-        "prediction": prediction(base, args.horizon_s),
+        "combination_quantile": COMBINATION_QUANTILE if combinations else None,
+        "prediction": prediction(base, args.horizon_s, combinations),
         "lead_time": {name: lead_times([r for r in calibrated if r["scenario"] in OOD_SCENARIO_NAMES], method, threshold)
                       for name, threshold in (("slow", rule.slow_threshold), ("handover", rule.handover_threshold))},
         "replayed_rule": replayed_rule(calibrated, rule, method),
@@ -325,6 +384,10 @@ def _f(value, digits: int = 2) -> str:
     return "n/a" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
 
 
+def _signed(value: float) -> str:
+    return f"{value:+.1f}" if math.isfinite(value) else "n/a"
+
+
 def markdown(report: dict) -> str:
     pred = report["prediction"]
     labels = list(pred["summary"])
@@ -336,12 +399,23 @@ def markdown(report: dict) -> str:
         lines.append(f"| {scenario} | {e['episodes']} | {_f(e['ood_average'])} | {frames} | "
                      + " | ".join(_f(e[label]) for label in labels) + " |")
     s = pred["summary"]
-    lines += ["", "| score | median AUROC over OOD scenarios (scenarios with a failure) | Spearman: mean score vs OOD average | "
-              "mean score in distribution / OOD |", "|---|---|---|---|"]
+    lines += ["", "| score | median AUROC over OOD scenarios [95% over scenarios] (scenarios with a failure) | "
+              "Spearman: mean score vs OOD average | mean score in distribution / OOD |", "|---|---|---|---|"]
     for label in labels:
-        lines.append(f"| {label} | {_f(s[label]['median_auroc'])} ({s[label]['scenarios_with_failures']}) | "
+        low, high = s[label]["median_auroc_interval"]
+        lines.append(f"| {label} | {_f(s[label]['median_auroc'])} [{_f(low)}, {_f(high)}] ({s[label]['scenarios_with_failures']}) | "
                      f"{_f(s[label]['spearman_mean_score_vs_ood_average'])} | {_f(s[label]['in_distribution_mean'])} / "
                      f"{_f(s[label]['ood_mean'])} |")
+    combined = [(label, part, e) for label in labels for part, e in s[label].get("against_parts", {}).items()]
+    if combined:
+        lines += ["", f"### Each combination against its parts (parts scaled by their in-distribution "
+                      f"{100 * report['combination_quantile']:g}th percentile)", "",
+                  "| combination | part | per-scenario AUROC difference, mean points [95%] | scenarios higher / lower |",
+                  "|---|---|---|---|"]
+        for label, part, e in combined:
+            low, high = e["interval"]
+            lines.append(f"| {label} | {part} | {e['mean_points']:+.1f} [{_signed(low)}, {_signed(high)}] | "
+                         f"{e['higher']} / {e['lower']} |")
     lines += ["", f"### Lead time of the first alarm ({report['score_method']}, OOD scenarios)", "",
               "| alarm | threshold | failures | with an alarm before | median lead s |", "|---|---|---|---|---|"]
     for name, e in report["lead_time"].items():

@@ -68,15 +68,30 @@ def read_results(path: Path) -> list[dict]:
 
 def merge_results(paths: list[str]) -> list[dict]:
     """The episodes of every results file (or eval folder) given; where two files hold the same
-    episode (method, training seed, scenario, layout, length, size), the later file's row wins."""
+    episode (method, training seed, scenario, layout, length, size), the later file's row wins. Where
+    both drove it alike frame for frame (the same frame times, steering and failures: the closed loop
+    is deterministic), the later row also takes the per-frame scores only the earlier one logged, so
+    scores logged by runs with different calibrations can be read side by side."""
     rows: dict = {}
     for given in paths:
         path = Path(given)
         path = path / RESULTS_FILE if path.is_dir() else path
         if not path.is_file():
             raise FileNotFoundError(f"no results at {path}: give an `sps-driving eval --out` folder or its {RESULTS_FILE}")
-        rows.update((row_key(row), row) for row in read_results(path))
+        for row in read_results(path):
+            earlier = rows.get(row_key(row))
+            if earlier is not None and _same_drive(earlier, row):
+                row["ood"]["scores"] = {**earlier["ood"]["scores"], **row["ood"]["scores"]}
+            rows[row_key(row)] = row
     return list(rows.values())
+
+
+def _same_drive(a: dict, b: dict) -> bool:
+    logs = a.get("ood"), b.get("ood")
+    if not all(logs):
+        return False
+    return all(logs[0].get(name) is not None and logs[0].get(name) == logs[1].get(name)
+               for name in ("time_s", "steering_rad", "failure_times_s"))
 
 
 def missing_tasks(settings: EvalSettings, scenarios: list[str], path: Path) -> list[tuple[str, int]]:
