@@ -170,7 +170,7 @@ def states(plan: Plan) -> list[StepState]:
             outs_here = all((plan.root / out).exists() for out in step.outs)
             state, reason = (DONE, "") if outs_here else (ABSENT, "rebuilt from seeds when a step left reads it")
         else:
-            state, reason = LEFT, _describe(changed[step.name]) if step.name in lock else "not run yet"
+            state, reason = LEFT, _describe(changed[step.name]) if step.name in lock else "not finished yet"
         done = state in (DONE, ABSENT)
         if not done:  # what attempts with the inputs it has now have spent on it (none: its inputs are still to be made)
             spent = 0.0 if reason.startswith("after ") else measured_minutes(plan, step, attempt_key(plan, step))
