@@ -81,7 +81,7 @@ def merge_results(paths: list[str]) -> list[dict]:
         for row in read_results(path):
             earlier = rows.get(row_key(row))
             if earlier is not None and _same_drive(earlier, row):
-                row["ood"]["scores"] = {**earlier["ood"]["scores"], **row["ood"]["scores"]}
+                row["ood"]["scores"] = {**earlier["ood"].get("scores", {}), **row["ood"].get("scores", {})}
             rows[row_key(row)] = row
     return list(rows.values())
 
