@@ -36,7 +36,7 @@ from sps_driving.core.ood import (
 )
 from sps_driving.sim.results import merge_results
 from sps_driving.sim.scenarios import ID_SCENARIO, OOD_SCENARIO_NAMES
-from sps_driving.sim.statistics import BOOTSTRAP_RESAMPLES, CONFIDENCE
+from sps_driving.sim.statistics import BOOTSTRAP_RESAMPLES, sample_interval
 
 SMOOTHING_FRAMES = 10  # frames of the causal mean variant of each score (1 s at 10 Hz)
 # Scores of the policy's own behaviour, from the steering each frame was driven with (rows that log
@@ -213,9 +213,7 @@ def over_scenarios(values: list[float], statistic) -> list[float]:
     for fewer than 2). Frames of one scenario are not independent, so the scenarios are the sample."""
     if len(values) < 2:
         return [math.nan, math.nan]
-    result = stats.bootstrap((np.asarray(values),), statistic, confidence_level=CONFIDENCE, n_resamples=BOOTSTRAP_RESAMPLES,
-                             method="percentile", rng=np.random.default_rng(0))
-    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
+    return list(sample_interval(values, statistic, BOOTSTRAP_RESAMPLES, np.random.default_rng(0)))
 
 
 def _paired(a: list[float], b: list[float]) -> dict:
@@ -414,7 +412,7 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|"]
         for label, part, e in combined:
             low, high = e["interval"]
-            lines.append(f"| {label} | {part} | {e['mean_points']:+.1f} [{_signed(low)}, {_signed(high)}] | "
+            lines.append(f"| {label} | {part} | {_signed(e['mean_points'])} [{_signed(low)}, {_signed(high)}] | "
                          f"{e['higher']} / {e['lower']} |")
     lines += ["", f"### Lead time of the first alarm ({report['score_method']}, OOD scenarios)", "",
               "| alarm | threshold | failures | with an alarm before | median lead s |", "|---|---|---|---|---|"]

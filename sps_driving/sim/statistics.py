@@ -134,16 +134,21 @@ def _estimate(a: Scores, b: Scores | None, resamples: int, seed: int) -> Estimat
     elif np.all(flat == flat[0]) and seeds_a == 1 and seeds_b <= 1:
         low = high = mean  # no spread to resample
     elif len(values) == 1 and seeds_a == 1 and seeds_b <= 1:
-        # One level (the layouts of one scenario): scipy's bootstrap of the mean.
-        result = stats.bootstrap((flat,), np.mean, confidence_level=CONFIDENCE, n_resamples=resamples,
-                                 method="percentile", rng=rng)
-        low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
+        low, high = sample_interval(flat, np.mean, resamples, rng)  # one level: the layouts of one scenario
     else:
         replicates = _hierarchical_replicates(design, resamples, rng)
         tail = 100 * (1 - CONFIDENCE) / 2
         low, high = (float(q) for q in np.percentile(replicates, [tail, 100 - tail]))
     layouts = len({layout for lays in design.layouts for layout in lays})
     return Estimate(mean, low, high, len(values), layouts, int(flat.size), seeds_a, seeds_b, wins, losses)
+
+
+def sample_interval(values: np.ndarray, statistic, resamples: int, rng: np.random.Generator) -> tuple[float, float]:
+    """The 95% percentile bootstrap interval of `statistic` over one sample whose values are
+    independent draws (scipy.stats.bootstrap)."""
+    result = stats.bootstrap((np.asarray(values),), statistic, confidence_level=CONFIDENCE, n_resamples=resamples,
+                             method="percentile", rng=rng)
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
 def score_interval(scores: Scores, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Estimate:
