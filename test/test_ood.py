@@ -200,6 +200,7 @@ def test_the_shipped_settings_and_rule_load():
     assert config["score"]["method"] in METHODS
     rule = OodRuleConfig.from_config(config["rule"])
     assert rule.slow_threshold <= rule.handover_threshold and rule.cruise_scale < 1
+    assert rule == OodRuleConfig(), "the rule's defaults in code have drifted from config/ood.yaml"
 
 
 RULE = OodRuleConfig(slow_threshold=2.0, cruise_scale=0.5, slow_hold_s=1.0, handover_threshold=4.0, handover_after_s=0.5,

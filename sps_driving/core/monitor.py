@@ -296,14 +296,15 @@ class AutonomyLog:
 
 @dataclass(frozen=True)
 class OodRuleConfig:
-    """The reaction to the OOD score (sps_driving.core.ood; config/ood.yaml's rule, units there)."""
+    """The reaction to the OOD score (sps_driving.core.ood); the defaults are config/ood.yaml's rule
+    (units and reasons there)."""
 
-    slow_threshold: float = 2.0
+    slow_threshold: float = 1.1
     cruise_scale: float = 0.5
     slow_hold_s: float = 2.0
-    handover_threshold: float = 4.0
+    handover_threshold: float = 1.3
     handover_after_s: float = 1.0
-    handover_clear_threshold: float = 2.0
+    handover_clear_threshold: float = 1.1
     handover_clear_s: float = 2.0
     handover_timeout_s: float = 5.0
     max_score_age_s: float = 0.5
