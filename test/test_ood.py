@@ -480,7 +480,9 @@ def test_an_ensembles_evaluation_logs_its_heads_disagreement_and_the_report_rank
     # The heads' spread, the policy's behaviour and the bound from the car's true lane pose.
     scores = (HEAD_DISAGREEMENT, "steering_magnitude", "steering_rate", "true_lane_offset", "true_lane_lookahead")
     assert set(report["prediction"]["summary"]) == {*scores, *(f"{name} (10-frame mean)" for name in scores)}
-    assert report["lead_time"]["slow"]["failures"] == 0  # the rule's calibrated score was not logged
+    # The rule's calibrated score was not logged: no alarms to time or replay, and the report says so.
+    assert report["lead_time"] is None and report["replayed_rule"] is None
+    assert "patch_coreset) is not logged in these rows" in (tmp_path / "report" / "ood_report.md").read_text()
 
 
 def test_the_selection_disagreement_is_the_steering_spread_over_other_draws_of_the_frame(tmp_path):

@@ -365,8 +365,9 @@ def write_report(args) -> int:
         "combination_quantile": COMBINATION_QUANTILE if combinations else None,
         "prediction": prediction(base, args.horizon_s, combinations),
         "lead_time": {name: lead_times([r for r in calibrated if r["scenario"] in OOD_SCENARIO_NAMES], method, threshold)
-                      for name, threshold in (("slow", rule.slow_threshold), ("handover", rule.handover_threshold))},
-        "replayed_rule": replayed_rule(calibrated, rule, method),
+                      for name, threshold in (("slow", rule.slow_threshold), ("handover", rule.handover_threshold))}
+        if calibrated else None,
+        "replayed_rule": replayed_rule(calibrated, rule, method) if calibrated else None,
         "closed_loop": closed_loop(rows, baseline_method),
     }
     out = Path(args.out)
@@ -414,15 +415,19 @@ def markdown(report: dict) -> str:
             low, high = e["interval"]
             lines.append(f"| {label} | {part} | {_signed(e['mean_points'])} [{_signed(low)}, {_signed(high)}] | "
                          f"{e['higher']} / {e['lower']} |")
-    lines += ["", f"### Lead time of the first alarm ({report['score_method']}, OOD scenarios)", "",
-              "| alarm | threshold | failures | with an alarm before | median lead s |", "|---|---|---|---|---|"]
-    for name, e in report["lead_time"].items():
-        lines.append(f"| {name} | {e['threshold']:g} | {e['failures']} | {e['alarmed']} | {_f(e['median_lead_s'])} |")
-    lines += ["", "### The rule replayed on the logged scores of episodes without a failure (rule off)", "",
-              "| | episodes | minutes | handovers per 10 min | share of frames slowed |", "|---|---|---|---|---|"]
-    for kind, e in report["replayed_rule"].items():
-        lines.append(f"| {kind} | {e['episodes']} | {_f(e['minutes'], 1)} | {_f(e['handovers_per_10_min'])} | "
-                     f"{_f(e['slowed_share'])} |")
+    if report["lead_time"] is None:
+        lines += ["", f"The rule's score ({report['score_method']}) is not logged in these rows: no alarm lead times and "
+                  "no replayed rule."]
+    else:
+        lines += ["", f"### Lead time of the first alarm ({report['score_method']}, OOD scenarios)", "",
+                  "| alarm | threshold | failures | with an alarm before | median lead s |", "|---|---|---|---|---|"]
+        for name, e in report["lead_time"].items():
+            lines.append(f"| {name} | {e['threshold']:g} | {e['failures']} | {e['alarmed']} | {_f(e['median_lead_s'])} |")
+        lines += ["", "### The rule replayed on the logged scores of episodes without a failure (rule off)", "",
+                  "| | episodes | minutes | handovers per 10 min | share of frames slowed |", "|---|---|---|---|---|"]
+        for kind, e in report["replayed_rule"].items():
+            lines.append(f"| {kind} | {e['episodes']} | {_f(e['minutes'], 1)} | {_f(e['handovers_per_10_min'])} | "
+                         f"{_f(e['slowed_share'])} |")
     lines += ["", "### Closed loop by method", "",
               "| method | kind | episodes | average | failures | per km | per min | slowed | handovers (per 10 min) | "
               "mean speed m/s | rule-off failing cells caught before the first failure | handovers in rule-off clean cells |",
