@@ -5,7 +5,7 @@
 Makes its inputs once in WORK (expert drives of `sps-driving collect`), then runs each command
 under `torchrun --standalone --nproc-per-node=N` for N = 1 and 2, alternating, `--repeats` times,
 each into a fresh output folder: `extract` of the drives with config/extraction.yaml's
-extractor, and `eval` of `--policy` (default the shipped models/sps50_dinov2) on `--episodes`
+extractor, and `eval` of `--policy` (default the shipped policy) on `--episodes`
 layouts of two scenarios. It prints every run's wall-clock seconds (starting the processes and
 loading the extractor included, as a user waits for them), the medians and the speed-up, and
 checks that the two caches hold the same frames and the two result files the same episodes.
@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sps_driving.core.resources import shipped_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ["rural-summer-dry-day-car", "urban-winter-snow-day-animal"]
@@ -48,7 +50,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, required=True, help="folder for the drives and every run's output")
     parser.add_argument("--drives", type=int, default=4, help="expert drives to extract")
     parser.add_argument("--drive-s", type=float, default=10.0, help="length of each drive, s")
-    parser.add_argument("--policy", type=Path, default=ROOT / "models" / "sps50_dinov2", help="policy to evaluate")
+    parser.add_argument("--policy", type=Path, default=shipped_policy(), help="policy to evaluate")
     parser.add_argument("--episodes", type=int, default=2, help="evaluation layouts per scenario (two scenarios)")
     parser.add_argument("--episode-s", type=float, default=10.0, help="evaluation episode length, s")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each command and process count")

@@ -82,11 +82,13 @@ def test_bench_json_reports_rows_speedups_and_flops(capsys):
     assert naive["gflop"]["per_patch"] > 1.5 * dense["gflop"]["per_patch"]
     assert dense["gflop"]["per_patch"] > half["gflop"]["per_patch"] > third["gflop"]["per_patch"]
     assert half["gflop"]["projection"] == pytest.approx(dense["gflop"]["projection"] / 2)
-    # the policy column is the shipped policy's architecture, a grid MLP: the same work at every rate
+    # the policy column is the shipped policy's architecture, a transformer over the kept patches:
+    # less work at every lower rate
     assert result["policy_architecture"] == {
-        "checkpoint": "models/sps50_dinov2", "architecture": "mlp", "policy": {"width": 256, "reduce": 16, "dropout": 0.1},
-        "max_steering_rad": 0.5, "selection": {"variant": "sps", "rate": 0.5, "seed": 0, "keep_probability": None}}
-    assert dense["gflop"]["policy"] > 0 and half["gflop"]["policy"] == dense["gflop"]["policy"]
+        "checkpoint": "models/spps30pt_dinov2", "architecture": "positional_transformer",
+        "policy": {"width": 64, "depth": 2, "heads": 4, "mlp_ratio": 2.0, "dropout": 0.1, "reduce": 16},
+        "max_steering_rad": 0.5, "selection": {"variant": "spps", "rate": 0.3, "seed": 0, "keep_probability": None}}
+    assert dense["gflop"]["policy"] > half["gflop"]["policy"] > third["gflop"]["policy"] > 0
     for row in blip2["rows"]:
         assert row["per_patch_peak_fraction"] == pytest.approx(row["gflops_per_s"]["per_patch"] / peak["fp32"]["peak_gflops"])
 

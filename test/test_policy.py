@@ -20,6 +20,7 @@ from sps_driving.core.policies.checkpoint import load_policy, save_policy
 from sps_driving.core.policies.positional_transformer import PositionalGridPolicy, PositionalSequencePolicy
 from sps_driving.core.policies.registry import build_policy
 from sps_driving.core.policies.transformer import GridPolicy, TableSequencePolicy
+from sps_driving.core.resources import package_path
 from sps_driving.core.selection import PatchSelector, SelectionConfig
 
 GRID = PatchGrid(3, 5)  # non-square on purpose
@@ -314,7 +315,13 @@ def test_loading_errors_name_the_path(tmp_path):
 def test_policy_timing_times_the_shipped_architecture_or_the_one_asked_for(capsys):
     from sps_driving.train.policy_timing import main
 
-    assert main(["--rows", "2", "--cols", "3", "--descriptor-dim", "4", "--repeats", "1"]) == 0
+    small = ["--rows", "2", "--cols", "3", "--descriptor-dim", "4", "--repeats", "1"]
+    assert main(small) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("positional_transformer policy (width 64, depth 2, heads 4, mlp_ratio 2.0, dropout 0.1, "
+                              "reduce 16; the architecture of models/spps30pt_dinov2)")
+    assert "spps  rate 0.3" in printed and printed.count(" ms\n") == 6
+    assert main(["--policy", str(package_path("models/sps50_dinov2")), *small]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("mlp policy (width 256, reduce 16, dropout 0.1; the architecture of models/sps50_dinov2)")
     assert "sps   rate 0.3" in printed and printed.count(" ms\n") == 3  # a grid MLP takes no sequence

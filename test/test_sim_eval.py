@@ -349,20 +349,20 @@ def test_policy_driver_drops_unusable_frames_and_holds_the_last_command(tmp_path
 
 
 def test_results_name_policies_without_machine_paths_and_read_older_absolute_ones(tmp_path, monkeypatch):
-    from sps_driving.core.resources import SOURCE_ROOT, portable_path, recorded_path, shipped_policy
+    from sps_driving.core.resources import SHIPPED_POLICY, SOURCE_ROOT, portable_path, recorded_path, shipped_policy
     from sps_driving.sim.results import read_results
 
-    assert portable_path(shipped_policy()) == "models/sps50_dinov2"
+    assert portable_path(shipped_policy()) == SHIPPED_POLICY == "models/spps30pt_dinov2"
     assert portable_path(SOURCE_ROOT / "runs" / "q" / "sps50") == "runs/q/sps50"
     assert portable_path(tmp_path / "runs" / "sps30") == "sps30"
-    assert recorded_path("models/sps50_dinov2") == shipped_policy()
+    assert recorded_path(SHIPPED_POLICY) == shipped_policy()
     assert recorded_path("/data/old_machine/runs/q/da") == Path("/data/old_machine/runs/q/da")
     (tmp_path / "runs" / "sps30").mkdir(parents=True)
     with monkeypatch.context() as working:  # a campaign's pinned code runs from the repository root
         working.chdir(tmp_path)
         assert portable_path(tmp_path / "runs" / "sps30") == "runs/sps30"
         assert recorded_path("runs/sps30") == tmp_path / "runs" / "sps30"
-        assert recorded_path("models/sps50_dinov2") == shipped_policy()
+        assert recorded_path(SHIPPED_POLICY) == shipped_policy()
     committed = sorted((SOURCE_ROOT / "docs" / "results").rglob("results.jsonl"))
     assert len(committed) > 2
     for path in committed:

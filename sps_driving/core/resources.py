@@ -14,7 +14,7 @@ PACKAGE = "sps_driving"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The policy the car runs by default (config/graph.yaml and the launch file name it too) and
 # the timing tools time.
-SHIPPED_POLICY = "models/sps50_dinov2"
+SHIPPED_POLICY = "models/spps30pt_dinov2"
 
 
 def share_dir() -> Path:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from sps_driving.core.resources import shipped_policy
+from sps_driving.core.resources import SHIPPED_POLICY, shipped_policy
 from sps_driving.sim.config import frame_stamp_ns, load_sim_config, set_render_width
 from sps_driving.sim.expert import Expert
 from sps_driving.sim.scenarios import SCENARIOS, get_scenario
@@ -64,7 +64,7 @@ def step_rate(config: dict, policy_dir: str, device: str, steps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", help="policy folder (default: the shipped one, models/sps50_dinov2)")
+    parser.add_argument("--policy", help=f"policy folder (default: the shipped one, {SHIPPED_POLICY})")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--frames", type=int, default=60, help="rendered frames per scenario")
     parser.add_argument("--steps", type=int, default=20, help="closed-loop steps timed")

@@ -7,7 +7,7 @@ Q-Former 768-d 12 layers 32 queries) it times, per frame:
   per-patch    the masked Q-Former for the k = ceil(rate * N) kept patches; ours includes the
                per-frame shared work (image-token keys/values, layer-0 query side)
   projection   ITC projection, normalization and the D-channel head
-  policy       the shipped policy's architecture (models/sps50_dinov2, or --policy DIR's), with
+  policy       the shipped policy's architecture (or --policy DIR's), with
                random weights, on the backbone's H' x W' x D grid, as the car's policy node runs it
                (a patch policy: the frame with a full window of T frames like it, one command's work)
   total        the sum
@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sps_driving.core.resources import portable_path, shipped_policy, source_revision
+from sps_driving.core.resources import SHIPPED_POLICY, portable_path, shipped_policy, source_revision
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
 from sps_driving.tools import bench_policy
 from sps_driving.tools.bench_train import CASES as TRAIN_CASES
@@ -112,7 +112,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--graph", action="store_true",
                         help="the extractor standalone and in the live graph (lockstep replay of --bag), side by side")
     parser.add_argument("--bag", type=Path, help="--graph: drive to replay (default: the bundled data/demo_drive)")
-    parser.add_argument("--checkpoint", type=Path, help="--graph, --eval: policy folder (default: the shipped models/sps50_dinov2)")
+    parser.add_argument("--checkpoint", type=Path, help=f"--graph, --eval: policy folder (default: the shipped {SHIPPED_POLICY})")
     parser.add_argument("--backbone-config", type=Path, help="--graph: extraction settings file (e.g. precision: int8)")
     parser.add_argument("--params", type=Path, help="--graph: the live graph's parameters file (default config/graph.yaml), "
                                                     "e.g. with the extractor's realtime_priority")
@@ -185,7 +185,6 @@ def run(args) -> int:
 
 
 def run_eval(args) -> int:
-    from sps_driving.core.resources import package_path
     from sps_driving.sim.config import load_sim_config
     from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
     from sps_driving.sim.throughput import bench_eval, format_eval
@@ -197,7 +196,7 @@ def run_eval(args) -> int:
     for name in scenarios:
         get_scenario(name)
     tasks = [(scenarios[i % len(scenarios)], args.first_seed + i) for i in range(args.episodes)]
-    result = bench_eval(config, Path(args.checkpoint or package_path("models/sps50_dinov2")), tasks, args.configs,
+    result = bench_eval(config, Path(args.checkpoint or shipped_policy()), tasks, args.configs,
                         args.repeats or 1)
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
@@ -652,7 +651,7 @@ def run_graph(args) -> int:
     from sps_driving.sim.scenarios import SCENARIOS
 
     bag = args.bag or package_path("data/demo_drive")
-    checkpoint = args.checkpoint or package_path("models/sps50_dinov2")
+    checkpoint = args.checkpoint or shipped_policy()
     episode = load_sim_config(profile="quick")
     episode["episode_s"] = float(args.episode_s or GRAPH_EPISODE_S)
     task = ((args.scenarios or [next(s.name for s in SCENARIOS if s.in_distribution)])[0], args.first_seed)

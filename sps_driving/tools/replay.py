@@ -758,7 +758,7 @@ def _policy_checkpoint(checkpoint: Path | None, params_file: Path) -> Path:
         import yaml
 
         checkpoint = Path(yaml.safe_load(params_file.read_text())["policy"]["ros__parameters"]["checkpoint"])
-        # A relative default (models/sps50_dinov2) names the package's folder wherever replay runs from.
+        # A relative default (a folder of models/) names the package's folder wherever replay runs from.
         if not checkpoint.is_absolute() and not checkpoint.exists():
             checkpoint = params_file.resolve().parent.parent / checkpoint
     checkpoint = Path(checkpoint).resolve()

@@ -2,7 +2,7 @@
 
     python -m sps_driving.train.policy_timing [--policy DIR | --architecture NAME] [--repeats 50] [--device cpu]
 
-Times the architecture of the shipped policy (models/sps50_dinov2, what the car runs), of a
+Times the architecture of the shipped policy (what the car runs), of a
 checkpoint (--policy), or one of config/train.yaml's (--architecture), on the checkpoint's grid
 (or --rows, --cols, --descriptor-dim). Grid variants (sps) see all N patches whatever the rate;
 sequence variants (spps, transformers only) see only the kept ones, so their time falls with the
