@@ -383,6 +383,9 @@ def test_a_step_pinned_to_a_commit_runs_that_commits_code_and_later_commits_do_n
     (root / "plan.yaml").write_text(PINNED_PLAN % "no-such-revision")
     with pytest.raises(ValueError, match="step pinned: code: 'no-such-revision' is no commit"):
         load_plan(root / "plan.yaml")
+    (root / "plan.yaml").write_text(PINNED_PLAN % "6153576")  # an abbreviated hash YAML reads as a number
+    with pytest.raises(ValueError, match='step pinned: code: 6153576 is not text: write the commit quoted, "6153576"'):
+        load_plan(root / "plan.yaml")
     graph = PINNED_PLAN.replace("run: collect --out {work}/pinned", "run: eval --graph --out {work}/pinned")
     (root / "plan.yaml").write_text(graph % pinned[:10])
     with pytest.raises(ValueError, match="--graph starts ROS nodes from the checkout"):

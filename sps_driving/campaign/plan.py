@@ -208,8 +208,10 @@ def pinned_tree(root: Path, work: str, revision, where: str) -> tuple[str, Path]
     if not (root / ".git").exists():
         raise ValueError(f"{where}: pinning code needs the repository's history, and {root} has no .git "
                          "(a copy of the files alone, as on a lent GPU machine, runs unpinned plans only)")
+    if not isinstance(revision, str):  # YAML reads an abbreviated hash of digits alone as a number
+        raise ValueError(f"{where}: {revision!r} is not text: write the commit quoted, \"{revision}\"")
     found = git("rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
-    if not isinstance(revision, str) or found.returncode != 0:
+    if found.returncode != 0:
         raise ValueError(f"{where}: {revision!r} is no commit of the repository at {root}")
     commit = found.stdout.strip()
     tree = root / work / "code" / commit
