@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q --durations=15
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow -q

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sps_driving.core.resources import SHIPPED_POLICY, portable_path, shipped_policy, source_revision
+from sps_driving.core.resources import SHIPPED_POLICY, portable_path, portable_record, shipped_policy, source_revision
 from sps_driving.core.selection import kept_count as patch_count  # k = ceil(rate * N), as SPS selects
 from sps_driving.tools import bench_policy
 from sps_driving.tools.bench_train import CASES as TRAIN_CASES
@@ -177,10 +177,17 @@ def run(args) -> int:
         result["dinov2"] = bench_dinov2(extractors, shape, image, args.rates, repeats, args.seed, args.policy)
         result["dinov2"]["weights"] = args.dinov2
     add_efficiency(result)
+    return _emit(result, args, format_tables)
+
+
+def _emit(result: dict, args, format_text) -> int:
+    """Writes result to --out as JSON naming no folder of this machine (an export cache, a
+    checkpoint given by an absolute path: `portable_record`), and prints it or its tables."""
+    result = portable_record(result)
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(text if args.json else format_tables(result))
+    print(text if args.json else format_text(result))
     return 0
 
 
@@ -198,11 +205,7 @@ def run_eval(args) -> int:
     tasks = [(scenarios[i % len(scenarios)], args.first_seed + i) for i in range(args.episodes)]
     result = bench_eval(config, Path(args.checkpoint or shipped_policy()), tasks, args.configs,
                         args.repeats or 1)
-    text = json.dumps(result, indent=None if args.json else 2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text if args.json else format_eval(result))
-    return 0
+    return _emit(result, args, format_eval)
 
 
 def machine_peak(args, extractor, tokens: int | None, shape) -> dict:
@@ -657,11 +660,7 @@ def run_graph(args) -> int:
     task = ((args.scenarios or [next(s.name for s in SCENARIOS if s.in_distribution)])[0], args.first_seed)
     result = bench_graph(bag, checkpoint, args.backbone_config, args.repeats or 3, args.rates, args.tokens, args.precisions,
                          args, (episode, task), args.params)
-    text = json.dumps(result, indent=None if args.json else 2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text if args.json else format_graph(result))
-    return 0
+    return _emit(result, args, format_graph)
 
 
 def bag_frames(bag: Path) -> list:
