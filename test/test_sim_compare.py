@@ -62,6 +62,22 @@ def test_files_and_folders_merge_and_the_later_copy_of_an_episode_wins(tmp_path)
     assert entry["difference"].mean == pytest.approx(0.4)
 
 
+def test_runs_of_one_name_under_the_ood_rule_or_a_cruise_scale_stay_apart(tmp_path):
+    """`eval --name X` with and without `--ood-rule` or `--cruise-scale`: the same cells, three
+    conditions; merged, no run's rows replace another's, and each is named as eval names it itself."""
+    def driven(score, rule=False, scale=1.0):
+        return {**row("X", ID_SCENARIO.name, 100, score), "ood": {"rule": rule, "cruise_scale": scale, "slow_by": "speed_cap"}}
+
+    runs = [write(tmp_path / f"{name}.jsonl", [r]) for name, r in
+            (("off", driven(0.9)), ("on", driven(0.6, rule=True)), ("slow", driven(0.8, scale=0.51)))]
+    rows = merge_results([str(path) for path in runs])
+    assert sorted((r["method"], r["score"]) for r in rows) == [("X", 0.9), ("X+OOD-cap", 0.6), ("X-slow0.51-cap", 0.8)]
+    (entry,) = compare(rows, "X+OOD-cap", "X")
+    assert entry["difference"].mean == pytest.approx(-0.3)
+    # One condition alone keeps the name it was given.
+    assert [r["method"] for r in merge_results([str(runs[1])])] == ["X"]
+
+
 def test_unknown_methods_missing_files_and_unshared_cells_are_clear_errors(tmp_path, capsys):
     rows = [row("A", ID_SCENARIO.name, 100, 1.0), row("B", ID_SCENARIO.name, 200, 1.0)]
     path = write(tmp_path / "r.jsonl", rows)

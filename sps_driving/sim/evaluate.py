@@ -34,14 +34,21 @@ from sps_driving.sim.config import PROFILES, load_sim_config, widen_view
 from sps_driving.sim.episodes import run_episodes
 from sps_driving.sim.failure_strips import StripSettings, strips_folder
 from sps_driving.sim.ood_log import SLOW_BY, ood_settings
-from sps_driving.sim.results import RESULTS_FILE, EvalSettings, Recorder, missing_tasks, read_results
+from sps_driving.sim.results import (
+    OOD_RULE_SUFFIX,
+    RESULTS_FILE,
+    EvalSettings,
+    Recorder,
+    condition_suffix,
+    missing_tasks,
+    read_results,
+)
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
 from sps_driving.sim.world import COLLECTION_SEED_BASE
 from sps_driving.train.distributed import Processes, file_digest, start_processes
 
 INT8_SUFFIX = "-int8"  # a method evaluated with --precision int8
-OOD_RULE_SUFFIX = "+OOD"  # a method evaluated with --ood-rule
 
 
 def evaluate(config: dict, settings: EvalSettings, scenarios: list[str], out: Path, workers: int, device: str = "cpu",
@@ -145,9 +152,7 @@ def _check_wider_view(policy_dir: str, policy_config: dict, scale: float) -> Non
 def _method_suffix(args) -> str:
     """What the options add to the method's name: the int8 graph, the OOD rule, a constant cruise scale,
     a slow-down by speed cap."""
-    return ((INT8_SUFFIX if args.precision == "int8" else "") + (OOD_RULE_SUFFIX if args.ood_rule else "")
-            + (f"-slow{args.cruise_scale:g}" if args.cruise_scale != 1.0 else "")
-            + ("-cap" if _slows(args) and _slow_by(args) == "speed_cap" else ""))
+    return (INT8_SUFFIX if args.precision == "int8" else "") + condition_suffix(args.ood_rule, args.cruise_scale, _slow_by(args))
 
 
 def _slows(args) -> bool:

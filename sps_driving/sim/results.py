@@ -23,6 +23,8 @@ from tqdm import tqdm
 
 from sps_driving.core.resources import portable_path
 
+OOD_RULE_SUFFIX = "+OOD"  # a method evaluated with --ood-rule
+
 RESULTS_FILE = "results.jsonl"
 
 
@@ -68,10 +70,13 @@ def read_results(path: Path) -> list[dict]:
 
 def merge_results(paths: list[str]) -> list[dict]:
     """The episodes of every results file (or eval folder) given; where two files hold the same
-    episode (method, training seed, scenario, layout, length, size), the later file's row wins. Where
-    both drove it alike frame for frame (the same frame times, steering and failures: the closed loop
-    is deterministic), the later row also takes the per-frame scores only the earlier one logged, so
-    scores logged by runs with different calibrations can be read side by side."""
+    episode (method, training seed, scenario, layout, length, size, and the OOD rule or cruise scale
+    it drove under), the later file's row wins. Where both drove it alike frame for frame (the same
+    frame times, steering and failures: the closed loop is deterministic), the later row also takes
+    the per-frame scores only the earlier one logged, so scores logged by runs with different
+    calibrations can be read side by side. Rows of one method name driven under several conditions
+    (`eval --name` with `--ood-rule` or `--cruise-scale`) are told apart by the suffix eval gives
+    such a run when it names it itself (`condition_suffix`)."""
     rows: dict = {}
     for given in paths:
         path = Path(given)
@@ -79,11 +84,34 @@ def merge_results(paths: list[str]) -> list[dict]:
         if not path.is_file():
             raise FileNotFoundError(f"no results at {path}: give an `sps-driving eval --out` folder or its {RESULTS_FILE}")
         for row in read_results(path):
-            earlier = rows.get(row_key(row))
+            key = (*row_key(row), driving_condition(row))
+            earlier = rows.get(key)
             if earlier is not None and _same_drive(earlier, row):
                 row["ood"]["scores"] = {**earlier["ood"].get("scores", {}), **row["ood"].get("scores", {})}
-            rows[row_key(row)] = row
+            rows[key] = row
+    conditions: dict = {}
+    for row in rows.values():
+        conditions.setdefault(row["method"], set()).add(driving_condition(row))
+    for row in rows.values():
+        condition = driving_condition(row)
+        if len(conditions[row["method"]]) > 1 and condition is not None:
+            row["method"] += condition_suffix(*condition)
     return list(rows.values())
+
+
+def driving_condition(row: dict) -> tuple | None:
+    """(OOD rule on, cruise scale, what slows the car) of an episode driven with the rule or a constant
+    cruise scale; None for one driven as the policy drives."""
+    ood = row.get("ood") or {}
+    rule, scale = bool(ood.get("rule")), float(ood.get("cruise_scale", 1.0))
+    return (rule, scale, ood.get("slow_by")) if rule or scale != 1.0 else None
+
+
+def condition_suffix(ood_rule: bool, cruise_scale: float, slow_by: str | None) -> str:
+    """What driving with the OOD rule or a constant cruise scale adds to a method's name: "+OOD",
+    "-slow0.51", and "-cap" where the speed cap slows the car."""
+    return ((OOD_RULE_SUFFIX if ood_rule else "") + (f"-slow{cruise_scale:g}" if cruise_scale != 1.0 else "")
+            + ("-cap" if (ood_rule or cruise_scale != 1.0) and slow_by == "speed_cap" else ""))
 
 
 def _same_drive(a: dict, b: dict) -> bool:
