@@ -42,6 +42,7 @@ from sps_driving.sim.results import (
     condition_suffix,
     missing_tasks,
     read_results,
+    slows,
 )
 from sps_driving.sim.scenarios import SCENARIO_NAMES, get_scenario
 from sps_driving.sim.tables import EXPERT, method_name, training_seed, write_tables
@@ -156,7 +157,7 @@ def _method_suffix(args) -> str:
 
 
 def _slows(args) -> bool:
-    return args.ood_rule or args.cruise_scale != 1.0
+    return slows(args.ood_rule, args.cruise_scale)
 
 
 def _slow_by(args) -> str:

@@ -90,11 +90,10 @@ def merge_results(paths: list[str]) -> list[dict]:
                 row["ood"]["scores"] = {**earlier["ood"].get("scores", {}), **row["ood"].get("scores", {})}
             rows[key] = row
     conditions: dict = {}
-    for row in rows.values():
-        conditions.setdefault(row["method"], set()).add(driving_condition(row))
-    for row in rows.values():
-        condition = driving_condition(row)
-        if len(conditions[row["method"]]) > 1 and condition is not None:
+    for (*_, condition), row in rows.items():
+        conditions.setdefault(row["method"], set()).add(condition)
+    for (*_, condition), row in rows.items():
+        if condition is not None and len(conditions[row["method"]]) > 1:
             row["method"] += condition_suffix(*condition)
     return list(rows.values())
 
@@ -104,14 +103,19 @@ def driving_condition(row: dict) -> tuple | None:
     cruise scale; None for one driven as the policy drives."""
     ood = row.get("ood") or {}
     rule, scale = bool(ood.get("rule")), float(ood.get("cruise_scale", 1.0))
-    return (rule, scale, ood.get("slow_by")) if rule or scale != 1.0 else None
+    return (rule, scale, ood.get("slow_by")) if slows(rule, scale) else None
+
+
+def slows(ood_rule: bool, cruise_scale: float) -> bool:
+    """Whether a run slows the car: the OOD rule acts, or every frame's cruise target is scaled."""
+    return ood_rule or cruise_scale != 1.0
 
 
 def condition_suffix(ood_rule: bool, cruise_scale: float, slow_by: str | None) -> str:
     """What driving with the OOD rule or a constant cruise scale adds to a method's name: "+OOD",
     "-slow0.51", and "-cap" where the speed cap slows the car."""
     return ((OOD_RULE_SUFFIX if ood_rule else "") + (f"-slow{cruise_scale:g}" if cruise_scale != 1.0 else "")
-            + ("-cap" if (ood_rule or cruise_scale != 1.0) and slow_by == "speed_cap" else ""))
+            + ("-cap" if slows(ood_rule, cruise_scale) and slow_by == "speed_cap" else ""))
 
 
 def _same_drive(a: dict, b: dict) -> bool:
